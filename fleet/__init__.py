@@ -1,0 +1,60 @@
+"""fleet: data-parallel training for JAX, Flax and Optax, the Paddle Fleet way.
+
+Four changes turn a single-device Flax + Optax script into a data-parallel one::
+
+    import fleet                                          # 1
+    fleet.init(is_collective=True)                        # 2
+    model = fleet.distributed_model(model)                # 3
+    optimizer = fleet.distributed_optimizer(optimizer)
+    train_step = fleet.distributed_step(train_step)       # 4 (instead of jax.jit)
+
+The public API is this module; everything else is private.
+"""
+
+from fleet._env import WorkerEnv
+from fleet._errors import (
+    FleetAttributeError,
+    FleetConfigError,
+    FleetError,
+    FleetNotInitializedError,
+    FleetTypeError,
+    FleetUnsupportedError,
+    FleetWarning,
+)
+from fleet._world import (
+    DATA_AXIS,
+    World,
+    barrier_worker,
+    init,
+    init_parallel_env,
+    is_first_worker,
+    num_local_replicas,
+    num_replicas,
+    worker_index,
+    worker_num,
+    world,
+)
+from fleet.strategy import DistributedStrategy
+
+__all__ = [
+    "DATA_AXIS",
+    "DistributedStrategy",
+    "FleetAttributeError",
+    "FleetConfigError",
+    "FleetError",
+    "FleetNotInitializedError",
+    "FleetTypeError",
+    "FleetUnsupportedError",
+    "FleetWarning",
+    "WorkerEnv",
+    "World",
+    "barrier_worker",
+    "init",
+    "init_parallel_env",
+    "is_first_worker",
+    "num_local_replicas",
+    "num_replicas",
+    "worker_index",
+    "worker_num",
+    "world",
+]

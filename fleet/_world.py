@@ -1,0 +1,203 @@
+"""The data-parallel world: ``fleet.init``, the mesh, and who this process is.
+
+Every device of every process joins one mesh axis named ``data``. Devices are
+ordered by process, then by id, so each process's devices form one contiguous
+block of the axis: process ``p`` holds replicas
+``[p * local, (p + 1) * local)`` and its local slice of a global batch is one
+contiguous block of rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fleet._env import WorkerEnv
+from fleet._errors import FleetConfigError, FleetNotInitializedError, FleetUnsupportedError
+from fleet.strategy import DistributedStrategy
+
+DATA_AXIS = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """What ``fleet.init`` set up. Read it with :func:`world`."""
+
+    mesh: Mesh
+    strategy: DistributedStrategy
+    env: WorkerEnv
+
+    @property
+    def num_replicas(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def num_local_replicas(self) -> int:
+        return len(self.local_devices)
+
+    @property
+    def local_devices(self) -> list:
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """Every replica holds the whole value (parameters, optimizer state)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def batch(self) -> NamedSharding:
+        """The leading axis is split over the replicas (batches)."""
+        return NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
+
+
+_WORLD: World | None = None
+
+
+def init(
+    is_collective: bool = True,
+    strategy: DistributedStrategy | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> World:
+    """Sets up data-parallel training on every device of every process.
+
+    In a multi-process job (started by ``fleetrun`` / ``fleet.spawn``, or any
+    launcher that sets ``FLEET_*`` or Paddle's ``PADDLE_*`` variables, or JAX's own
+    ``JAX_COORDINATOR_ADDRESS``) it first calls ``jax.distributed.initialize``, with
+    gloo collectives on CPU. Call it before any other JAX work. Calling it again
+    replaces the strategy and keeps the world.
+
+    Args:
+        is_collective: must be ``True``: fleet trains in collective (all-reduce) mode;
+            Paddle's parameter-server mode is not supported.
+        strategy: a :class:`fleet.DistributedStrategy`; ``None`` takes the defaults.
+        devices: the devices to train on (default: every device of every process).
+            A one-process script may pick a subset, e.g. ``jax.devices()[:2]``.
+
+    Returns:
+        The :class:`World` (mesh, strategy, worker environment).
+
+    Example:
+        >>> import fleet
+        >>> world = fleet.init(is_collective=True)
+        >>> world.mesh.axis_names
+        ('data',)
+    """
+    global _WORLD
+    if not is_collective:
+        raise FleetUnsupportedError(
+            "fleet.init(is_collective=False) asks for parameter-server mode, which fleet "
+            "does not support; use fleet.init(is_collective=True) for collective "
+            "data-parallel training"
+        )
+    if strategy is None:
+        strategy = DistributedStrategy()
+    elif not isinstance(strategy, DistributedStrategy):
+        raise FleetConfigError(
+            f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
+        )
+    enabled = strategy.enabled_sections()
+    if enabled:
+        raise FleetUnsupportedError(
+            f"strategy turns on {', '.join(enabled)}, which fleet does not run yet; "
+            f"set strategy.{enabled[0]} = False (its configs may stay)"
+        )
+    env = WorkerEnv.from_environ()
+    _initialize_distributed(env)
+    if _WORLD is not None and devices is None:
+        _WORLD = dataclasses.replace(_WORLD, strategy=strategy)
+        return _WORLD
+    if devices is None:
+        devices = jax.devices()
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise FleetConfigError(
+            f"devices must be a non-empty sequence of jax.Device, got {devices!r}; "
+            "pick them from jax.devices()"
+        )
+    mesh = Mesh(np.array(devices), (DATA_AXIS,))
+    _WORLD = World(mesh=mesh, strategy=strategy, env=env)
+    return _WORLD
+
+
+def init_parallel_env() -> World:
+    """Paddle's ``paddle.distributed.init_parallel_env()``: ``init`` with defaults."""
+    return init(is_collective=True)
+
+
+def _initialize_distributed(env: WorkerEnv) -> None:
+    import os
+
+    if jax.distributed.is_initialized():
+        return
+    if env.is_multiprocess:
+        kwargs = dict(
+            coordinator_address=env.coordinator,
+            num_processes=env.world_size,
+            process_id=env.rank,
+        )
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        kwargs = {}  # jax.distributed reads its own variables.
+    else:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        if "before any JAX" in str(e) or "backend" in str(e).lower():
+            raise FleetConfigError(
+                "fleet.init must run before any JAX computation in a multi-process job "
+                f"(JAX said: {e}); move fleet.init(is_collective=True) to the top of "
+                "your script"
+            ) from e
+        raise
+
+
+def world() -> World:
+    """The world ``fleet.init`` set up; raises if ``fleet.init`` was not called."""
+    if _WORLD is None:
+        raise FleetNotInitializedError(
+            "fleet is not initialized; call fleet.init(is_collective=True) first"
+        )
+    return _WORLD
+
+
+def is_initialized() -> bool:
+    return _WORLD is not None
+
+
+def worker_index() -> int:
+    """Index of this process in the job (Paddle's trainer id)."""
+    return jax.process_index()
+
+
+def worker_num() -> int:
+    """Number of processes in the job."""
+    return jax.process_count()
+
+
+def is_first_worker() -> bool:
+    """Whether this is process 0 (log, save and print there)."""
+    return jax.process_index() == 0
+
+
+def num_replicas() -> int:
+    """Number of data-parallel replicas: every device of every process."""
+    return world().num_replicas
+
+
+def num_local_replicas() -> int:
+    """Number of data-parallel replicas (devices) in this process."""
+    return world().num_local_replicas
+
+
+def barrier_worker() -> None:
+    """Waits until every process reaches this point (no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("fleet.barrier_worker")

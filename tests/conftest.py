@@ -1,0 +1,24 @@
+"""Test set-up: 8 fake CPU devices, set before anything imports jax."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+assert len(jax.devices()) == 8, "conftest must run before jax is imported"
+
+
+@pytest.fixture
+def world():
+    """A fresh fleet world over all 8 devices (strategy defaults)."""
+    import fleet
+    from fleet import _world
+
+    _world._WORLD = None
+    yield fleet.init(is_collective=True)
+    _world._WORLD = None
