@@ -11,6 +11,8 @@ Four changes turn a single-device Flax + Optax script into a data-parallel one::
 The public API is this module; everything else is private.
 """
 
+from fleet._collective import all_gather, all_reduce, barrier, broadcast
+from fleet._context import BucketConfig
 from fleet._env import WorkerEnv
 from fleet._errors import (
     FleetAttributeError,
@@ -21,6 +23,10 @@ from fleet._errors import (
     FleetUnsupportedError,
     FleetWarning,
 )
+from fleet._model import DataParallel, LinenDataParallel, distributed_model
+from fleet._optimizer import DistributedOptimizer, distributed_optimizer
+from fleet._reduce import fused_allreduce_gradients
+from fleet._step import DistributedStep, distributed_step
 from fleet._world import (
     DATA_AXIS,
     World,
@@ -38,6 +44,19 @@ from fleet.strategy import DistributedStrategy
 
 __all__ = [
     "DATA_AXIS",
+    "BucketConfig",
+    "DataParallel",
+    "DistributedOptimizer",
+    "DistributedStep",
+    "LinenDataParallel",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "distributed_model",
+    "distributed_optimizer",
+    "distributed_step",
+    "fused_allreduce_gradients",
     "DistributedStrategy",
     "FleetAttributeError",
     "FleetConfigError",

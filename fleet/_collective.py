@@ -1,0 +1,87 @@
+"""Paddle-style collectives: ``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``.
+
+Inside a :func:`fleet.distributed_step` they work across the data-parallel
+*replicas* (devices) with ``jax.lax`` collectives over the ``data`` axis.
+Outside a step they work across *processes* (workers) on host values, through
+``jax.experimental.multihost_utils``; with one process they return their input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fleet import _context
+from fleet._errors import FleetConfigError
+from fleet._world import DATA_AXIS
+
+_OPS = ("sum", "max", "min", "avg", "prod")
+
+
+def _in_step() -> bool:
+    return _context.current() is not None
+
+
+def all_reduce(x: Any, op: str = "sum") -> Any:
+    """Reduces ``x`` (a pytree) with ``op`` in ``{'sum', 'max', 'min', 'avg', 'prod'}``.
+
+    Example:
+        >>> correct = fleet.all_reduce((pred == y).sum())  # doctest: +SKIP
+    """
+    if op not in _OPS:
+        raise FleetConfigError(f"all_reduce op={op!r} is not one of {_OPS}")
+    if _in_step():
+        if op == "prod":
+            return jax.tree.map(
+                lambda v: jnp.prod(jax.lax.all_gather(v, DATA_AXIS), axis=0), x
+            )
+        fn = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
+              "avg": jax.lax.pmean}[op]
+        return fn(x, DATA_AXIS)
+    if jax.process_count() == 1:
+        return x
+    reduce = {"sum": np.sum, "max": np.max, "min": np.min, "avg": np.mean, "prod": np.prod}[op]
+    return jax.tree.map(lambda v: reduce(v, axis=0), _process_allgather(x))
+
+
+def broadcast(x: Any, src: int = 0) -> Any:
+    """Every replica (in a step) or process (outside) gets ``src``'s ``x``."""
+    if _in_step():
+        def pick(v):
+            mask = jax.lax.axis_index(DATA_AXIS) == src
+            return jax.lax.psum(jnp.where(mask, v, jnp.zeros_like(v)), DATA_AXIS)
+
+        return jax.tree.map(pick, x)
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(x, is_source=jax.process_index() == src)
+
+
+def all_gather(x: Any) -> Any:
+    """Stacks every replica's (in a step) or process's (outside) ``x`` on a new
+    leading axis, in replica / process order."""
+    if _in_step():
+        return jax.lax.all_gather(x, DATA_AXIS)
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda v: np.asarray(v)[None], x)
+    return _process_allgather(x)
+
+
+def _process_allgather(x: Any) -> Any:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=False)
+
+
+def barrier() -> None:
+    """Waits for every process. Inside a step it does nothing: replicas run in
+    lockstep there."""
+    if not _in_step() and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("fleet.barrier")

@@ -1,0 +1,370 @@
+"""``fleet.distributed_step``: the decorator that replaces ``jax.jit`` on a step.
+
+The step runs once per replica (``jax.shard_map`` over the ``data`` axis, the
+engine under today's ``jax.pmap``), inside one ``jax.jit``.
+
+How arguments are told apart (``batch_argnums=None``):
+
+* **state**, replicated on every device: NNX objects (modules, optimizers,
+  ``fleet.DataParallel``) and dataclass pytrees such as Flax's ``TrainState``;
+* **batch**, split along the leading axis: arrays (numpy or jax) and tuples,
+  lists and dicts of them. In a multi-process job a numpy batch is this
+  process's part (its rows of the global batch, in process order); a
+  ``jax.Array`` is taken as the global batch;
+* **replicated values**: Python and numpy scalars (traced: no recompiles);
+* **static**: anything else hashable (strings, ``None``, functions).
+
+Pass ``batch_argnums=(2, 3)`` to say which positional arguments are the batch;
+then every other array argument is replicated state (raw parameter pytrees).
+
+What comes back:
+
+* NNX objects are updated in place;
+* an output with the structure of a state argument (a new ``TrainState``, new
+  parameters) is state, replicated;
+* a floating-point scalar is the mean over the replicas: the global-batch value
+  a single-device step prints; an integer scalar (a count) is the sum;
+* an array with a leading axis is per example: gathered along that axis in
+  global batch order.
+
+Gradients are not reduced by the transpose of ``shard_map``: the body runs with
+``check_vma=False``, so the bucketed ``psum`` of the distributed optimizer is the
+only reduction. The step compiles once per input shape (and once more for the
+first steps under ``no_sync``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from fleet import _context
+from fleet._context import BucketConfig
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._model import DataParallel
+from fleet._world import DATA_AXIS, World, world
+
+_NNX, _TREE, _BATCH, _REPL, _STATIC = "nnx", "state", "batch", "replicated", "static"
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _is_batch_like(x: Any) -> bool:
+    if _is_array(x):
+        return np.ndim(x) > 0
+    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+        return len(x) > 0 and all(_is_batch_like(v) for v in x)
+    if isinstance(x, dict):
+        return len(x) > 0 and all(_is_batch_like(v) for v in x.values())
+    return False
+
+
+def _kind(x: Any, is_batch: bool | None) -> str:
+    if isinstance(x, nnx.Pytree):
+        return _NNX
+    if isinstance(x, (bool, int, float, complex, np.generic)) or (
+        _is_array(x) and np.ndim(x) == 0
+    ):
+        return _REPL
+    if is_batch is None:
+        if _is_batch_like(x):
+            return _BATCH
+        if dataclasses.is_dataclass(x) or jax.tree_util.tree_leaves(x):
+            return _TREE
+        return _STATIC
+    if is_batch:
+        return _BATCH
+    return _TREE if jax.tree_util.tree_leaves(x) else _STATIC
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call: the jit cache key."""
+
+    kinds: tuple[str, ...]
+    kw_names: tuple[str, ...]
+    statics: tuple[Any, ...]
+    graphdef: Any
+    state_treedef: Any
+    no_sync: bool
+    has_accum: bool
+    buckets: BucketConfig
+    mesh: Any
+
+
+class _GraphCache:
+    """The NNX objects' graph, split once and reused while their structure holds."""
+
+    def __init__(self, objs: tuple):
+        self.objs = objs
+        self.tree_vars, self.treedef = self._tree_view(objs)
+        self.graphdef, state = nnx.split(objs)
+        self.variables = jax.tree_util.tree_leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        self.state_treedef = jax.tree_util.tree_structure(state)
+        self.fast = all(
+            isinstance(v._raw_value, jax.Array) and not v._var_metadata.get("on_get_value")
+            and not v._var_metadata.get("on_set_value") for v in self.variables
+        ) and self.state_treedef.num_leaves == len(self.variables)
+
+    @staticmethod
+    def _tree_view(objs: tuple) -> tuple[list, Any]:
+        return jax.tree_util.tree_flatten(objs, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def holds(self, objs: tuple) -> bool:
+        if len(objs) != len(self.objs) or any(a is not b for a, b in zip(objs, self.objs)):
+            return False
+        tree_vars, treedef = self._tree_view(objs)
+        return treedef == self.treedef and all(a is b for a, b in zip(tree_vars, self.tree_vars))
+
+    def read(self) -> list:
+        if self.fast:
+            return [v._raw_value for v in self.variables]
+        return [v.get_value() for v in self.variables]
+
+    def write(self, values: Sequence) -> None:
+        if self.fast:
+            for v, x in zip(self.variables, values):
+                v._raw_value = x
+        else:
+            for v, x in zip(self.variables, values):
+                v.set_value(x)
+
+
+def _signature(x: Any) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    return treedef, tuple((jnp.shape(v), jnp.result_type(v)) for v in leaves)
+
+
+class DistributedStep:
+    """A step function run data-parallel; see :func:`distributed_step`."""
+
+    def __init__(self, fn: Callable, batch_argnums: Sequence[int] | None):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self._jitted: dict[Any, Callable] = {}
+        self._graph: _GraphCache | None = None
+        self._accum: list | None = None  # gradients accumulated under no_sync
+        self._accum_count = 0
+        self.trace_count = 0  # how often the body was traced for real (tests read it)
+
+    # -- the call, on the host ------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        w = world()
+        kinds = tuple(
+            _kind(a, None if self._batch_argnums is None else i in self._batch_argnums)
+            for i, a in enumerate(args)
+        ) + tuple(_kind(kwargs[k], None if self._batch_argnums is None else False)
+                  for k in sorted(kwargs))
+        values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+        objs = tuple(v for v, k in zip(values, kinds) if k == _NNX)
+        if self._graph is None or not self._graph.holds(objs):
+            self._graph = _GraphCache(objs)
+        graph = self._graph
+        no_sync = _context.no_sync_active()
+        plan = _Plan(
+            kinds=kinds,
+            kw_names=tuple(sorted(kwargs)),
+            statics=tuple(v for v, k in zip(values, kinds) if k == _STATIC),
+            graphdef=graph.graphdef,
+            state_treedef=graph.state_treedef,
+            no_sync=no_sync,
+            has_accum=self._accum is not None,
+            buckets=self._buckets(values, w),
+            mesh=w.mesh,
+        )
+        trees = [v for v, k in zip(values, kinds) if k == _TREE]
+        batch = [self._check_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
+                 if k == _BATCH]
+        repl = [v for v, k in zip(values, kinds) if k == _REPL]
+        count = np.float32(self._accum_count)
+        state = graph.read()
+        try:
+            new_state, out, new_accum = self._compiled(plan)(
+                state, trees, batch, repl, self._accum, count
+            )
+        except ValueError as e:
+            if "sharding" not in str(e).lower() and "device" not in str(e).lower():
+                raise
+            # Arrays committed elsewhere (optimizer state made on one device, a new
+            # TrainState): place them on the mesh once and go on.
+            state, trees = jax.device_put((state, trees), w.replicated)
+            batch = jax.device_put(batch, w.batch)
+            new_state, out, new_accum = self._compiled(plan)(
+                state, trees, batch, repl, self._accum, count
+            )
+        graph.write(new_state)
+        if no_sync:
+            self._accum, self._accum_count = new_accum, self._accum_count + (new_accum is not None)
+        elif self._accum is not None:
+            self._accum, self._accum_count = None, 0
+        return out
+
+    def _buckets(self, values: list, w: World) -> BucketConfig:
+        for v in values:
+            if isinstance(v, DataParallel):
+                return v._fleet_buckets
+        s = w.strategy
+        return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops)
+
+    def _check_batch(self, position: int, value: Any, w: World) -> Any:
+        multiprocess = jax.process_count() > 1
+
+        def check(x: Any) -> Any:
+            is_local = multiprocess and not (isinstance(x, jax.Array) and not x.is_fully_addressable)
+            replicas = w.num_local_replicas if is_local else w.num_replicas
+            if np.ndim(x) == 0 or np.shape(x)[0] % replicas:
+                what = "process-local" if is_local else "global"
+                raise FleetConfigError(
+                    f"argument {position} is split over replicas along its leading axis, but "
+                    f"its {what} shape {tuple(np.shape(x))} has a leading axis that is not "
+                    f"a multiple of the {replicas} replicas; use a batch size that is a "
+                    f"multiple of {replicas} (or drop_last=True in the sampler), or pass "
+                    "batch_argnums to distributed_step if this argument is not batch data"
+                )
+            if is_local:
+                return jax.make_array_from_process_local_data(w.batch, np.asarray(x))
+            return x
+
+        return jax.tree.map(check, value)
+
+    def _compiled(self, plan: _Plan) -> Callable:
+        jitted = self._jitted.get(plan.mesh)
+        if jitted is None:
+            w = world()
+            repl, batch = w.replicated, w.batch
+            jitted = jax.jit(
+                self._global,
+                static_argnums=0,
+                in_shardings=(repl, repl, batch, repl, batch, repl),
+            )
+            self._jitted[plan.mesh] = jitted
+        return functools.partial(jitted, plan)
+
+    # -- the traced program ------------------------------------------------------------
+
+    def _global(self, plan: _Plan, state, trees, batch, repl, accum, count):
+        specs = (P(), P(), P(DATA_AXIS), P(), P(DATA_AXIS), P())
+        args = (state, trees, batch, repl, accum, count)
+        out_kinds: list[str] = []
+        probe = jax.shard_map(
+            functools.partial(self._body, plan, probe=True, out_kinds=out_kinds),
+            mesh=plan.mesh, in_specs=specs, out_specs=P(DATA_AXIS), check_vma=False,
+        )
+        jax.eval_shape(probe, *args)
+        out_specs = (P(), [P(DATA_AXIS) if k == "example" else P() for k in out_kinds],
+                     P(DATA_AXIS))
+        self.trace_count += 1
+        run = jax.shard_map(
+            functools.partial(self._body, plan, probe=False, out_kinds=[]),
+            mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=False,
+        )
+        new_state, out_leaves, new_accum = run(*args)
+        return new_state, jax.tree_util.tree_unflatten(self._out_treedef, out_leaves), new_accum
+
+    def _body(self, plan: _Plan, state, trees, batch, repl, accum, count, *, probe, out_kinds):
+        objs = nnx.merge(plan.graphdef, jax.tree_util.tree_unflatten(plan.state_treedef, state))
+        sources = {_NNX: iter(objs), _TREE: iter(trees), _BATCH: iter(batch),
+                   _REPL: iter(repl), _STATIC: iter(plan.statics)}
+        values = [next(sources[k]) for k in plan.kinds]
+        n_pos = len(values) - len(plan.kw_names)
+        trace = _context.StepTrace(
+            num_replicas=plan.mesh.devices.size,
+            buckets=plan.buckets,
+            no_sync=plan.no_sync,
+            accum=None if accum is None else [a[0] for a in accum],
+            accum_count=count,
+        )
+        with _context.tracing(trace):
+            out = self._fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
+        if plan.has_accum and not plan.no_sync and not trace.accum_consumed:
+            raise FleetError(
+                "this step follows steps run under no_sync, but it did not update the "
+                "optimizer; the accumulated gradients would be lost. Call "
+                "optimizer.update (of a fleet.distributed_optimizer) in the step"
+            )
+        graphdef, new = nnx.split(objs)
+        if graphdef != plan.graphdef:
+            raise FleetError(
+                "the step changed the structure of an NNX object (added or removed a "
+                "variable or sub-module); build the whole model before training"
+            )
+        new_state = jax.tree_util.tree_leaves(new)
+        leaves, kinds = self._outputs(out, [v for v, k in zip(values, plan.kinds) if k == _TREE])
+        new_accum = None if trace.new_accum is None else [a[None] for a in trace.new_accum]
+        if probe:
+            out_kinds.extend(kinds)
+            expand = functools.partial(jax.tree.map, lambda x: jnp.expand_dims(x, 0))
+            return expand(new_state), expand(leaves), new_accum
+        return new_state, leaves, new_accum
+
+    def _outputs(self, out: Any, state_args: list) -> tuple[list, list[str]]:
+        signatures = {_signature(s) for s in state_args}
+
+        def is_state(x: Any) -> bool:
+            if isinstance(x, nnx.Pytree):
+                raise FleetTypeError(
+                    "a distributed step returned an NNX object; NNX objects passed to the "
+                    "step are updated in place, so return only arrays (loss, metrics)"
+                )
+            return bool(signatures) and jax.tree_util.tree_leaves(x) != [] and (
+                _signature(x) in signatures
+            )
+
+        parts, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_state)
+        leaves, kinds = [], []
+        for part in parts:
+            if is_state(part):
+                leaves.append(part)
+                kinds.append("state")
+                continue
+            x = jnp.asarray(part)
+            if x.ndim == 0:
+                if jnp.issubdtype(x.dtype, jnp.inexact):
+                    x = jax.lax.pmean(x, DATA_AXIS)
+                else:
+                    x = jax.lax.psum(x, DATA_AXIS)
+                leaves.append(x)
+                kinds.append("scalar")
+            else:
+                leaves.append(x)
+                kinds.append("example")
+        self._out_treedef = treedef
+        return leaves, kinds
+
+
+def distributed_step(
+    fn: Callable | None = None, *, batch_argnums: Sequence[int] | None = None
+) -> Any:
+    """Runs a train or eval step data-parallel; use it instead of ``jax.jit``.
+
+    See the module docstring (``fleet._step``) for how arguments and outputs are
+    told apart. Call it after ``fleet.init``.
+
+    Args:
+        fn: the step, written as for one device.
+        batch_argnums: positions of the batch arguments (default: inferred).
+
+    Example:
+        >>> @fleet.distributed_step  # doctest: +SKIP
+        ... def train_step(model, optimizer, x, y):
+        ...     loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+        ...     optimizer.update(model, grads)
+        ...     return loss
+    """
+    if fn is None:
+        return lambda f: DistributedStep(f, batch_argnums)
+    if not callable(fn):
+        raise FleetTypeError(f"distributed_step decorates a function, got {type(fn).__name__}")
+    return DistributedStep(fn, batch_argnums)
