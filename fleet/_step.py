@@ -161,55 +161,68 @@ class DistributedStep:
     # -- the call, on the host ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plan, call_args = self._prepare(args, kwargs)
+        compiled = self._compiled(plan)
+        try:
+            new_state, out, new_accum = compiled(*call_args)
+        except ValueError as e:
+            if "sharding" not in str(e).lower() and "device" not in str(e).lower():
+                raise
+            # Arrays committed elsewhere (a new TrainState's step counter, arrays made
+            # on one device): place them on the mesh and go on.
+            w = world()
+            state, trees, batch, *rest = call_args
+            state, trees = jax.device_put((state, trees), w.replicated)
+            batch = jax.device_put(batch, w.batch)
+            new_state, out, new_accum = compiled(state, trees, batch, *rest)
+        self._graph.write(new_state)
+        if plan.no_sync:
+            self._accum = new_accum
+            self._accum_count += new_accum is not None
+        elif plan.has_accum:
+            self._accum, self._accum_count = None, 0
+        return out
+
+    def make_jaxpr(self, *args: Any, **kwargs: Any) -> Any:
+        """The jaxpr of the program a call with these arguments runs (nothing runs,
+        nothing is updated). Its ``shard_map`` body shows the gradient buckets: one
+        ``psum`` each."""
+        plan, call_args = self._prepare(args, kwargs)
+        return jax.make_jaxpr(self._global, static_argnums=0)(plan, *call_args)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[_Plan, tuple]:
         w = world()
+        names = tuple(sorted(kwargs))
+        values = list(args) + [kwargs[k] for k in names]
+        batch_argnums = self._batch_argnums
         kinds = tuple(
-            _kind(a, None if self._batch_argnums is None else i in self._batch_argnums)
-            for i, a in enumerate(args)
-        ) + tuple(_kind(kwargs[k], None if self._batch_argnums is None else False)
-                  for k in sorted(kwargs))
-        values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+            _kind(v, None if batch_argnums is None else i in batch_argnums)
+            for i, v in enumerate(values)
+        )
         objs = tuple(v for v, k in zip(values, kinds) if k == _NNX)
         if self._graph is None or not self._graph.holds(objs):
             self._graph = _GraphCache(objs)
-        graph = self._graph
-        no_sync = _context.no_sync_active()
         plan = _Plan(
             kinds=kinds,
-            kw_names=tuple(sorted(kwargs)),
+            kw_names=names,
             statics=tuple(v for v, k in zip(values, kinds) if k == _STATIC),
-            graphdef=graph.graphdef,
-            state_treedef=graph.state_treedef,
-            no_sync=no_sync,
+            graphdef=self._graph.graphdef,
+            state_treedef=self._graph.state_treedef,
+            no_sync=_context.no_sync_active(),
             has_accum=self._accum is not None,
             buckets=self._buckets(values, w),
             mesh=w.mesh,
         )
-        trees = [v for v, k in zip(values, kinds) if k == _TREE]
-        batch = [self._check_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
-                 if k == _BATCH]
-        repl = [v for v, k in zip(values, kinds) if k == _REPL]
-        count = np.float32(self._accum_count)
-        state = graph.read()
-        try:
-            new_state, out, new_accum = self._compiled(plan)(
-                state, trees, batch, repl, self._accum, count
-            )
-        except ValueError as e:
-            if "sharding" not in str(e).lower() and "device" not in str(e).lower():
-                raise
-            # Arrays committed elsewhere (optimizer state made on one device, a new
-            # TrainState): place them on the mesh once and go on.
-            state, trees = jax.device_put((state, trees), w.replicated)
-            batch = jax.device_put(batch, w.batch)
-            new_state, out, new_accum = self._compiled(plan)(
-                state, trees, batch, repl, self._accum, count
-            )
-        graph.write(new_state)
-        if no_sync:
-            self._accum, self._accum_count = new_accum, self._accum_count + (new_accum is not None)
-        elif self._accum is not None:
-            self._accum, self._accum_count = None, 0
-        return out
+        call_args = (
+            self._graph.read(),
+            [v for v, k in zip(values, kinds) if k == _TREE],
+            [self._check_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
+             if k == _BATCH],
+            [v for v, k in zip(values, kinds) if k == _REPL],
+            self._accum,
+            np.float32(self._accum_count),
+        )
+        return plan, call_args
 
     def _buckets(self, values: list, w: World) -> BucketConfig:
         for v in values:
@@ -263,7 +276,7 @@ class DistributedStep:
             mesh=plan.mesh, in_specs=specs, out_specs=P(DATA_AXIS), check_vma=False,
         )
         jax.eval_shape(probe, *args)
-        out_specs = (P(), [P(DATA_AXIS) if k == "example" else P() for k in out_kinds],
+        out_specs = (P(), [P() if k == "state" else P(DATA_AXIS) for k in out_kinds],
                      P(DATA_AXIS))
         self.trace_count += 1
         run = jax.shard_map(
@@ -271,6 +284,13 @@ class DistributedStep:
             mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=False,
         )
         new_state, out_leaves, new_accum = run(*args)
+        # Scalars come out as one value per replica; their mean (or, for counts,
+        # sum) is taken here, outside the per-device body, so the body's only
+        # psums are the gradient buckets (and a no_sync step has none).
+        out_leaves = [
+            (x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)) if k == "scalar" else x
+            for x, k in zip(out_leaves, out_kinds)
+        ]
         return new_state, jax.tree_util.tree_unflatten(self._out_treedef, out_leaves), new_accum
 
     def _body(self, plan: _Plan, state, trees, batch, repl, accum, count, *, probe, out_kinds):
@@ -331,11 +351,7 @@ class DistributedStep:
                 continue
             x = jnp.asarray(part)
             if x.ndim == 0:
-                if jnp.issubdtype(x.dtype, jnp.inexact):
-                    x = jax.lax.pmean(x, DATA_AXIS)
-                else:
-                    x = jax.lax.psum(x, DATA_AXIS)
-                leaves.append(x)
+                leaves.append(x[None])
                 kinds.append("scalar")
             else:
                 leaves.append(x)

@@ -22,3 +22,17 @@ def world():
     _world._WORLD = None
     yield fleet.init(is_collective=True)
     _world._WORLD = None
+
+
+@pytest.fixture
+def make_world():
+    """``make_world(n, strategy=None)``: a fresh fleet world over the first n devices."""
+    import fleet
+    from fleet import _world
+
+    def make(n: int, strategy=None):
+        _world._WORLD = None
+        return fleet.init(is_collective=True, strategy=strategy, devices=jax.devices()[:n])
+
+    yield make
+    _world._WORLD = None
