@@ -1,0 +1,95 @@
+"""Turning a list of indices into a batch: fetch the samples, stack them.
+
+:func:`fetch_batch` is what both the main process (``num_workers=0``) and the
+worker processes run for one batch; :func:`default_collate_fn` stacks samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fleet.io._errors import FleetDataError
+
+_SHAPES_HINT = (
+    "every sample of a batch must have the same shape: resize, crop or pad in the "
+    "dataset's __getitem__, or pass a collate_fn that does"
+)
+
+
+def fetch_batch(
+    dataset: Any, indices: Sequence[int], collate_fn: Callable[[list], Any] | None
+) -> Any:
+    """Loads the samples at ``indices`` and collates them into one batch.
+
+    A dataset with ``get_batch(indices)`` (e.g. :class:`TensorDataset`) is asked for
+    the whole batch at once, unless a ``collate_fn`` is given.
+    """
+    if collate_fn is None and hasattr(dataset, "get_batch"):
+        return dataset.get_batch(indices)
+    samples = [dataset[i] for i in indices]
+    if collate_fn is not None:
+        return collate_fn(samples)
+    return _collate(samples, list(indices), "")
+
+
+def default_collate_fn(samples: list[Any]) -> Any:
+    """Stacks a list of samples into a batch of numpy arrays (Paddle's default).
+
+    Samples are arrays, numbers, or (nested) tuples / lists / dicts of them; the
+    batch has the same structure with a new leading axis (lists become tuples).
+    Strings are gathered into a list. Samples of different shapes raise
+    :class:`fleet.io.FleetDataError` naming the sample.
+
+    Example:
+        >>> import numpy as np
+        >>> x, y = default_collate_fn([(np.zeros(3), 1), (np.ones(3), 0)])
+        >>> x.shape, y.tolist()
+        ((2, 3), [1, 0])
+    """
+    return _collate(samples, list(range(len(samples))), "")
+
+
+def _collate(samples: list[Any], indices: list[int], path: str) -> Any:
+    first = samples[0]
+    if isinstance(first, Mapping):
+        keys = list(first.keys())
+        for j, sample in enumerate(samples):
+            if not isinstance(sample, Mapping) or list(sample.keys()) != keys:
+                got = list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__
+                raise FleetDataError(
+                    f"sample at dataset index {indices[j]} has{_at(path)} keys {got}, but "
+                    f"dataset index {indices[0]} has keys {keys}; every sample must have "
+                    "the same structure"
+                )
+        return {k: _collate([s[k] for s in samples], indices, f"{path}[{k!r}]") for k in keys}
+    if isinstance(first, (tuple, list)):
+        for j, sample in enumerate(samples):
+            if not isinstance(sample, (tuple, list)) or len(sample) != len(first):
+                got = len(sample) if isinstance(sample, (tuple, list)) else type(sample).__name__
+                raise FleetDataError(
+                    f"sample at dataset index {indices[j]} has{_at(path)} {got} fields, but "
+                    f"dataset index {indices[0]} has {len(first)}; every sample must have "
+                    "the same structure"
+                )
+        return tuple(
+            _collate([s[i] for s in samples], indices, f"{path}[{i}]") for i in range(len(first))
+        )
+    if isinstance(first, (str, bytes)):
+        return list(samples)
+    arrays = [np.asarray(s) for s in samples]
+    shape = arrays[0].shape
+    for j, a in enumerate(arrays):
+        if a.shape != shape:
+            raise FleetDataError(
+                f"sample at dataset index {indices[j]} (position {j} of its batch) has"
+                f"{_at(path)} shape {a.shape}, but dataset index {indices[0]} has shape "
+                f"{shape}; {_SHAPES_HINT}"
+            )
+    return np.stack(arrays)
+
+
+def _at(path: str) -> str:
+    return f" at {path}" if path else ""

@@ -1,0 +1,473 @@
+"""``DataLoader``: batches from a dataset, placed on the mesh as global ``jax.Array``s.
+
+The pipeline for one batch: the batch sampler gives this process's indices ->
+the samples are fetched and stacked (in the main process, or in worker processes)
+-> ``jax.make_array_from_process_local_data`` places the process-local rows on this
+process's devices, giving a global array sharded over the ``data`` axis
+(``fleet.world().batch``). A background thread runs the pipeline ``prefetch_factor``
+batches ahead, so the next batch is loaded and transferred while the current step
+runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from fleet import _world
+from fleet._errors import FleetConfigError, FleetTypeError
+from fleet.io._collate import fetch_batch
+from fleet.io._errors import FleetDataError
+from fleet.io._sampler import BatchSampler, DistributedBatchSampler
+from fleet.io._workers import WorkerPool
+
+_THREAD_JOIN_TIMEOUT_S = 30.0
+
+
+class DataLoader:
+    """Iterates over a dataset in batches ready for ``fleet.distributed_step``.
+
+    Each batch has the structure of a sample (tuple / dict / array) and every array
+    is a global ``jax.Array`` sharded with ``fleet.world().batch``: its rows are all
+    replicas' batches in replica order, and each device holds its own replica's rows.
+    With ``return_numpy=True`` batches stay process-local numpy arrays instead.
+
+    Without ``batch_sampler`` the loader builds
+    ``DistributedBatchSampler(dataset, batch_size, shuffle=shuffle, drop_last=drop_last)``:
+    ``batch_size`` is per device, as in Paddle where it is per GPU. Datasets with a
+    ``get_batch(indices)`` method (e.g. :class:`TensorDataset`) are gathered one batch
+    at a time, with no per-sample Python loop, unless ``collate_fn`` is given.
+
+    Args:
+        dataset: a map-style dataset (``__len__``, ``__getitem__``).
+        batch_size: samples per replica (device) per step; only without ``batch_sampler``.
+        shuffle: shuffle every epoch; only without ``batch_sampler``.
+        drop_last: drop the last partial batch; only without ``batch_sampler``.
+        batch_sampler: yields this process's index lists (e.g. a
+            :class:`DistributedBatchSampler`); excludes ``batch_size``, ``shuffle``
+            and ``drop_last``.
+        num_workers: worker processes for per-sample work (0: load in this process).
+            Workers are spawned, so the dataset must be picklable.
+        collate_fn: turns a list of samples into a batch (default: stack into numpy).
+        prefetch_factor: batches loaded ahead (per worker when ``num_workers > 0``).
+        return_numpy: yield process-local numpy batches instead of global arrays.
+        worker_init_fn: called as ``worker_init_fn(worker_id)`` in each new worker.
+        persistent_workers: keep the workers between epochs (closed by :meth:`close`,
+            or when an epoch is left early).
+
+    Example:
+        >>> import numpy as np, fleet
+        >>> world = fleet.init(is_collective=True)
+        >>> ds = TensorDataset([np.zeros((64, 3), np.float32), np.arange(64)])
+        >>> loader = DataLoader(ds, batch_size=2, shuffle=True, drop_last=True)
+        >>> x, y = next(iter(loader))
+        >>> x.shape == (2 * world.num_replicas, 3) and x.sharding == world.batch
+        True
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        batch_sampler: Iterable[list[int]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list], Any] | None = None,
+        prefetch_factor: int = 2,
+        *,
+        return_numpy: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        persistent_workers: bool = False,
+    ):
+        if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "get_batch")):
+            raise FleetTypeError(
+                f"DataLoader needs a map-style dataset (with __getitem__ and __len__), got "
+                f"{type(dataset).__name__}; subclass fleet.io.Dataset or use TensorDataset"
+            )
+        if batch_sampler is None:
+            batch_sampler = DistributedBatchSampler(
+                dataset, batch_size, shuffle=shuffle, drop_last=drop_last
+            )
+        elif batch_size != 1 or shuffle or drop_last:
+            raise FleetConfigError(
+                f"DataLoader got batch_sampler together with batch_size={batch_size}, "
+                f"shuffle={shuffle}, drop_last={drop_last}; the batch sampler decides "
+                "those: set them on the sampler and leave them at their defaults here"
+            )
+        for name, value, low in (("num_workers", num_workers, 0), ("prefetch_factor",
+                                                                    prefetch_factor, 1)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise FleetTypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise FleetConfigError(f"{name}={value} must be at least {low}")
+        for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
+            if fn is not None and not callable(fn):
+                raise FleetTypeError(f"{name} must be callable or None, got {fn!r}")
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.prefetch_factor = prefetch_factor
+        self.return_numpy = bool(return_numpy)
+        self.worker_init_fn = worker_init_fn
+        self.persistent_workers = bool(persistent_workers)
+        if not self.return_numpy:
+            _check_sampler_fits_world(batch_sampler, _world.world())
+        self._progress: _Progress | None = None
+        self._skip = 0  # For batch samplers without state_dict(): batches to skip.
+        self._current: weakref.ref | None = None
+        self._pool: WorkerPool | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._close_current()
+        to_host = self.return_numpy
+        world = None if to_host else _world.world()
+        indices = iter(self.batch_sampler)
+        if hasattr(self.batch_sampler, "state_dict"):
+            start = self.batch_sampler.state_dict()
+        else:
+            start = {"batches_done": self._skip}
+            indices = itertools.islice(indices, self._skip, None)
+        self._skip = 0
+        progress = _Progress(start, len(self))
+        self._progress = progress
+
+        pool, owns_pool = None, False
+        if self.num_workers > 0:
+            pool, owns_pool = self._pool, False
+            if pool is None or pool.closed:
+                pool = WorkerPool(self.dataset, self.collate_fn, self.num_workers,
+                                  self.worker_init_fn, int(np.random.randint(2**31)))
+                owns_pool = not self.persistent_workers
+                if self.persistent_workers:
+                    self._pool = pool
+                    self._finalizer = weakref.finalize(self, pool.close)
+            source = _from_workers(pool, indices, self.prefetch_factor * self.num_workers)
+        else:
+            source = _in_process(self.dataset, indices, self.collate_fn)
+        if to_host:
+            transfer = None
+        else:
+            transfer = _GlobalTransfer(world.batch, world.num_local_replicas,
+                                       start["batches_done"])
+        producer = _Producer(source, transfer, self.prefetch_factor)
+        iterator = _LoaderIterator(producer, pool, owns_pool, progress)
+        self._current = weakref.ref(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """Stops the running iteration and any persistent workers."""
+        self._close_current()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands, counting only batches already handed out.
+
+        Batches loaded ahead but not yet yielded are not counted, so a job restarted
+        from this state with :meth:`set_state_dict` continues with exactly the next
+        batch. Save it together with the model.
+
+        Example:
+            >>> import numpy as np
+            >>> ds = TensorDataset([np.arange(8)])
+            >>> loader = DataLoader(ds, batch_size=2, return_numpy=True)
+            >>> it = iter(loader); _ = next(it)
+            >>> loader.state_dict()["sampler"]["batches_done"]
+            1
+        """
+        progress = self._progress
+        if not hasattr(self.batch_sampler, "state_dict"):
+            done = progress.position() if progress is not None and not progress.finished else 0
+            return {"batches_done": done}
+        if progress is None or progress.finished:
+            return {"sampler": self.batch_sampler.state_dict()}
+        state = dict(progress.start)
+        state["batches_done"] = progress.position()
+        if state["batches_done"] >= progress.length:  # Every batch handed out.
+            state["epoch"] += 1
+            state["batches_done"] = 0
+        return {"sampler": state}
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next iteration continue after the last batch counted in ``state``."""
+        self._close_current()
+        self._progress = None
+        if hasattr(self.batch_sampler, "set_state_dict"):
+            if "sampler" not in state:
+                raise FleetConfigError(
+                    f"loader state has keys {sorted(state)}, expected 'sampler'; pass what "
+                    "DataLoader.state_dict() returned"
+                )
+            self.batch_sampler.set_state_dict(state["sampler"])
+        else:
+            self._skip = int(state["batches_done"])
+
+    def gather_for_metrics(self, outputs: Any) -> Any:
+        """Per-example ``outputs`` of the last batch, gathered to host, padding dropped.
+
+        :class:`DistributedBatchSampler` pads the dataset with repeated samples so
+        every replica gets the same number; counting those would skew metrics. Call
+        this once per batch, inside the loop, with arrays whose leading axis is the
+        global batch just yielded (e.g. predictions and labels). It returns numpy
+        arrays (every process gets all rows) without the padding rows, so over an
+        epoch each dataset sample is counted exactly once.
+
+        Args:
+            outputs: a pytree of arrays with one row per global batch row (a global
+                ``jax.Array``, or this process's rows as numpy).
+
+        Returns:
+            The same pytree as numpy arrays, padding rows removed.
+
+        Example:
+            >>> import numpy as np, fleet
+            >>> world = fleet.init(is_collective=True)
+            >>> ds = TensorDataset([np.arange(10)])
+            >>> loader = DataLoader(ds, batch_size=1)
+            >>> seen = [loader.gather_for_metrics(x) for (x,) in loader]
+            >>> sorted(np.concatenate(seen).tolist()) == list(range(10))
+            True
+        """
+        progress = self._progress
+        if progress is None or progress.delivered == 0:
+            raise FleetConfigError(
+                "gather_for_metrics() was called before the loader yielded a batch; call "
+                "it inside the loop, once per batch, with that batch's outputs"
+            )
+        step = progress.position() - 1
+        host = jax.tree_util.tree_map(_to_host, outputs)
+        if not hasattr(self.batch_sampler, "padding_mask"):
+            return host
+        keep = ~self.batch_sampler.padding_mask(step, progress.start["epoch"])
+
+        def drop(a):
+            if a.ndim == 0 or len(a) != len(keep):
+                raise FleetDataError(
+                    f"gather_for_metrics got an array of shape {a.shape}, but batch {step} "
+                    f"has {len(keep)} rows; pass per-example outputs of the batch just "
+                    "yielded (leading axis = its global batch size)"
+                )
+            return a[keep]
+
+        return jax.tree_util.tree_map(drop, host)
+
+    def _close_current(self) -> None:
+        current = self._current() if self._current is not None else None
+        if current is not None:
+            current.close()
+        self._current = None
+
+
+class _Progress:
+    """Where the running epoch started (sampler state) and how many batches were handed out."""
+
+    def __init__(self, start: dict[str, Any], length: int):
+        self.start, self.length = start, length
+        self.delivered, self.finished = 0, False
+
+    def position(self) -> int:
+        return self.start["batches_done"] + self.delivered
+
+
+class _LoaderIterator:
+    """What ``iter(loader)`` returns; stops its thread and workers when closed or dropped."""
+
+    def __init__(self, producer, pool, owns_pool, progress):
+        self._producer, self._pool, self._owns_pool = producer, pool, owns_pool
+        self._progress = progress
+        self._closed = False
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self._progress.length - self._progress.start["batches_done"]
+
+    def __next__(self):
+        if self._closed:
+            raise StopIteration
+        try:
+            kind, payload = self._producer.get()
+        except BaseException:  # KeyboardInterrupt while waiting.
+            self.close()
+            raise
+        if kind == "batch":
+            self._progress.delivered += 1
+            return payload
+        if kind == "end":
+            self._progress.finished = True
+            self.close()
+            raise StopIteration
+        self.close()
+        raise payload
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._producer.request_stop()
+        pool_in_use = self._pool is not None and not self._progress.finished
+        if self._pool is not None and (self._owns_pool or pool_in_use):
+            self._pool.close()  # Its workers die, so the thread's pending recv ends.
+        self._producer.join()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Producer:
+    """A daemon thread that runs ``source`` (and the transfer) into a bounded queue.
+
+    The thread holds no reference to the iterator, so dropping the iterator
+    closes it. Stopping: set the flag, then drain the queue; the thread checks the
+    flag around every ``put``, so it puts at most one more item and exits.
+    """
+
+    def __init__(self, source: Iterator[Any], transfer: Callable | None, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(source, transfer), name="fleet-io-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, source, transfer):
+        try:
+            for batch in source:
+                if self._stop.is_set():
+                    return
+                self._queue.put(("batch", batch if transfer is None else transfer(batch)))
+                if self._stop.is_set():
+                    return
+            self._queue.put(("end", None))
+        except BaseException as e:
+            if not self._stop.is_set():
+                self._queue.put(("error", e))
+
+    def get(self) -> tuple[str, Any]:
+        return self._queue.get()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._drain()
+
+    def join(self) -> None:
+        self._drain()
+        self._thread.join(_THREAD_JOIN_TIMEOUT_S)
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+def _in_process(dataset, indices, collate_fn):
+    for batch_indices in indices:
+        yield fetch_batch(dataset, batch_indices, collate_fn)
+
+
+def _from_workers(pool: WorkerPool, indices: Iterator[list[int]], depth: int):
+    """Keeps ``depth`` batches in flight on the workers; yields them in order."""
+    pending: deque[int] = deque()
+    seq = 0
+    for batch_indices in itertools.chain(indices, [None]):
+        if batch_indices is not None:
+            pool.submit(seq, batch_indices)
+            pending.append(seq)
+            seq += 1
+            if len(pending) < depth:
+                continue
+        while pending and (batch_indices is None or len(pending) >= depth):
+            yield pool.result(pending.popleft())
+
+
+class _GlobalTransfer:
+    """Places a process-local numpy batch on the mesh as global arrays."""
+
+    def __init__(self, sharding, num_local: int, first_step: int):
+        self.sharding, self.num_local, self.step = sharding, num_local, first_step
+
+    def __call__(self, batch: Any) -> Any:
+        step = self.step
+        self.step += 1
+
+        def put(leaf):
+            if isinstance(leaf, (str, bytes)) or not hasattr(leaf, "__array__"):
+                return leaf
+            leaf = np.asarray(leaf)
+            if leaf.dtype.kind not in "biufc":
+                return leaf
+            if leaf.ndim == 0 or leaf.shape[0] % self.num_local:
+                raise FleetDataError(
+                    f"batch {step} has an array of shape {leaf.shape}, whose leading axis "
+                    f"does not split over this process's {self.num_local} devices; use a "
+                    "DistributedBatchSampler (batch_size is then per device), or "
+                    "drop_last=True, or return_numpy=True"
+                )
+            return jax.make_array_from_process_local_data(self.sharding, leaf)
+
+        return jax.tree_util.tree_map(put, batch)
+
+
+def _to_host(x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    if not isinstance(x, jax.Array) and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+    return np.asarray(x)
+
+
+def _check_sampler_fits_world(sampler: Any, world: _world.World) -> None:
+    """A sampler feeding global arrays must give each process its own, disjoint share."""
+    if isinstance(sampler, DistributedBatchSampler):
+        per_device = (sampler.num_replicas == world.num_replicas
+                      and sampler.num_local_replicas == world.num_local_replicas
+                      and sampler.rank == _first_local_replica(world))
+        per_process = (sampler.num_replicas == jax.process_count()
+                       and sampler.num_local_replicas == 1
+                       and sampler.rank == jax.process_index())
+        if not (per_device or per_process):
+            raise FleetConfigError(
+                f"the DistributedBatchSampler covers replicas [{sampler.rank}, "
+                f"{sampler.rank + sampler.num_local_replicas}) of {sampler.num_replicas}, "
+                f"but this process feeds devices [{_first_local_replica(world)}, "
+                f"{_first_local_replica(world) + world.num_local_replicas}) of "
+                f"{world.num_replicas}; build the sampler after fleet.init with "
+                "num_replicas=None and rank=None, or use return_numpy=True"
+            )
+    elif isinstance(sampler, BatchSampler) and jax.process_count() > 1:
+        raise FleetConfigError(
+            f"a plain BatchSampler gives every one of the {jax.process_count()} processes "
+            "the same batches, so the global batch would repeat them; use "
+            "DistributedBatchSampler"
+        )
+
+
+def _first_local_replica(world: _world.World) -> int:
+    me = jax.process_index()
+    return next(i for i, d in enumerate(world.mesh.devices.flat) if d.process_index == me)

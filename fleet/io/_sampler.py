@@ -1,0 +1,409 @@
+"""Batch samplers: which dataset indices make up each batch, epoch by epoch.
+
+The index arithmetic is two pure functions, :func:`padded_order` and
+:func:`batch_slices`; the samplers are thin stateful shells that add the epoch
+counter and mid-epoch resume. Both samplers yield lists of ints (Paddle's
+``paddle.io.BatchSampler`` / ``DistributedBatchSampler``).
+
+How :class:`DistributedBatchSampler` splits an epoch (Paddle's algorithm):
+
+1. Pad ``range(n)`` to ``total_size``, the next multiple of ``num_replicas``, by
+   repeating indices from its start, cyclically when ``n < num_replicas``:
+   ``order = [0, 1, ..., n-1, 0, 1, ...]``.
+2. With ``shuffle=True``, shuffle that padded list in place with
+   ``numpy.random.RandomState(epoch).shuffle`` -- the same on every replica.
+3. Split batch-strided: in every full window of ``batch_size * num_replicas``
+   indices, replica ``r`` takes the ``r``-th block of ``batch_size``; the
+   remainder (a multiple of ``num_replicas``) is cut into ``num_replicas`` equal
+   contiguous pieces, one last, smaller batch per replica. ``drop_last`` drops
+   that last partial batch on every replica.
+
+So step ``k``'s batches of all replicas, in replica order, are one contiguous run
+of ``order``: the global batch a ``BatchSampler(batch_size * num_replicas)`` over
+``order`` would give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sized
+from typing import Any
+
+import numpy as np
+
+from fleet._errors import FleetConfigError, FleetTypeError
+
+# --------------------------------------------------------------------------- pure core
+
+
+def padded_order(
+    dataset_size: int, num_replicas: int, epoch: int, shuffle: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch's index order, padded to a multiple of ``num_replicas``.
+
+    Returns:
+        ``(order, is_padding)``: ``order[j]`` is the dataset index at position ``j``;
+        ``is_padding[j]`` marks the repeated entries added by the padding (their
+        position in the list before shuffling is ``>= dataset_size``).
+
+    Example:
+        >>> order, pad = padded_order(5, 4, epoch=0, shuffle=False)
+        >>> order.tolist(), pad.tolist()
+        ([0, 1, 2, 3, 4, 0, 1, 2], [False, False, False, False, False, True, True, True])
+    """
+    total = -(-dataset_size // num_replicas) * num_replicas
+    positions = np.arange(total)
+    if shuffle:
+        np.random.RandomState(epoch).shuffle(positions)
+    return positions % dataset_size, positions >= dataset_size
+
+
+def batch_slices(
+    total_size: int, batch_size: int, num_replicas: int, first: int, count: int, drop_last: bool
+) -> list[slice]:
+    """Where the batches of replicas ``[first, first + count)`` lie in the padded order.
+
+    Step ``k``'s slice holds those replicas' ``k``-th batches, concatenated in
+    replica order (``count`` blocks of ``batch_size``, or of the last partial size).
+    ``first=0, count=num_replicas`` gives the global batches.
+
+    Example:
+        >>> batch_slices(10, batch_size=2, num_replicas=2, first=1, count=1, drop_last=False)
+        [slice(2, 4, None), slice(6, 8, None), slice(9, 10, None)]
+    """
+    window = batch_size * num_replicas
+    full, tail = divmod(total_size, window)
+    slices = [
+        slice(k * window + first * batch_size, k * window + (first + count) * batch_size)
+        for k in range(full)
+    ]
+    last = tail // num_replicas
+    if last and not drop_last:
+        start = full * window
+        slices.append(slice(start + first * last, start + (first + count) * last))
+    return slices
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+class BatchSampler:
+    """Groups dataset indices into batches (Paddle's ``paddle.io.BatchSampler``).
+
+    Give either ``dataset`` (indices ``0..len(dataset)-1``, shuffled when
+    ``shuffle=True``) or ``sampler`` (any sized iterable of indices, taken in its
+    order). The shuffle is ``numpy.random.RandomState(epoch).permutation``, so it
+    is reproducible; ``epoch`` advances by one each time iteration starts and
+    :meth:`set_epoch` sets it. :meth:`state_dict` / :meth:`set_state_dict` resume
+    mid-epoch.
+
+    Args:
+        dataset: a sized dataset; mutually exclusive with ``sampler``.
+        sampler: a sized iterable of indices; mutually exclusive with ``dataset``.
+        shuffle: shuffle ``dataset``'s indices each epoch (only with ``dataset``).
+        batch_size: indices per batch.
+        drop_last: drop the last batch when it is smaller than ``batch_size``.
+
+    Example:
+        >>> list(BatchSampler(sampler=range(5), batch_size=2))
+        [[0, 1], [2, 3], [4]]
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | None = None,
+        sampler: Iterable[int] | None = None,
+        shuffle: bool = False,
+        batch_size: int = 1,
+        drop_last: bool = False,
+    ):
+        if (dataset is None) == (sampler is None):
+            raise FleetConfigError(
+                "BatchSampler needs exactly one of dataset= or sampler=, got "
+                f"{'both' if dataset is not None else 'neither'}"
+            )
+        if sampler is not None and shuffle:
+            raise FleetConfigError(
+                "BatchSampler(sampler=..., shuffle=True): the sampler fixes the order; "
+                "shuffle inside the sampler, or pass dataset= with shuffle=True"
+            )
+        self.dataset = dataset
+        self.sampler = sampler
+        self.shuffle = bool(shuffle)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.drop_last = bool(drop_last)
+        self._size = _dataset_size(dataset if dataset is not None else sampler)
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None
+        self._progress: _Progress | None = None
+
+    # Subclasses change these two.
+    def _order(self, epoch: int) -> np.ndarray:
+        if self.sampler is not None:
+            return np.asarray(list(self.sampler), dtype=np.int64)
+        if self.shuffle:
+            return np.random.RandomState(epoch).permutation(self._size)
+        return np.arange(self._size)
+
+    def _slices(self, total_size: int) -> list[slice]:
+        return batch_slices(total_size, self.batch_size, 1, 0, 1, self.drop_last)
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """The batches of ``epoch``, as index arrays (pure: no state changes).
+
+        Example:
+            >>> [b.tolist() for b in BatchSampler(sampler=range(3), batch_size=2).batches(0)]
+            [[0, 1], [2]]
+        """
+        order = self._order(epoch)
+        return [order[s] for s in self._slices(len(order))]
+
+    def __iter__(self):
+        epoch = self.epoch
+        self.epoch += 1
+        skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self._resume = None
+        progress = _Progress(epoch, skip)
+        self._progress = progress
+        return _generate(self.batches(epoch), progress)
+
+    def __len__(self) -> int:
+        return len(self._slices(self._total_size()))
+
+    def _total_size(self) -> int:
+        return self._size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next iteration uses (and that seeds its shuffle).
+
+        A resume state loaded with :meth:`set_state_dict` stays pending only if
+        ``epoch`` is the saved epoch.
+        """
+        if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, bool) or epoch < 0:
+            raise FleetConfigError(f"epoch must be an int >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: ``{"epoch", "batches_done"}`` plus the config it needs.
+
+        During an epoch this is the running epoch and the number of batches yielded
+        so far; between epochs it is the next epoch and 0.
+        """
+        progress = self._progress
+        if progress is not None and not progress.finished:
+            epoch, done = progress.epoch, progress.done
+        else:
+            epoch, done = self.epoch, 0
+        return {"epoch": epoch, "batches_done": done, **self._fingerprint()}
+
+    def set_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next iteration continue exactly after the saved state's last batch.
+
+        Example:
+            >>> s = BatchSampler(sampler=range(6), batch_size=2)
+            >>> it = iter(s); first = next(it)
+            >>> t = BatchSampler(sampler=range(6), batch_size=2)
+            >>> t.set_state_dict(s.state_dict()); list(t)
+            [[2, 3], [4, 5]]
+        """
+        missing = {"epoch", "batches_done"} - set(state)
+        if missing:
+            raise FleetConfigError(
+                f"sampler state is missing {sorted(missing)}; pass what state_dict() returned"
+            )
+        for key, mine in self._fingerprint().items():
+            if key in state and state[key] != mine:
+                raise FleetConfigError(
+                    f"the sampler state was saved with {key}={state[key]!r} but this "
+                    f"sampler has {key}={mine!r}; resume with the same dataset, batch size "
+                    "and number of replicas, or start the epoch over"
+                )
+        epoch, done = int(state["epoch"]), int(state["batches_done"])
+        if not 0 <= done <= len(self):
+            raise FleetConfigError(
+                f"batches_done={done} is outside 0..{len(self)} (this sampler's batches "
+                "per epoch); pass what state_dict() returned"
+            )
+        self.epoch = epoch
+        self._resume = (epoch, done)
+        self._progress = None
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"dataset_size": self._size, "batch_size": self.batch_size}
+
+
+class DistributedBatchSampler(BatchSampler):
+    """Each replica's share of every batch (Paddle's ``DistributedBatchSampler``).
+
+    See this module's docstring for the exact split. ``batch_size`` is per replica,
+    and a replica is a device. This process covers replicas
+    ``[rank, rank + num_local_replicas)``; each yielded batch is their batches
+    concatenated in replica (device) order, ``batch_size * num_local_replicas``
+    indices (fewer in a last partial batch). ``len()`` is the same on every replica.
+
+    Defaults, resolved when the sampler is built:
+
+    * after ``fleet.init``: ``num_replicas`` = all devices of all processes, ``rank`` =
+      the mesh index of this process's first device, ``num_local_replicas`` = this
+      process's devices -- the split ``fleet.io.DataLoader`` expects;
+    * without ``fleet.init``: one replica, ``rank=0``;
+    * an explicit ``rank`` (Paddle's one-replica-per-process style) means
+      ``num_local_replicas=1``.
+
+    Args:
+        dataset: a sized dataset.
+        batch_size: samples per replica per step.
+        num_replicas: number of replicas the data is split over.
+        rank: index of this process's first replica.
+        shuffle: shuffle the padded index list with ``RandomState(epoch)``.
+        drop_last: drop each replica's last partial batch.
+        num_local_replicas: how many consecutive replicas this process covers.
+
+    Example:
+        >>> s = DistributedBatchSampler(range(10), batch_size=2, num_replicas=2, rank=1)
+        >>> list(s), len(s)
+        ([[2, 3], [6, 7], [9]], 3)
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        batch_size: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        *,
+        num_local_replicas: int | None = None,
+    ):
+        super().__init__(dataset=dataset, shuffle=shuffle, batch_size=batch_size,
+                         drop_last=drop_last)
+        if self._size == 0:
+            raise FleetConfigError(
+                "DistributedBatchSampler got an empty dataset (len 0); there is nothing "
+                "to split over the replicas"
+            )
+        self.num_replicas, self.rank, self.num_local_replicas = _resolve_replicas(
+            num_replicas, rank, num_local_replicas
+        )
+        self.num_samples = -(-self._size // self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return padded_order(self._size, self.num_replicas, epoch, self.shuffle)[0]
+
+    def _slices(self, total_size: int) -> list[slice]:
+        return batch_slices(total_size, self.batch_size, self.num_replicas, self.rank,
+                            self.num_local_replicas, self.drop_last)
+
+    def _total_size(self) -> int:
+        return self.total_size
+
+    def padding_mask(self, step: int, epoch: int | None = None) -> np.ndarray:
+        """Which rows of step ``step``'s *global* batch are padding duplicates.
+
+        The global batch is every replica's batch of that step in replica order --
+        what a global ``jax.Array`` from the loader holds. Dropping the ``True`` rows
+        of every step leaves each dataset index exactly once (with ``drop_last=False``).
+
+        Args:
+            step: the batch number within the epoch.
+            epoch: the epoch whose order to use; default: the running (or last) one.
+
+        Example:
+            >>> s = DistributedBatchSampler(range(5), batch_size=2, num_replicas=2, rank=0)
+            >>> [s.padding_mask(k, epoch=0).tolist() for k in range(len(s))]
+            [[False, False, False, False], [False, True]]
+        """
+        if epoch is None:
+            epoch = self._progress.epoch if self._progress is not None else self.epoch
+        order_pad = padded_order(self._size, self.num_replicas, epoch, self.shuffle)[1]
+        slices = batch_slices(self.total_size, self.batch_size, self.num_replicas, 0,
+                              self.num_replicas, self.drop_last)
+        if not 0 <= step < len(slices):
+            raise FleetConfigError(
+                f"step={step} is outside 0..{len(slices) - 1}, the {len(slices)} batches "
+                "of an epoch"
+            )
+        return order_pad[slices[step]]
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {**super()._fingerprint(), "num_replicas": self.num_replicas,
+                "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _Progress:
+    """The running epoch and how many of its batches were yielded."""
+
+    __slots__ = ("epoch", "done", "finished")
+
+    def __init__(self, epoch: int, done: int):
+        self.epoch, self.done, self.finished = epoch, done, False
+
+
+def _generate(batches: list[np.ndarray], progress: _Progress):
+    for batch in batches[progress.done:]:
+        progress.done += 1
+        yield batch.tolist()
+    progress.finished = True
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise FleetTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise FleetConfigError(f"{name}={value} must be at least 1")
+    return int(value)
+
+
+def _dataset_size(dataset: Any) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        raise FleetTypeError(
+            f"{type(dataset).__name__} has no len(); a sampler needs a map-style dataset "
+            "(define __len__ and __getitem__) or a sized sampler"
+        ) from None
+
+
+def _resolve_replicas(
+    num_replicas: int | None, rank: int | None, num_local_replicas: int | None
+) -> tuple[int, int, int]:
+    from fleet import _world
+
+    world = _world.world() if _world.is_initialized() else None
+    if num_replicas is None:
+        num_replicas = world.num_replicas if world is not None else 1
+    num_replicas = _positive_int("num_replicas", num_replicas)
+    per_device = world is not None and rank is None and num_replicas == world.num_replicas
+    if num_local_replicas is None:
+        num_local_replicas = world.num_local_replicas if per_device else 1
+    num_local_replicas = _positive_int("num_local_replicas", num_local_replicas)
+    if rank is None:
+        if per_device:
+            rank = _first_local_replica(world)
+        elif world is not None:
+            import jax
+
+            rank = jax.process_index() * num_local_replicas
+        else:
+            rank = 0
+    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool):
+        raise FleetTypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+    if not 0 <= rank or rank + num_local_replicas > num_replicas:
+        raise FleetConfigError(
+            f"rank={rank} with num_local_replicas={num_local_replicas} covers replicas "
+            f"[{rank}, {rank + num_local_replicas}), outside the {num_replicas} replicas "
+            f"(allowed ranks: 0..{num_replicas - num_local_replicas}); leave rank and "
+            "num_replicas as None to take them from fleet.init"
+        )
+    return num_replicas, int(rank), num_local_replicas
+
+
+def _first_local_replica(world) -> int:
+    import jax
+
+    me = jax.process_index()
+    return next(i for i, d in enumerate(world.mesh.devices.flat) if d.process_index == me)
