@@ -7,11 +7,9 @@ the model's first layers (whose gradients backward produces last), is capped at
 stays short. A leaf larger than its cap gets a bucket of its own. Each bucket is
 reduced with one ``jax.lax.psum``; ``fuse=False`` means one ``psum`` per leaf.
 
-A bucket's ``psum`` takes the bucket's leaves as operands of one collective
-instead of concatenating them into one flat buffer per dtype: on XLA the two
-lower to the same all-reduce, and the concatenation and the split back are
-copies of the whole gradient that cost more than they save (see
-``benchmarks/step_overhead.py``: ``concat`` rows).
+A bucket's leaves are flattened into one buffer per dtype, so the program
+holds exactly one ``psum`` per bucket (and dtype): ``jax.lax.psum`` of a list
+traces one collective per operand, which would hide the buckets.
 
 On GPU, XLA's all-reduce combiner still merges collectives up to
 ``--xla_gpu_all_reduce_combine_threshold_bytes`` (and on CPU it merges them
@@ -62,9 +60,10 @@ def plan_buckets(nbytes: Sequence[int], config: BucketConfig) -> list[list[int]]
     return buckets
 
 
-def _psum_bucket(leaves: list, concat: bool) -> list:
-    if not concat:
-        return list(jax.lax.psum(leaves, DATA_AXIS))
+def _psum_bucket(leaves: list) -> list:
+    """One ``psum`` for the bucket: its leaves flattened into one buffer per dtype."""
+    if len(leaves) == 1:
+        return [jax.lax.psum(leaves[0], DATA_AXIS)]
     by_dtype: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(jnp.result_type(leaf), []).append(i)
@@ -78,13 +77,13 @@ def _psum_bucket(leaves: list, concat: bool) -> list:
     return out
 
 
-def allreduce_mean(leaves: list, config: BucketConfig, *, concat: bool = False) -> list:
+def allreduce_mean(leaves: list, config: BucketConfig) -> list:
     """Averages ``leaves`` over the ``data`` axis, one ``psum`` per bucket."""
     out: list = [None] * len(leaves)
     nbytes = [x.size * jnp.result_type(x).itemsize for x in leaves]
     n = jax.lax.axis_size(DATA_AXIS)
     for bucket in plan_buckets(nbytes, config):
-        summed = _psum_bucket([leaves[i] for i in bucket], concat)
+        summed = _psum_bucket([leaves[i] for i in bucket])
         for i, s in zip(bucket, summed):
             out[i] = s / n if jnp.issubdtype(s.dtype, jnp.inexact) else s // n
     return out
