@@ -1,0 +1,459 @@
+"""fleet.io.DataLoader: sharded global batches, workers, failures, resume, exact evaluation."""
+
+import json
+import multiprocessing.resource_tracker
+import os
+import signal
+import threading
+
+import jax
+import numpy as np
+import psutil
+import pytest
+
+import fleet
+from fleet import _world
+from fleet.io import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedBatchSampler,
+    FleetDataError,
+    FleetWorkerError,
+    TensorDataset,
+    get_worker_info,
+)
+
+# ----------------------------------------------------------------------------- datasets
+# Module level, so spawned workers can unpickle them.
+
+
+class ArrayDataset(Dataset):
+    """Per-sample access only (no get_batch): the generic path."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class FlipDataset(Dataset):
+    """A deterministic per-sample transform, as augmentation would be."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        image = np.arange(12, dtype=np.float32).reshape(3, 4) + 100 * i
+        return {"image": image[:, ::-1] if i % 2 else image, "label": np.int32(i)}
+
+
+class FailingDataset(Dataset):
+    def __init__(self, n, bad):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"bad sample {i}")
+        return np.float32(i)
+
+
+class RaggedDataset(Dataset):
+    def __init__(self, n, odd_one):
+        self.n, self.odd_one = n, odd_one
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.zeros(3 if i == self.odd_one else 2, np.float32), i
+
+
+class WorkerIdDataset(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return np.int64(info.id), np.int64(info.num_workers), np.int64(os.getpid())
+
+
+class NoPerSampleAccess(TensorDataset):
+    def __getitem__(self, i):
+        raise AssertionError("the fast path must not call __getitem__")
+
+
+class RecordingDataset(TensorDataset):
+    """Signals when the loader fetches the second batch (to observe prefetching)."""
+
+    def __init__(self, arrays):
+        super().__init__(arrays)
+        self.fetched = []
+        self.second_batch_fetched = threading.Event()
+
+    def get_batch(self, indices):
+        self.fetched.append(list(indices))
+        if len(self.fetched) == 2:
+            self.second_batch_fetched.set()
+        return super().get_batch(indices)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def make_world():
+    def make(n):
+        _world._WORLD = None
+        return fleet.init(devices=jax.devices()[:n])
+
+    yield make
+    _world._WORLD = None
+
+
+@pytest.fixture
+def no_world():
+    _world._WORLD = None
+    yield
+    _world._WORLD = None
+
+
+@pytest.fixture
+def no_leftover_children():
+    """Asserts that the test leaves no child process behind (beyond those it found)."""
+    multiprocessing.resource_tracker.ensure_running()  # stdlib's, lives as long as we do
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    after = {p.pid for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    assert after <= before, f"child processes left behind: {sorted(after - before)}"
+
+
+def data(n, width=3):
+    x = np.arange(n * width, dtype=np.float32).reshape(n, width)
+    return x, np.arange(n, dtype=np.int32)
+
+
+def as_numpy(batch):
+    return jax.tree_util.tree_map(np.asarray, batch)
+
+
+def assert_batches_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(w)
+        for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------- acceptance 7
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 8])
+@pytest.mark.parametrize("shuffle,drop_last", [(False, False), (True, True), (True, False)])
+def test_batches_are_global_arrays_and_each_device_holds_its_replica(
+        make_world, num_devices, shuffle, drop_last):
+    world = make_world(num_devices)
+    n, bs = 53, 3
+    x, y = data(n)
+    loader = DataLoader(TensorDataset([x, y]), batch_size=bs, shuffle=shuffle,
+                        drop_last=drop_last)
+    replicas = [DistributedBatchSampler(range(n), bs, num_replicas=num_devices, rank=r,
+                                        shuffle=shuffle, drop_last=drop_last)
+                for r in range(num_devices)]
+    for _epoch in range(2):
+        want = list(zip(*[list(s) for s in replicas]))
+        got = list(loader)
+        assert len(got) == len(want) == len(loader)
+        for (xb, yb), per_replica in zip(got, want):
+            rows = sum(len(b) for b in per_replica)
+            assert xb.shape == (rows, 3) and yb.shape == (rows,)
+            assert xb.sharding == world.batch and yb.sharding == world.batch
+            for device, indices in zip(world.mesh.devices.flat, per_replica):
+                shard = next(s for s in xb.addressable_shards if s.device == device)
+                np.testing.assert_array_equal(np.asarray(shard.data), x[indices])
+                shard = next(s for s in yb.addressable_shards if s.device == device)
+                np.testing.assert_array_equal(np.asarray(shard.data), y[indices])
+
+
+def test_dict_datasets_give_dict_batches(world):
+    x, y = data(16)
+    loader = DataLoader(TensorDataset({"image": x, "label": y}), batch_size=2)
+    batch = next(iter(loader))
+    assert set(batch) == {"image", "label"}
+    np.testing.assert_array_equal(np.asarray(batch["label"]), np.arange(16))
+    assert batch["image"].sharding == world.batch
+
+
+def test_fast_path_gathers_whole_batches_without_per_sample_calls(world):
+    x, y = data(40)
+    fast = list(DataLoader(NoPerSampleAccess([x, y]), batch_size=2, shuffle=True))
+    generic = list(DataLoader(ArrayDataset(x, y), batch_size=2, shuffle=True))
+    assert_batches_equal(fast, generic)
+
+
+def test_return_numpy_gives_process_local_numpy_without_fleet_init(no_world):
+    x, y = data(10)
+    batches = list(DataLoader(TensorDataset([x, y]), batch_size=4, return_numpy=True))
+    assert all(isinstance(a, np.ndarray) for b in batches for a in b)
+    assert_batches_equal(batches, [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])])
+
+
+def test_collate_fn_is_used_on_the_list_of_samples(world):
+    x, y = data(16)
+
+    def collate(samples):
+        return np.stack([s[0] for s in samples]) * 2
+
+    (first, *_) = DataLoader(TensorDataset([x, y]), batch_size=1, collate_fn=collate)
+    np.testing.assert_array_equal(np.asarray(first), x[:8] * 2)
+
+
+def test_next_batch_is_loaded_while_the_current_one_is_in_use(world):
+    x, y = data(64)
+    dataset = RecordingDataset([x, y])
+    it = iter(DataLoader(dataset, batch_size=2, prefetch_factor=2))
+    first = next(it)
+    # Without asking for it, the loader already fetched (and placed) the next batch.
+    assert dataset.second_batch_fetched.wait(timeout=30)
+    np.testing.assert_array_equal(np.asarray(first[1]), np.arange(16))
+    assert_batches_equal(list(it), [(x[16 * k:16 * k + 16], y[16 * k:16 * k + 16])
+                                    for k in (1, 2, 3)])
+
+
+# ------------------------------------------------------------------- workers
+
+
+def test_workers_give_the_same_batches_in_order(world, no_leftover_children):
+    serial = list(DataLoader(FlipDataset(70), batch_size=2, shuffle=True))
+    parallel = DataLoader(FlipDataset(70), batch_size=2, shuffle=True, num_workers=2,
+                          prefetch_factor=1)
+    assert_batches_equal(list(parallel), serial)
+    assert parallel.batch_sampler.epoch == 1
+
+
+def test_persistent_workers_are_reused_across_epochs_and_closed(world, no_leftover_children):
+    loader = DataLoader(WorkerIdDataset(), batch_size=1, num_workers=2,
+                        persistent_workers=True, return_numpy=True)
+    (ids, counts, pids), = list(loader)
+    assert ids.tolist() == [0] * 8 and counts.tolist() == [2] * 8
+    (_, _, pids_again), = list(loader)
+    assert pids_again.tolist() == pids.tolist()
+    loader.close()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in set(pids.tolist()))
+
+
+def test_worker_exception_is_raised_with_the_worker_traceback(world, no_leftover_children):
+    loader = DataLoader(FailingDataset(64, bad=37), batch_size=1, num_workers=2)
+    with pytest.raises(ValueError, match="bad sample 37") as info:
+        list(loader)
+    cause = str(info.value.__cause__)
+    assert "Traceback in DataLoader worker 0" in cause  # batch 4 (indices 32..39) -> worker 0
+    assert 'raise ValueError(f"bad sample {i}")' in cause and "in __getitem__" in cause
+    assert any("while loading batch 4 (dataset indices [32, 33" in note
+               for note in info.value.__notes__)
+
+
+def test_a_killed_worker_is_reported(world, no_leftover_children):
+    it = iter(DataLoader(FlipDataset(400), batch_size=1, num_workers=2, prefetch_factor=1))
+    next(it)
+    os.kill(it._pool.pids[1], signal.SIGKILL)
+    with pytest.raises(FleetWorkerError, match=r"worker 1 \(pid \d+\) exited unexpectedly "
+                                               r"with exit code -9"):
+        list(it)
+
+
+@pytest.mark.parametrize("how", ["break", "exception", "keyboard_interrupt"])
+def test_leaving_the_loop_leaves_no_worker_behind(world, no_leftover_children, how):
+    loader = DataLoader(FlipDataset(400), batch_size=1, num_workers=2)
+
+    def train():
+        for step, _batch in enumerate(loader):
+            if step == 2:
+                if how == "break":
+                    break
+                if how == "exception":
+                    raise RuntimeError("the training step failed")
+                # Ctrl-C: the terminal signals the whole process group.
+                workers = [w for w in psutil.Process().children()
+                           if "resource_tracker" not in " ".join(w.cmdline())]
+                assert len(workers) == 2
+                for w in workers:
+                    os.kill(w.pid, signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+
+    if how == "break":
+        train()
+    elif how == "exception":
+        with pytest.raises(RuntimeError, match="the training step failed"):
+            train()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            train()
+
+
+def test_worker_exceptions_leave_no_worker_behind_and_in_process_errors_too(
+        world, no_leftover_children):
+    with pytest.raises(ValueError, match="bad sample 3"):
+        list(DataLoader(FailingDataset(64, bad=3), batch_size=1))
+
+
+# ------------------------------------------------------------------- inconsistent shapes
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_samples_of_different_shapes_name_the_sample(world, num_workers):
+    loader = DataLoader(RaggedDataset(32, odd_one=21), batch_size=2, num_workers=num_workers)
+    with pytest.raises(FleetDataError, match=r"sample at dataset index 21 \(position 5 of its "
+                                             r"batch\) has at \[0\] shape \(3,\), but dataset "
+                                             r"index 16 has shape \(2,\)"):
+        list(loader)
+
+
+# ------------------------------------------------------------------- acceptance 4
+
+
+@pytest.mark.parametrize("done", [0, 1, 3, 6, 7])
+def test_resume_mid_epoch_continues_with_exactly_the_next_batch(world, done):
+    x, y = data(110)
+
+    def make():
+        return DataLoader(TensorDataset([x, y]), batch_size=2, shuffle=True, prefetch_factor=3)
+
+    reference = make()
+    epochs = [[as_numpy(b) for b in reference] for _ in range(2)]
+    assert len(epochs[0]) == 7
+
+    interrupted = make()
+    it = iter(interrupted)
+    for _ in range(done):
+        next(it)
+    state = json.loads(json.dumps(interrupted.state_dict()))  # as a checkpoint stores it
+    del it
+
+    restarted = make()
+    restarted.set_state_dict(state)
+    assert_batches_equal([as_numpy(b) for b in restarted], epochs[0][done:] if done < 7
+                         else epochs[1])
+    if done < 7:
+        assert_batches_equal([as_numpy(b) for b in restarted], epochs[1])
+
+
+def test_resume_with_workers_and_a_custom_batch_sampler(world):
+    x, y = data(48)
+
+    class Plain:  # a batch sampler without state_dict(): resume skips the batches done
+        def __iter__(self):
+            return iter([list(range(i, i + 8)) for i in range(0, 48, 8)])
+
+        def __len__(self):
+            return 6
+
+    loader = DataLoader(TensorDataset([x, y]), batch_sampler=Plain())
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert state == {"batches_done": 2}
+    restarted = DataLoader(TensorDataset([x, y]), batch_sampler=Plain())
+    restarted.set_state_dict(state)
+    assert [np.asarray(b[1]).tolist() for b in restarted] == [
+        list(range(i, i + 8)) for i in range(16, 48, 8)]
+
+
+# ------------------------------------------------------------------- acceptance 6
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_exact_evaluation_counts_every_sample_once(world, shuffle):
+    n = 37  # 8 devices x 5 = 40 after padding: 3 duplicates
+    x, labels = data(n)
+    predictions = (labels * 7) % 3  # a fixed "model"
+    want_accuracy = np.mean(predictions == labels % 3)
+
+    loader = DataLoader(TensorDataset([x, labels]), batch_size=2, shuffle=shuffle)
+    seen, correct, padded_count = [], 0, 0
+    for _, y in loader:
+        pred = jax.jit(lambda t: (t * 7) % 3)(y)  # per-example outputs, still sharded
+        padded_count += y.shape[0]
+        kept_pred, kept_y = loader.gather_for_metrics((pred, y))
+        seen += kept_y.tolist()
+        correct += int(np.sum(kept_pred == kept_y % 3))
+    assert padded_count == 40
+    assert sorted(seen) == list(range(n))
+    assert correct / len(seen) == pytest.approx(want_accuracy)
+
+
+# ------------------------------------------------------------------- errors
+
+
+def test_loader_argument_errors(world):
+    ds = TensorDataset([np.zeros((16, 2))])
+    sampler = DistributedBatchSampler(ds, 2)
+    with pytest.raises(fleet.FleetConfigError,
+                       match=r"batch_sampler together with batch_size=4, shuffle=False"):
+        DataLoader(ds, batch_size=4, batch_sampler=sampler)
+    with pytest.raises(fleet.FleetConfigError, match=r"num_workers=-1 must be at least 0"):
+        DataLoader(ds, num_workers=-1)
+    with pytest.raises(fleet.FleetConfigError, match=r"prefetch_factor=0 must be at least 1"):
+        DataLoader(ds, prefetch_factor=0)
+    with pytest.raises(fleet.FleetTypeError, match=r"num_workers must be an int, got float"):
+        DataLoader(ds, num_workers=1.0)
+    with pytest.raises(fleet.FleetTypeError, match=r"collate_fn must be callable or None"):
+        DataLoader(ds, collate_fn="stack")
+    with pytest.raises(fleet.FleetTypeError, match=r"needs a map-style dataset .* got int"):
+        DataLoader(3)
+    with pytest.raises(fleet.FleetConfigError,
+                       match=r"covers replicas \[3, 4\) of 8, but this process feeds "
+                             r"devices \[0, 8\) of 8"):
+        DataLoader(ds, batch_sampler=DistributedBatchSampler(ds, 2, num_replicas=8, rank=3))
+
+
+def test_loader_needs_fleet_init_unless_it_returns_numpy(no_world):
+    with pytest.raises(fleet.FleetNotInitializedError, match=r"call fleet.init"):
+        DataLoader(TensorDataset([np.zeros(4)]))
+
+
+def test_batch_that_does_not_split_over_the_devices(world):
+    ds = TensorDataset([np.zeros((13, 2))])
+    loader = DataLoader(ds, batch_sampler=BatchSampler(dataset=ds, batch_size=8))
+    with pytest.raises(FleetDataError, match=r"batch 1 has an array of shape \(5, 2\), whose "
+                                             r"leading axis does not split over this "
+                                             r"process's 8 devices"):
+        list(loader)
+
+
+def test_gather_for_metrics_errors(world):
+    loader = DataLoader(TensorDataset([np.zeros((16, 2))]), batch_size=1)
+    with pytest.raises(fleet.FleetConfigError, match=r"called before the loader yielded"):
+        loader.gather_for_metrics(np.zeros(8))
+    next(iter(loader))
+    with pytest.raises(FleetDataError, match=r"shape \(4,\), but batch 0 has 8 rows"):
+        loader.gather_for_metrics(np.zeros(4))
+
+
+@pytest.mark.parametrize("arg,error,match", [
+    ("nope", fleet.FleetTypeError, r"takes a list \(or dict\) of arrays, got str"),
+    ([], fleet.FleetConfigError, r"got no arrays"),
+    ([np.zeros(3), np.zeros(4)], fleet.FleetConfigError, r"different lengths \[3, 4\]"),
+    ([np.float32(1)], fleet.FleetConfigError, r"must have a sample axis, got shapes \[\(\)\]"),
+])
+def test_tensor_dataset_errors(arg, error, match):
+    with pytest.raises(error, match=match):
+        TensorDataset(arg)
+
+
+def test_loader_resume_state_error(world):
+    loader = DataLoader(TensorDataset([np.zeros(16)]), batch_size=1)
+    with pytest.raises(fleet.FleetConfigError, match=r"expected 'sampler'"):
+        loader.set_state_dict({"batches_done": 1})
