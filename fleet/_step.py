@@ -69,6 +69,12 @@ def _is_batch_like(x: Any) -> bool:
     return False
 
 
+def _holds_arrays(x: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(_is_array(v) or isinstance(v, (int, float, np.generic))
+                                for v in leaves)
+
+
 def _kind(x: Any, is_batch: bool | None) -> str:
     if isinstance(x, nnx.Pytree):
         return _NNX
@@ -76,15 +82,9 @@ def _kind(x: Any, is_batch: bool | None) -> str:
         _is_array(x) and np.ndim(x) == 0
     ):
         return _REPL
-    if is_batch is None:
-        if _is_batch_like(x):
-            return _BATCH
-        if dataclasses.is_dataclass(x) or jax.tree_util.tree_leaves(x):
-            return _TREE
-        return _STATIC
-    if is_batch:
+    if is_batch or (is_batch is None and _is_batch_like(x)):
         return _BATCH
-    return _TREE if jax.tree_util.tree_leaves(x) else _STATIC
+    return _TREE if _holds_arrays(x) else _STATIC
 
 
 @dataclasses.dataclass(frozen=True)

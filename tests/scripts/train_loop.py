@@ -1,0 +1,55 @@
+"""A fleetrun worker that trains LinearNet step after step (real collectives), for
+the failure tests: it can hang (a simulated deadlock) or raise on one rank.
+
+    train_loop.py [--steps N] [--hang_rank R --hang_step S] [--raise_rank R --raise_step S]
+"""
+
+import argparse
+import os
+import time
+
+from linear_common import GLOBAL_BATCH, _model, global_batch
+
+import fleet
+from fleet.launch import heartbeat
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=100000)
+parser.add_argument("--hang_rank", type=int, default=-1)
+parser.add_argument("--hang_step", type=int, default=-1)
+parser.add_argument("--raise_rank", type=int, default=-1)
+parser.add_argument("--raise_step", type=int, default=-1)
+args = parser.parse_args()
+
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+fleet.init(is_collective=True)
+rank, count = fleet.worker_index(), fleet.worker_num()
+print(f"pid {os.getpid()} rank {rank} of {count}", flush=True)
+model = fleet.distributed_model(_model())
+optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+
+
+@fleet.distributed_step
+def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+rows = GLOBAL_BATCH // count
+for step in range(args.steps):
+    if rank == args.hang_rank and step == args.hang_step:
+        print(f"rank {rank} hangs at step {step}", flush=True)
+        while True:
+            time.sleep(1)
+    if rank == args.raise_rank and step == args.raise_step:
+        raise ValueError(f"boom from rank {rank} at step {step}")
+    heartbeat()
+    x, y = global_batch(step)
+    loss = float(train_step(model, optimizer, x[rank * rows:(rank + 1) * rows],
+                            y[rank * rows:(rank + 1) * rows]))
+    heartbeat()
+    print(f"step:{step}\tloss:{loss:.6f}", flush=True)
+    time.sleep(0.02)

@@ -1,0 +1,132 @@
+"""Acceptance: every error path says what was given, what is allowed, what to do."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from fleet import _world
+from tests import models
+
+
+def test_unknown_strategy_field_names_the_closest():
+    strategy = fleet.DistributedStrategy()
+    with pytest.raises(fleet.FleetAttributeError, match="did you mean 'fuse_grad_size_in_MB'"):
+        strategy.fuse_grad_size_in_mb = 16
+    with pytest.raises(AttributeError, match="did you mean 'find_unused_parameters'"):
+        strategy.find_unused_parameter  # noqa: B018
+    assert not hasattr(strategy, "nonsense")
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("fuse_all_reduce_ops", 1, "must be of type bool, got 1 of type int"),
+        ("fuse_grad_size_in_MB", "16", "must be of type float, got '16' of type str"),
+        ("find_unused_parameters", None, "must be of type bool"),
+        ("amp", "yes", "must be of type bool"),
+        ("amp_configs", 3, "must be a dict or AmpConfigs"),
+    ],
+)
+def test_mistyped_strategy_field(field, value, match):
+    with pytest.raises(fleet.FleetTypeError, match=match):
+        setattr(fleet.DistributedStrategy(), field, value)
+
+
+def test_strategy_values_and_configs_are_validated():
+    strategy = fleet.DistributedStrategy()
+    with pytest.raises(fleet.FleetConfigError, match="must be a positive number of MB, got -1"):
+        strategy.last_comm_group_size_MB = -1
+    with pytest.raises(AttributeError, match="did you mean 'k_steps'"):
+        strategy.gradient_merge_configs = {"k_step": 4}
+    strategy.gradient_merge_configs = {"k_steps": 4, "avg": False}
+    assert strategy.gradient_merge_configs.k_steps == 4
+    strategy.fuse_grad_size_in_MB = 16  # an int is a valid float
+    assert strategy.fuse_grad_size_in_MB == 16.0
+
+
+def test_parameter_server_mode_is_refused():
+    with pytest.raises(fleet.FleetUnsupportedError, match="is_collective=True"):
+        fleet.init(is_collective=False)
+
+
+def test_a_strategy_with_an_unimplemented_section_is_refused():
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    with pytest.raises(fleet.FleetUnsupportedError, match="turns on amp.*strategy.amp = False"):
+        fleet.init(is_collective=True, strategy=strategy)
+
+
+def test_using_fleet_before_init():
+    _world._WORLD = None
+    with pytest.raises(fleet.FleetNotInitializedError, match=r"call fleet.init\(is_collective=True\)"):
+        fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+
+
+@pytest.fixture
+def trained(make_world):
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    return model, optimizer
+
+
+def test_batch_that_does_not_divide_over_replicas(trained):
+    model, optimizer = trained
+    step = fleet.distributed_step(models.nnx_train_step)
+    x, y = np.ones((6, 10), np.float32), np.ones((6, 1), np.float32)
+    with pytest.raises(fleet.FleetConfigError,
+                       match=r"shape \(6, 10\).*not a multiple of the 4 replicas.*multiple of 4"):
+        step(model, optimizer, x, y)
+
+
+def test_reducing_gradients_outside_a_step(trained):
+    model, optimizer = trained
+    grads = nnx.grad(lambda m: models.loss_of(m(np.ones((4, 10), np.float32)),
+                                              np.ones((4, 1), np.float32)))(model)
+    with pytest.raises(fleet.FleetError, match=r"inside a step.*@fleet.distributed_step"):
+        optimizer.update(model, grads)
+    with pytest.raises(fleet.FleetError, match="4 data-parallel replicas"):
+        fleet.fused_allreduce_gradients(grads)
+
+
+def test_reducing_outside_a_step_is_fine_with_one_replica(make_world):
+    make_world(1)
+    grads = {"w": jax.numpy.ones(3)}
+    assert fleet.fused_allreduce_gradients(grads) is grads
+
+
+def test_wrong_kinds_of_model_and_optimizer(make_world):
+    make_world(2)
+    with pytest.raises(fleet.FleetTypeError, match="takes a Flax NNX or Linen module, got dict"):
+        fleet.DataParallel({"w": 1})
+    dp = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    with pytest.raises(fleet.FleetTypeError, match="already a fleet.DataParallel"):
+        fleet.DataParallel(dp)
+    with pytest.raises(fleet.FleetTypeError, match="optax.GradientTransformation or an nnx.Optimizer"):
+        fleet.distributed_optimizer("adam")
+    with pytest.raises(fleet.FleetConfigError, match="comm_buffer_size must be a positive number"):
+        fleet.DataParallel(models.LinearNet(nnx.Rngs(0)), comm_buffer_size=0)
+
+
+def test_returning_an_nnx_object_from_a_step(trained):
+    model, _ = trained
+
+    @fleet.distributed_step
+    def step(model, x):
+        return model
+
+    with pytest.raises(fleet.FleetTypeError, match="updated in place, so return only arrays"):
+        step(model, np.ones((4, 10), np.float32))
+
+
+def test_bad_worker_environment(monkeypatch):
+    monkeypatch.setenv("FLEET_WORLD_SIZE", "2")
+    monkeypatch.setenv("FLEET_RANK", "5")
+    with pytest.raises(fleet.FleetConfigError, match=r"rank 5 is outside the job's 2 processes"):
+        fleet.WorkerEnv.from_environ()
+    monkeypatch.setenv("FLEET_RANK", "one")
+    with pytest.raises(fleet.FleetConfigError, match="FLEET_RANK='one' is not an integer"):
+        fleet.WorkerEnv.from_environ()

@@ -1,0 +1,105 @@
+"""Acceptance: replicas start identical, even when each device's parameters were
+made different on purpose; state_dict keys are the unwrapped model's."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+
+
+def different_on_each_device(value: np.ndarray, world) -> jax.Array:
+    """A 'replicated' array whose copies differ: device i holds value + i."""
+    shards = [jax.device_put(value + i, d) for i, d in enumerate(world.mesh.devices.flat)]
+    return jax.make_array_from_single_device_arrays(value.shape, world.replicated, shards)
+
+
+def copies(x: jax.Array) -> list[np.ndarray]:
+    return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def test_replicas_start_identical(make_world):
+    world = make_world(4)
+    model = models.LinearNet(nnx.Rngs(0))
+    kernel = np.asarray(model._linear1.kernel.get_value())
+    model._linear1.kernel.set_value(different_on_each_device(kernel, world))
+    assert not np.array_equal(*copies(model._linear1.kernel.get_value())[:2])
+
+    dp = fleet.distributed_model(model)
+    for var in [dp._linear1.kernel, dp._linear1.bias, dp._linear2.kernel]:
+        value = var.get_value()
+        assert value.sharding.is_equivalent_to(world.replicated, value.ndim)
+        first, *rest = copies(value)
+        for other in rest:
+            np.testing.assert_array_equal(first, other)
+    np.testing.assert_array_equal(copies(dp._linear1.kernel.get_value())[0], kernel)  # device 0's
+
+
+def test_training_keeps_replicas_identical(make_world):
+    make_world(8)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in models.batches("linear", 5, 16):
+        step(model, optimizer, x, y)
+    for path, var in nnx.to_flat_state(nnx.state((model, optimizer))):
+        first, *rest = copies(var.get_value())
+        for other in rest:
+            np.testing.assert_array_equal(first, other, err_msg=str(path))
+
+
+def test_wrapper_is_the_model(make_world):
+    make_world(2)
+    inner = models.LinearNet(nnx.Rngs(0))
+    dp = fleet.distributed_model(inner)
+    assert isinstance(dp, models.LinearNet) and isinstance(dp, fleet.DataParallel)
+    assert dp._linear1 is inner._linear1  # same variables: training one trains the other
+    x = np.ones((4, 10), np.float32)
+    np.testing.assert_allclose(np.asarray(dp(x)), np.asarray(inner(x)))
+
+
+def test_state_dict_has_the_unwrapped_keys_and_round_trips(make_world):
+    make_world(4)
+    single = models.LinearNet(nnx.Rngs(1))
+    single_keys = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(single))}
+    dp = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    assert set(dp.state_dict()) == single_keys == {
+        "_linear1.kernel", "_linear1.bias", "_linear2.kernel", "_linear2.bias"}
+
+    # A single-card checkpoint loads into the distributed model, replicated.
+    saved = {k: np.asarray(v.get_value()) for k, v in
+             ((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(single)))}
+    dp.set_state_dict(saved)
+    for key, value in dp.state_dict().items():
+        np.testing.assert_array_equal(value, saved[key])
+    assert dp._linear1.kernel.get_value().sharding.is_fully_replicated
+
+
+def test_set_state_dict_rejects_a_mismatch_and_changes_nothing(make_world):
+    make_world(2)
+    dp = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    before = dp.state_dict()
+    bad = dict(before)
+    bad["_linear1.kernel"] = np.zeros((3, 3), np.float32)
+    del bad["_linear2.bias"]
+    bad["extra.weight"] = np.zeros(2)
+    with pytest.raises(fleet.FleetError, match=r"missing '_linear2.bias'.*unexpected 'extra.weight'"
+                       r".*'_linear1.kernel': model has \(10, 10\) float32, given \(3, 3\)"):
+        dp.set_state_dict(bad)
+    after = dp.state_dict()
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key])
+
+
+def test_linen_state_dict_round_trip(make_world):
+    make_world(2)
+    dp = fleet.distributed_model(models.LinenLinearNet())
+    variables = dp.init(jax.random.key(0), np.ones((1, 10), np.float32))
+    sd = dp.state_dict(variables)
+    assert set(sd) == {"params.Dense_0.kernel", "params.Dense_0.bias",
+                       "params.Dense_1.kernel", "params.Dense_1.bias"}
+    restored = dp.set_state_dict(sd, variables)
+    assert models.max_diff(models.flat_params(restored), models.flat_params(variables)) == 0
