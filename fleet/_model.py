@@ -91,16 +91,22 @@ def replicate(tree: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def _variables(module: nnx.Module) -> dict[str, nnx.Variable]:
+def module_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
     """The module's variables by dotted path (``"linear1.kernel"``)."""
     flat = nnx.to_flat_state(nnx.state(module))
     return {".".join(map(str, path)): var for path, var in flat}
 
 
-def _set_replicated(variables: dict[str, nnx.Variable], values: dict[str, Any]) -> None:
+def set_replicated(variables: dict[str, nnx.Variable], values: dict[str, Any]) -> None:
     placed = replicate(values)
     for key, var in variables.items():
         var.set_value(placed[key])
+
+
+def replicate_in_place(obj: nnx.Pytree) -> None:
+    """Makes every variable of ``obj`` replicated on the mesh, equal everywhere."""
+    variables = module_variables(obj)
+    set_replicated(variables, {k: v.get_value() for k, v in variables.items()})
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -165,8 +171,7 @@ class DataParallel(nnx.Module):
         for name, value in vars(layers).items():
             if name != "_pytree__state":
                 object.__setattr__(self, name, value)
-        variables = _variables(layers)
-        _set_replicated(variables, {k: v.get_value() for k, v in variables.items()})
+        replicate_in_place(layers)
 
     # -- Paddle's methods --------------------------------------------------------
 
@@ -195,7 +200,7 @@ class DataParallel(nnx.Module):
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters and other variables, keyed as in the unwrapped model
         (``"linear1.kernel"``), as host numpy arrays."""
-        return {k: np.asarray(v.get_value()) for k, v in _variables(self).items()}
+        return {k: np.asarray(v.get_value()) for k, v in module_variables(self).items()}
 
     def set_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads values saved by ``state_dict`` (of this or the unwrapped model).
@@ -203,7 +208,7 @@ class DataParallel(nnx.Module):
         Every key must be known and every shape and dtype equal; otherwise nothing
         changes and the error lists the differences.
         """
-        current = _variables(self)
+        current = module_variables(self)
         problems = [f"missing {k!r}" for k in current if k not in state_dict]
         problems += [f"unexpected {k!r}" for k in state_dict if k not in current]
         for key, value in state_dict.items():
@@ -215,7 +220,7 @@ class DataParallel(nnx.Module):
                     )
         if problems:
             raise FleetError("state_dict does not fit the model: " + "; ".join(problems))
-        _set_replicated(current, {k: np.asarray(state_dict[k]) for k in current})
+        set_replicated(current, {k: np.asarray(state_dict[k]) for k in current})
 
 
 class LinenDataParallel(DataParallel):

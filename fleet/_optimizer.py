@@ -16,7 +16,7 @@ from flax import nnx
 
 from fleet import _context
 from fleet._errors import FleetTypeError
-from fleet._model import _set_replicated, _variables
+from fleet._model import replicate_in_place
 from fleet._reduce import reduce_gradients
 
 
@@ -54,8 +54,7 @@ class DistributedOptimizer(nnx.Optimizer):
         self.wrt = optimizer.wrt
         # Replicate the state on the mesh now (Adam's counters and ``step`` sit on
         # one device otherwise), equal on every replica.
-        variables = _variables(self)
-        _set_replicated(variables, {k: v.get_value() for k, v in variables.items()})
+        replicate_in_place(self)
 
     def update(self, model, grads, /, **kwargs):
         trace = _context.current()

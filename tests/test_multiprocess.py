@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[1]
