@@ -11,6 +11,15 @@ A bucket's leaves are flattened into one buffer per dtype, so the program
 holds exactly one ``psum`` per bucket (and dtype): ``jax.lax.psum`` of a list
 traces one collective per operand, which would hide the buckets.
 
+The flattening is where buckets cost time: the concatenation before the
+``psum`` and the slices after it are copies of the whole bucket that XLA cannot
+remove across a collective. XLA:CPU's emitter copies a 1-D concatenation of
+multi-MB operands slowly (measured: a 2.1M-parameter gradient in one bucket,
+4 devices, 18.9 ms per reduction against 8.5 ms with one psum per leaf), but
+copies the same bytes about 3x faster when each leaf is viewed as a ``(1, n)``
+row and they are joined along axis 1 (6.9 ms against 5.6 ms in the same run).
+fleet flattens that way.
+
 On GPU, XLA's all-reduce combiner still merges collectives up to
 ``--xla_gpu_all_reduce_combine_threshold_bytes`` (and on CPU it merges them
 all): the buckets bound what is reduced together in the program fleet emits; set
@@ -67,13 +76,14 @@ def _psum_bucket(leaves: list) -> list:
     by_dtype: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(jnp.result_type(leaf), []).append(i)
-    flats = [jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]) for idx in by_dtype.values()]
+    flats = [jnp.concatenate([leaves[i].reshape(1, -1) for i in idx], axis=1)
+             for idx in by_dtype.values()]
     summed = jax.lax.psum(flats, DATA_AXIS)
     out: list = [None] * len(leaves)
     for flat, idx in zip(summed, by_dtype.values()):
         offsets = np.cumsum([0] + [leaves[i].size for i in idx])
         for k, i in enumerate(idx):
-            out[i] = flat[offsets[k] : offsets[k + 1]].reshape(leaves[i].shape)
+            out[i] = flat[0, offsets[k] : offsets[k + 1]].reshape(leaves[i].shape)
     return out
 
 
