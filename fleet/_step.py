@@ -87,9 +87,13 @@ def _kind(x: Any, is_batch: bool | None) -> str:
     return _TREE if _holds_arrays(x) else _STATIC
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Plan:
-    """Everything static about one call: the jit cache key."""
+    """Everything static about one call: the jit cache key.
+
+    jit hashes it on every call, and an NNX graphdef is slow to hash, so the hash
+    is computed once and a step reuses the plan while nothing static changes.
+    """
 
     kinds: tuple[str, ...]
     kw_names: tuple[str, ...]
@@ -100,6 +104,20 @@ class _Plan:
     has_accum: bool
     buckets: BucketConfig
     mesh: Any
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(self._key()))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        return self is other or (
+            isinstance(other, _Plan) and self._hash == other._hash and self._key() == other._key()
+        )
 
 
 class _GraphCache:
@@ -132,9 +150,9 @@ class _GraphCache:
         return [v.get_value() for v in self.variables]
 
     def write(self, values: Sequence) -> None:
-        if self.fast:
+        if self.fast:  # outside any trace: skip Variable.__setattr__'s trace checks
             for v, x in zip(self.variables, values):
-                v._raw_value = x
+                object.__setattr__(v, "_raw_value", x)
         else:
             for v, x in zip(self.variables, values):
                 v.set_value(x)
@@ -154,6 +172,7 @@ class DistributedStep:
         self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self._jitted: dict[Any, Callable] = {}
         self._graph: _GraphCache | None = None
+        self._last_plan: _Plan | None = None
         self._accum: list | None = None  # gradients accumulated under no_sync
         self._accum_count = 0
         self.trace_count = 0  # how often the body was traced for real (tests read it)
@@ -202,7 +221,7 @@ class DistributedStep:
         objs = tuple(v for v, k in zip(values, kinds) if k == _NNX)
         if self._graph is None or not self._graph.holds(objs):
             self._graph = _GraphCache(objs)
-        plan = _Plan(
+        plan = self._plan(
             kinds=kinds,
             kw_names=names,
             statics=tuple(v for v, k in zip(values, kinds) if k == _STATIC),
@@ -223,6 +242,15 @@ class DistributedStep:
             np.float32(self._accum_count),
         )
         return plan, call_args
+
+    def _plan(self, **fields: Any) -> _Plan:
+        last = self._last_plan
+        if last is not None and all(
+            getattr(last, k) is v or getattr(last, k) == v for k, v in fields.items()
+        ):
+            return last
+        self._last_plan = _Plan(**fields)
+        return self._last_plan
 
     def _buckets(self, values: list, w: World) -> BucketConfig:
         for v in values:
