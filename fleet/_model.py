@@ -40,6 +40,17 @@ def _first_replica_value(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _dotted(path: tuple) -> str:
+    """``"layers.0.kernel"`` for a key path (dict keys, indices, attributes)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
 def _check_same_across_processes(paths: list[str], leaves: list[np.ndarray]) -> None:
     from jax.experimental import multihost_utils
 
@@ -70,7 +81,7 @@ def replicate(tree: Any) -> Any:
     """
     w = world()
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+    paths = [_dotted(p) for p, _ in paths_leaves]
     impls = [
         jax.random.key_impl(x) if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key) else None
         for _, x in paths_leaves
@@ -258,14 +269,14 @@ class LinenDataParallel(DataParallel):
         if variables is None:
             raise FleetError("a Linen model holds no variables: call state_dict(variables)")
         flat = jax.tree_util.tree_flatten_with_path(variables)[0]
-        return {".".join(str(k.key) for k in path): np.asarray(v) for path, v in flat}
+        return {_dotted(path): np.asarray(v) for path, v in flat}
 
     def set_state_dict(self, state_dict: dict[str, Any], variables: Any = None) -> Any:  # type: ignore[override]
         """Returns ``variables`` with the values of ``state_dict``, replicated."""
         if variables is None:
             raise FleetError("a Linen model holds no variables: pass the current variables")
         flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
-        keys = [".".join(str(k.key) for k in path) for path, _ in flat]
+        keys = [_dotted(path) for path, _ in flat]
         missing = [k for k in keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if missing or unexpected:
