@@ -82,10 +82,7 @@ def replicate(tree: Any) -> Any:
     w = world()
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [_dotted(p) for p, _ in paths_leaves]
-    impls = [
-        jax.random.key_impl(x) if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key) else None
-        for _, x in paths_leaves
-    ]
+    impls = [jax.random.key_impl(x) if _is_key(x) else None for _, x in paths_leaves]
     host = [
         _first_replica_value(jax.random.key_data(x) if impl else x)
         for (_, x), impl in zip(paths_leaves, impls)
@@ -100,6 +97,19 @@ def replicate(tree: Any) -> Any:
         x = jax.make_array_from_callback(h.shape, w.replicated, lambda idx, h=h: h[idx])
         placed.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def _to_host(x: Any) -> np.ndarray:
+    return np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+
+
+def _like(current: Any, host: np.ndarray) -> Any:
+    """``host`` as a value for a variable holding ``current`` (wraps PRNG key data)."""
+    return jax.random.wrap_key_data(host, impl=jax.random.key_impl(current)) if _is_key(current) else host
 
 
 def module_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
@@ -210,8 +220,8 @@ class DataParallel(nnx.Module):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters and other variables, keyed as in the unwrapped model
-        (``"linear1.kernel"``), as host numpy arrays."""
-        return {k: np.asarray(v.get_value()) for k, v in module_variables(self).items()}
+        (``"linear1.kernel"``), as host numpy arrays (PRNG keys as their key data)."""
+        return {k: _to_host(v.get_value()) for k, v in module_variables(self).items()}
 
     def set_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads values saved by ``state_dict`` (of this or the unwrapped model).
@@ -224,14 +234,16 @@ class DataParallel(nnx.Module):
         problems += [f"unexpected {k!r}" for k in state_dict if k not in current]
         for key, value in state_dict.items():
             if key in current:
-                old, new = current[key].get_value(), np.asarray(value)
+                old, new = _to_host(current[key].get_value()), np.asarray(value)
                 if old.shape != new.shape or old.dtype != new.dtype:
                     problems.append(
                         f"{key!r}: model has {old.shape} {old.dtype}, given {new.shape} {new.dtype}"
                     )
         if problems:
             raise FleetError("state_dict does not fit the model: " + "; ".join(problems))
-        set_replicated(current, {k: np.asarray(state_dict[k]) for k in current})
+        set_replicated(current, {
+            k: _like(current[k].get_value(), np.asarray(state_dict[k])) for k in current
+        })
 
 
 class LinenDataParallel(DataParallel):

@@ -103,3 +103,25 @@ def test_linen_state_dict_round_trip(make_world):
                        "params.Dense_1.kernel", "params.Dense_1.bias"}
     restored = dp.set_state_dict(sd, variables)
     assert models.max_diff(models.flat_params(restored), models.flat_params(variables)) == 0
+
+
+class WithDropout(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.linear(x))
+
+
+def test_state_dict_with_rng_state(make_world):
+    """PRNG keys (dropout's RNG stream) are replicated and saved as key data."""
+    make_world(2)
+    dp = fleet.distributed_model(WithDropout(nnx.Rngs(0)))
+    sd = dp.state_dict()
+    assert {"linear.kernel", "dropout.rngs.key", "dropout.rngs.count"} <= set(sd)
+    assert sd["dropout.rngs.key"].dtype == np.uint32
+    other = fleet.distributed_model(WithDropout(nnx.Rngs(1)))
+    other.set_state_dict(sd)
+    for key, value in other.state_dict().items():
+        np.testing.assert_array_equal(value, sd[key])
