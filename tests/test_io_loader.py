@@ -51,6 +51,7 @@ class FlipDataset(Dataset):
         return self.n
 
     def __getitem__(self, i):
+        assert type(i) is int, type(i)  # Paddle passes Python ints
         image = np.arange(12, dtype=np.float32).reshape(3, 4) + 100 * i
         return {"image": image[:, ::-1] if i % 2 else image, "label": np.int32(i)}
 
@@ -457,3 +458,62 @@ def test_loader_resume_state_error(world):
     loader = DataLoader(TensorDataset([np.zeros(16)]), batch_size=1)
     with pytest.raises(fleet.FleetConfigError, match=r"expected 'sampler'"):
         loader.set_state_dict({"batches_done": 1})
+
+
+# ------------------------------------------------------------------- more paths
+
+
+class StringDataset(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"name": f"sample-{i}", "value": np.float32(i)}
+
+
+def set_worker_global(worker_id):
+    global WORKER_INIT_ID
+    WORKER_INIT_ID = worker_id + 100
+
+
+def failing_worker_init(worker_id):
+    raise OSError(f"cannot open the shard for worker {worker_id}")
+
+
+class InitCheckDataset(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return np.int64(WORKER_INIT_ID)
+
+
+WORKER_INIT_ID = -1
+
+
+def test_inline_loading_without_the_buffer_thread_gives_the_same_batches(world):
+    x, y = data(45)
+    threaded = list(DataLoader(TensorDataset([x, y]), batch_size=2, shuffle=True))
+    inline = DataLoader(TensorDataset([x, y]), batch_size=2, shuffle=True,
+                        use_buffer_reader=False)
+    assert_batches_equal(list(inline), threaded)
+    with pytest.raises(ValueError, match="bad sample 20"):
+        list(DataLoader(FailingDataset(64, bad=20), batch_size=1, use_buffer_reader=False))
+
+
+def test_string_fields_stay_on_the_host(world):
+    (batch, *_) = DataLoader(StringDataset(), batch_size=1)
+    assert batch["name"] == [f"sample-{i}" for i in range(8)]
+    assert batch["value"].sharding == world.batch
+
+
+def test_worker_init_fn_runs_in_each_worker_and_its_errors_surface(world, no_leftover_children):
+    pairs = BatchSampler(dataset=InitCheckDataset(), batch_size=2)
+    ids = list(DataLoader(InitCheckDataset(), batch_sampler=pairs, num_workers=2,
+                          worker_init_fn=set_worker_global, return_numpy=True))
+    assert [b.tolist() for b in ids] == [[100, 100], [101, 101]]  # batch k -> worker k
+    loader = DataLoader(InitCheckDataset(), batch_sampler=pairs, num_workers=1,
+                        worker_init_fn=failing_worker_init, return_numpy=True)
+    with pytest.raises(OSError, match="cannot open the shard for worker 0") as info:
+        list(loader)
+    assert any("in worker_init_fn" in note for note in info.value.__notes__)

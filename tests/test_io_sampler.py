@@ -12,7 +12,6 @@ import fleet
 from fleet import _world
 from fleet.io import BatchSampler, DistributedBatchSampler
 
-
 # ----------------------------------------------------------------------------- reference
 # A line-by-line re-implementation of paddle.io.DistributedBatchSampler.__iter__ on
 # Python lists, with the cyclic padding; deliberately not sharing any code

@@ -29,10 +29,11 @@ def fetch_batch(
     """
     if collate_fn is None and hasattr(dataset, "get_batch"):
         return dataset.get_batch(indices)
-    samples = [dataset[i] for i in indices]
+    indices = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+    samples = [dataset[i] for i in indices]  # Python ints, as Paddle passes them
     if collate_fn is not None:
         return collate_fn(samples)
-    return _collate(samples, list(indices), "")
+    return _collate(samples, indices, "")
 
 
 def default_collate_fn(samples: list[Any]) -> Any:

@@ -104,7 +104,7 @@ class TensorDataset(Dataset):
 
     def get_batch(self, indices: Sequence[int]) -> tuple[np.ndarray, ...] | dict[str, np.ndarray]:
         """The samples at ``indices`` stacked along a new leading axis, in one gather."""
-        indices = np.asarray(indices, dtype=np.intp)
+        indices = np.asarray(indices)
         return self._pack(np.take(a, indices, axis=0) for a in self.tensors)
 
     def _pack(self, values):

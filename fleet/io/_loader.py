@@ -1,12 +1,18 @@
 """``DataLoader``: batches from a dataset, placed on the mesh as global ``jax.Array``s.
 
 The pipeline for one batch: the batch sampler gives this process's indices ->
-the samples are fetched and stacked (in the main process, or in worker processes)
--> ``jax.make_array_from_process_local_data`` places the process-local rows on this
-process's devices, giving a global array sharded over the ``data`` axis
-(``fleet.world().batch``). A background thread runs the pipeline ``prefetch_factor``
-batches ahead, so the next batch is loaded and transferred while the current step
-runs.
+the samples are fetched and stacked (in a background thread, or in worker
+processes) -> ``jax.make_array_from_process_local_data`` places the process-local
+rows on this process's devices, giving a global array sharded over the ``data``
+axis (``fleet.world().batch``).
+
+Overlap: the background thread (or the workers) loads up to ``prefetch_factor``
+host batches ahead. The device transfer is issued from the main thread, one batch
+ahead: when batch ``k`` is handed out, batch ``k + 1`` (if already loaded) has been
+placed too, so with JAX's asynchronous dispatch its transfer runs while step ``k``
+computes (the ``flax.jax_utils.prefetch_to_device`` pattern). Transfers stay on the
+main thread because, measured on CPU devices, transferring from a second thread
+was markedly slower (see ``benchmarks/loader_throughput.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class DataLoader:
 
     Example:
         >>> import numpy as np, fleet
+        >>> from fleet.io import DataLoader, TensorDataset
         >>> world = fleet.init(is_collective=True)
         >>> ds = TensorDataset([np.zeros((64, 3), np.float32), np.arange(64)])
         >>> loader = DataLoader(ds, batch_size=2, shuffle=True, drop_last=True)
@@ -87,6 +94,7 @@ class DataLoader:
         return_numpy: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         persistent_workers: bool = False,
+        use_buffer_reader: bool = True,
     ):
         if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "get_batch")):
             raise FleetTypeError(
@@ -120,6 +128,7 @@ class DataLoader:
         self.return_numpy = bool(return_numpy)
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = bool(persistent_workers)
+        self.use_buffer_reader = bool(use_buffer_reader)
         if not self.return_numpy:
             _check_sampler_fits_world(batch_sampler, _world.world())
         self._progress: _Progress | None = None
@@ -135,7 +144,10 @@ class DataLoader:
         self._close_current()
         to_host = self.return_numpy
         world = None if to_host else _world.world()
-        indices = iter(self.batch_sampler)
+        if isinstance(self.batch_sampler, BatchSampler):
+            indices = self.batch_sampler._iter(as_lists=False)  # index arrays, no list round trip
+        else:
+            indices = iter(self.batch_sampler)
         if hasattr(self.batch_sampler, "state_dict"):
             start = self.batch_sampler.state_dict()
         else:
@@ -153,6 +165,8 @@ class DataLoader:
                                   self.worker_init_fn, int(np.random.randint(2**31)))
                 owns_pool = not self.persistent_workers
                 if self.persistent_workers:
+                    if self._finalizer is not None:
+                        self._finalizer.detach()
                     self._pool = pool
                     self._finalizer = weakref.finalize(self, pool.close)
             source = _from_workers(pool, indices, self.prefetch_factor * self.num_workers)
@@ -163,8 +177,11 @@ class DataLoader:
         else:
             transfer = _GlobalTransfer(world.batch, world.num_local_replicas,
                                        start["batches_done"])
-        producer = _Producer(source, transfer, self.prefetch_factor)
-        iterator = _LoaderIterator(producer, pool, owns_pool, progress)
+        if self.use_buffer_reader:
+            producer = _Producer(source, self.prefetch_factor)
+        else:
+            producer = _InlineProducer(source)
+        iterator = _LoaderIterator(producer, transfer, pool, owns_pool, progress)
         self._current = weakref.ref(iterator)
         return iterator
 
@@ -184,8 +201,10 @@ class DataLoader:
 
         Example:
             >>> import numpy as np
+            >>> from fleet.io import BatchSampler, DataLoader, TensorDataset
             >>> ds = TensorDataset([np.arange(8)])
-            >>> loader = DataLoader(ds, batch_size=2, return_numpy=True)
+            >>> pairs = BatchSampler(dataset=ds, batch_size=2)
+            >>> loader = DataLoader(ds, batch_sampler=pairs, return_numpy=True)
             >>> it = iter(loader); _ = next(it)
             >>> loader.state_dict()["sampler"]["batches_done"]
             1
@@ -236,6 +255,7 @@ class DataLoader:
 
         Example:
             >>> import numpy as np, fleet
+            >>> from fleet.io import DataLoader, TensorDataset
             >>> world = fleet.init(is_collective=True)
             >>> ds = TensorDataset([np.arange(10)])
             >>> loader = DataLoader(ds, batch_size=1)
@@ -285,11 +305,20 @@ class _Progress:
 
 
 class _LoaderIterator:
-    """What ``iter(loader)`` returns; stops its thread and workers when closed or dropped."""
+    """What ``iter(loader)`` returns; stops its thread and workers when closed or dropped.
 
-    def __init__(self, producer, pool, owns_pool, progress):
-        self._producer, self._pool, self._owns_pool = producer, pool, owns_pool
+    ``_ready`` holds, in order, what the producer delivered and the main thread
+    already placed on the devices: ``("batch", arrays)``, ``("end", None)`` or
+    ``("error", exception)`` -- an error is raised only after the batches before it.
+    """
+
+    _LOOKAHEAD = 1  # batches placed on the devices beyond the one handed out
+
+    def __init__(self, producer, transfer, pool, owns_pool, progress):
+        self._producer, self._transfer = producer, transfer
+        self._pool, self._owns_pool = pool, owns_pool
         self._progress = progress
+        self._ready: deque[tuple[str, Any]] = deque()
         self._closed = False
 
     def __iter__(self):
@@ -302,7 +331,12 @@ class _LoaderIterator:
         if self._closed:
             raise StopIteration
         try:
-            kind, payload = self._producer.get()
+            if not self._ready:
+                self._ready.append(self._receive(block=True))
+            kind, payload = self._ready.popleft()
+            if kind == "batch":
+                while len(self._ready) < self._LOOKAHEAD and self._top_up():
+                    pass
         except BaseException:  # KeyboardInterrupt while waiting.
             self.close()
             raise
@@ -316,10 +350,30 @@ class _LoaderIterator:
         self.close()
         raise payload
 
+    def _top_up(self) -> bool:
+        """Places one more already-loaded batch on the devices; False if none is there."""
+        if self._ready and self._ready[-1][0] != "batch":
+            return False
+        item = self._receive(block=False)
+        if item is None:
+            return False
+        self._ready.append(item)
+        return True
+
+    def _receive(self, block: bool) -> tuple[str, Any] | None:
+        item = self._producer.get(block)
+        if item is None or item[0] != "batch" or self._transfer is None:
+            return item
+        try:
+            return "batch", self._transfer(item[1])
+        except Exception as e:
+            return "error", e
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._ready.clear()
         self._producer.request_stop()
         pool_in_use = self._pool is not None and not self._progress.finished
         if self._pool is not None and (self._owns_pool or pool_in_use):
@@ -334,27 +388,27 @@ class _LoaderIterator:
 
 
 class _Producer:
-    """A daemon thread that runs ``source`` (and the transfer) into a bounded queue.
+    """A daemon thread that runs ``source`` (host batches) into a bounded queue.
 
     The thread holds no reference to the iterator, so dropping the iterator
     closes it. Stopping: set the flag, then drain the queue; the thread checks the
     flag around every ``put``, so it puts at most one more item and exits.
     """
 
-    def __init__(self, source: Iterator[Any], transfer: Callable | None, depth: int):
+    def __init__(self, source: Iterator[Any], depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(source, transfer), name="fleet-io-prefetch", daemon=True
+            target=self._run, args=(source,), name="fleet-io-prefetch", daemon=True
         )
         self._thread.start()
 
-    def _run(self, source, transfer):
+    def _run(self, source):
         try:
             for batch in source:
                 if self._stop.is_set():
                     return
-                self._queue.put(("batch", batch if transfer is None else transfer(batch)))
+                self._queue.put(("batch", batch))
                 if self._stop.is_set():
                     return
             self._queue.put(("end", None))
@@ -362,8 +416,12 @@ class _Producer:
             if not self._stop.is_set():
                 self._queue.put(("error", e))
 
-    def get(self) -> tuple[str, Any]:
-        return self._queue.get()
+    def get(self, block: bool = True) -> tuple[str, Any] | None:
+        """The next item; ``None`` if ``block`` is false and none is ready."""
+        try:
+            return self._queue.get(block)
+        except queue.Empty:
+            return None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -375,11 +433,29 @@ class _Producer:
         self._drain()
 
     def _drain(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+        while self.get(block=False) is not None:
+            pass
+
+
+class _InlineProducer:
+    """Runs ``source`` in the calling thread, when asked (``use_buffer_reader=False``)."""
+
+    def __init__(self, source: Iterator[Any]):
+        self._source = source
+
+    def get(self, block: bool = True) -> tuple[str, Any] | None:
+        try:
+            return "batch", next(self._source)
+        except StopIteration:
+            return "end", None
+        except Exception as e:
+            return "error", e
+
+    def request_stop(self) -> None:
+        self._source.close()
+
+    def join(self) -> None:
+        pass
 
 
 def _in_process(dataset, indices, collate_fn):
@@ -403,7 +479,11 @@ def _from_workers(pool: WorkerPool, indices: Iterator[list[int]], depth: int):
 
 
 class _GlobalTransfer:
-    """Places a process-local numpy batch on the mesh as global arrays."""
+    """Places a process-local numpy batch on the mesh as global arrays.
+
+    All numeric leaves go in one ``jax.make_array_from_process_local_data`` call
+    (one batched transfer); strings and other non-numeric leaves stay on the host.
+    """
 
     def __init__(self, sharding, num_local: int, first_step: int):
         self.sharding, self.num_local, self.step = sharding, num_local, first_step
@@ -411,13 +491,14 @@ class _GlobalTransfer:
     def __call__(self, batch: Any) -> Any:
         step = self.step
         self.step += 1
-
-        def put(leaf):
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        numeric = []
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, (str, bytes)) or not hasattr(leaf, "__array__"):
-                return leaf
+                continue
             leaf = np.asarray(leaf)
             if leaf.dtype.kind not in "biufc":
-                return leaf
+                continue
             if leaf.ndim == 0 or leaf.shape[0] % self.num_local:
                 raise FleetDataError(
                     f"batch {step} has an array of shape {leaf.shape}, whose leading axis "
@@ -425,9 +506,14 @@ class _GlobalTransfer:
                     "DistributedBatchSampler (batch_size is then per device), or "
                     "drop_last=True, or return_numpy=True"
                 )
-            return jax.make_array_from_process_local_data(self.sharding, leaf)
-
-        return jax.tree_util.tree_map(put, batch)
+            leaves[i] = leaf
+            numeric.append(i)
+        placed = jax.make_array_from_process_local_data(
+            self.sharding, [leaves[i] for i in numeric]
+        )
+        for i, array in zip(numeric, placed):
+            leaves[i] = array
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _to_host(x: Any) -> np.ndarray:

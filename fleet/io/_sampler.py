@@ -158,13 +158,17 @@ class BatchSampler:
         return [order[s] for s in self._slices(len(order))]
 
     def __iter__(self):
+        return self._iter(as_lists=True)
+
+    def _iter(self, as_lists: bool):
+        """Starts an epoch; the DataLoader takes index arrays (``as_lists=False``)."""
         epoch = self.epoch
         self.epoch += 1
         skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
         progress = _Progress(epoch, skip)
         self._progress = progress
-        return _generate(self.batches(epoch), progress)
+        return _generate(self.batches(epoch), progress, as_lists)
 
     def __len__(self) -> int:
         return len(self._slices(self._total_size()))
@@ -343,10 +347,10 @@ class _Progress:
         self.epoch, self.done, self.finished = epoch, done, False
 
 
-def _generate(batches: list[np.ndarray], progress: _Progress):
+def _generate(batches: list[np.ndarray], progress: _Progress, as_lists: bool):
     for batch in batches[progress.done:]:
         progress.done += 1
-        yield batch.tolist()
+        yield batch.tolist() if as_lists else batch
     progress.finished = True
 
 

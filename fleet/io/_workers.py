@@ -204,7 +204,7 @@ def _pack_exception(exc: BaseException, indices: list[int] | None = None) -> dic
         "type": type(exc).__qualname__,
         "message": str(exc),
         "traceback": traceback.format_exc(),
-        "indices": None if indices is None else list(indices),
+        "indices": None if indices is None else np.asarray(indices).tolist(),
     }
 
 
