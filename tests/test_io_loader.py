@@ -517,3 +517,17 @@ def test_worker_init_fn_runs_in_each_worker_and_its_errors_surface(world, no_lef
     with pytest.raises(OSError, match="cannot open the shard for worker 0") as info:
         list(loader)
     assert any("in worker_init_fn" in note for note in info.value.__notes__)
+
+
+def test_workers_need_a_picklable_dataset(world, no_leftover_children):
+    class Local(Dataset):  # defined in a function: spawn cannot pickle it
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return np.float32(i)
+
+    loader = DataLoader(Local(), batch_size=1, num_workers=2)
+    with pytest.raises(fleet.FleetConfigError, match=r"must pickle the dataset \(Local\), "
+                                                     r"collate_fn and worker_init_fn"):
+        iter(loader)

@@ -68,6 +68,12 @@ class DataLoader:
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each new worker.
         persistent_workers: keep the workers between epochs (closed by :meth:`close`,
             or when an epoch is left early).
+        use_buffer_reader: load ahead in a background thread (Paddle's option of the
+            same name); ``False`` loads each batch in the main thread when asked.
+
+    Starting a new iteration stops the previous one of the same loader (they share
+    the sampler's epoch). Leaving the loop early, an exception in it, or Ctrl-C
+    stops the background thread and the workers: no process is left behind.
 
     Example:
         >>> import numpy as np, fleet
@@ -159,16 +165,7 @@ class DataLoader:
 
         pool, owns_pool = None, False
         if self.num_workers > 0:
-            pool, owns_pool = self._pool, False
-            if pool is None or pool.closed:
-                pool = WorkerPool(self.dataset, self.collate_fn, self.num_workers,
-                                  self.worker_init_fn, int(np.random.randint(2**31)))
-                owns_pool = not self.persistent_workers
-                if self.persistent_workers:
-                    if self._finalizer is not None:
-                        self._finalizer.detach()
-                    self._pool = pool
-                    self._finalizer = weakref.finalize(self, pool.close)
+            pool, owns_pool = self._worker_pool()
             source = _from_workers(pool, indices, self.prefetch_factor * self.num_workers)
         else:
             source = _in_process(self.dataset, indices, self.collate_fn)
@@ -184,6 +181,21 @@ class DataLoader:
         iterator = _LoaderIterator(producer, transfer, pool, owns_pool, progress)
         self._current = weakref.ref(iterator)
         return iterator
+
+    def _worker_pool(self) -> tuple[WorkerPool, bool]:
+        """The persistent pool if one is alive, else a new one; and whether the
+        iteration owns it (closes it at its end)."""
+        if self._pool is not None and not self._pool.closed:
+            return self._pool, False
+        pool = WorkerPool(self.dataset, self.collate_fn, self.num_workers,
+                          self.worker_init_fn, int(np.random.randint(2**31)))
+        if not self.persistent_workers:
+            return pool, True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._pool = pool
+        self._finalizer = weakref.finalize(self, pool.close)
+        return pool, False
 
     def close(self) -> None:
         """Stops the running iteration and any persistent workers."""

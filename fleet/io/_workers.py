@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from fleet._errors import FleetConfigError
 from fleet.io._collate import fetch_batch
 from fleet.io._errors import FleetWorkerError
 
@@ -89,8 +90,18 @@ class WorkerPool:
                     name=f"fleet-io-worker-{worker_id}",
                     daemon=True,
                 )
-                proc.start()
-                child_end.close()
+                try:
+                    proc.start()
+                except (pickle.PicklingError, AttributeError, TypeError) as e:
+                    parent_end.close()
+                    raise FleetConfigError(
+                        f"num_workers={num_workers} starts worker processes with spawn, "
+                        f"which must pickle the dataset ({type(dataset).__name__}), "
+                        f"collate_fn and worker_init_fn, and could not: {e}. Define them "
+                        "at module level (not inside a function), or use num_workers=0"
+                    ) from e
+                finally:
+                    child_end.close()
                 self._conns.append(parent_end)
                 self._procs.append(proc)
         except BaseException:
