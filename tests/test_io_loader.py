@@ -1,6 +1,7 @@
 """fleet.io.DataLoader: sharded global batches, workers, failures, resume, exact evaluation."""
 
 import json
+import multiprocessing
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -531,3 +532,42 @@ def test_workers_need_a_picklable_dataset(world, no_leftover_children):
     with pytest.raises(fleet.FleetConfigError, match=r"must pickle the dataset \(Local\), "
                                                      r"collate_fn and worker_init_fn"):
         iter(loader)
+
+
+class StuckDataset(Dataset):
+    def __init__(self):
+        self.reading = multiprocessing.get_context("spawn").Event()
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        self.reading.set()
+        threading.Event().wait()  # a read that never returns
+
+
+def test_ctrl_c_while_waiting_for_a_stuck_worker_leaves_no_worker_behind(
+        world, no_leftover_children):
+    dataset = StuckDataset()
+    it = iter(DataLoader(dataset, batch_size=1, num_workers=2))
+
+    workers = []
+
+    def ctrl_c():  # the terminal signals the whole foreground process group
+        assert dataset.reading.wait(timeout=60)  # a worker is up and stuck in a read
+        workers.extend(c for c in psutil.Process().children()
+                       if "resource_tracker" not in " ".join(c.cmdline()))
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGINT)  # workers ignore it
+        os.kill(os.getpid(), signal.SIGINT)  # Linux delivers it to the main thread
+
+    presser = threading.Thread(target=ctrl_c)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)  # blocks: no worker ever answers
+    finally:
+        presser.join()
+    assert len(workers) == 2
+    # Gone already, while the iterator is still referenced here.
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
