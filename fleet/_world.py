@@ -144,7 +144,22 @@ def _initialize_distributed(env: WorkerEnv) -> None:
         kwargs = {}  # jax.distributed reads its own variables.
     else:
         return
+    # Timeouts from the launcher (fleet/launch/_main.py documents them): JAX's
+    # heartbeat must outlast fleet's own stuck-worker watchdog.
+    for variable, argument in (("FLEET_JAX_HEARTBEAT_TIMEOUT", "heartbeat_timeout_seconds"),
+                               ("FLEET_JAX_INIT_TIMEOUT", "initialization_timeout")):
+        value = os.environ.get(variable)
+        if value:
+            try:
+                kwargs[argument] = int(float(value))
+            except ValueError:
+                raise FleetConfigError(
+                    f"environment variable {variable}={value!r} is not a number of seconds"
+                ) from None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from fleet.launch import _exit
+
+    _exit.install()  # a failing worker must not wait in JAX's shutdown barrier
     try:
         jax.distributed.initialize(**kwargs)
     except RuntimeError as e:

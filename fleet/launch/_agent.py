@@ -1,0 +1,301 @@
+"""Runs one node's workers: start, echo, watch, stop, restart.
+
+Each worker is ``python -u SCRIPT ARGS`` in a session (and process group) of its
+own, with its output in ``log_dir/workerlog.RANK``; it gets ``SIGKILL`` from the
+kernel if the launcher dies, even by ``SIGKILL``. One thread per worker waits for
+its exit, so the launcher learns the order in which workers died and names the
+first. Stopping a group is ``SIGTERM`` (and ``SIGCONT``, for stopped workers) to
+every process group, then ``SIGKILL`` after a short grace: JAX workers take
+``SIGTERM`` as a preemption notice and keep running, so the ``SIGKILL`` is what
+ends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO
+
+from fleet.launch import _tables
+from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, worker_base_environ
+from fleet.launch._failure import Failure, signal_name
+from fleet.launch._watchdog import STOPPED_STATES, Watchdog, Watched, process_state
+
+log = logging.getLogger("fleet.launch")
+
+TERMINATE_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
+_POLL = 0.1  # seconds between looks at exits and at worker 0's log
+_CHECK_EVERY = 0.5  # seconds between watchdog checks
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child: ask the kernel for ``SIGKILL`` when the parent dies (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the parent died before we asked
+        os._exit(1)
+
+
+def signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)
+
+
+class SignalCatcher:
+    """Turns SIGINT / SIGTERM / SIGHUP to the launcher into a flag its loops read."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> SignalCatcher:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._old[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+
+
+class LogFollower:
+    """Echoes the new lines of a log file, each prefixed with the rank that wrote it."""
+
+    def __init__(self, path: str, offset: int, prefix: str, out: IO[str]):
+        self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
+        self._file.seek(offset)
+        self._prefix, self._out, self._partial = prefix, out, b""
+
+    def poll(self, final: bool = False) -> None:
+        data = self._file.read()
+        if data:
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            for line in lines:
+                self._out.write(self._prefix + line.decode("utf-8", "replace") + "\n")
+        if final and self._partial:
+            self._out.write(self._prefix + self._partial.decode("utf-8", "replace") + "\n")
+            self._partial = b""
+        self._out.flush()
+
+    def close(self) -> None:
+        self.poll(final=True)
+        self._file.close()
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, log_path: str, offset: int):
+        self.spec, self.proc, self.log_path, self.log_offset = spec, proc, log_path, offset
+        self.returncode: int | None = None
+        self.exited = threading.Event()
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    def wait(self, events: queue.Queue) -> None:
+        self.returncode = self.proc.wait()
+        self.exited.set()
+        events.put(self)
+
+    def failure(self, stuck: str | None = None) -> Failure:
+        return Failure(rank=self.rank, pid=self.proc.pid, returncode=self.returncode,
+                       stuck=stuck, log_path=self.log_path, log_offset=self.log_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    failure: Failure | None = None
+    signum: int | None = None
+
+
+class WorkerGroup:
+    """One attempt: this node's workers, started together and stopped together."""
+
+    def __init__(self, config: LaunchConfig, specs: list[WorkerSpec], restart_count: int,
+                 out: IO[str]):
+        self.config, self.specs, self.restart_count, self.out = config, specs, restart_count, out
+        self.workers: list[_Worker] = []
+        self._events: queue.Queue[_Worker] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        base = worker_base_environ(os.environ)
+        command = [sys.executable, "-u", self.config.training_script,
+                   *self.config.training_script_args]
+        preexec = functools.partial(die_with_parent, os.getpid())
+        try:
+            for spec in self.specs:
+                path = os.path.join(self.config.log_dir, f"workerlog.{spec.rank}")
+                with open(path, "ab" if self.restart_count else "wb") as log_file:
+                    if self.restart_count:
+                        log_file.write(f"----- restart {self.restart_count} -----\n".encode())
+                        log_file.flush()
+                    offset = log_file.tell()
+                    proc = subprocess.Popen(
+                        command, env={**base, **spec.environ}, stdin=subprocess.DEVNULL,
+                        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                        preexec_fn=preexec,
+                    )
+                    self.workers.append(_Worker(spec, proc, path, offset))
+        finally:  # waiters start after every fork: preexec_fn runs in a one-thread parent
+            for w in self.workers:
+                t = threading.Thread(target=w.wait, args=(self._events,), daemon=True,
+                                     name=f"fleet-wait-rank{w.rank}")
+                t.start()
+                self._threads.append(t)
+
+    def watch(self, signals: SignalCatcher) -> Outcome:
+        """Until every worker exits 0 (``Outcome()``), one fails, or the launcher is signalled."""
+        first = self.workers[0]
+        follower = LogFollower(first.log_path, first.log_offset, f"[rank {first.rank}] ",
+                               self.out)
+        watchdog = Watchdog(self.config.progress_timeout)
+        remaining = {w.rank for w in self.workers}
+        next_check = time.monotonic() + _CHECK_EVERY
+        try:
+            while True:
+                if signals.received:
+                    return Outcome(signum=signals.received[0])
+                try:
+                    w = self._events.get(timeout=_POLL)
+                except queue.Empty:
+                    w = None
+                follower.poll()
+                if w is not None:
+                    if w.returncode != 0:
+                        return Outcome(failure=w.failure())
+                    remaining.discard(w.rank)
+                    if not remaining:
+                        return Outcome()
+                    continue
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + _CHECK_EVERY
+                    stuck = watchdog.check(
+                        Watched(w.rank, w.proc.pid, w.spec.environ["FLEET_HEARTBEAT_FILE"])
+                        for w in self.workers if not w.exited.is_set()
+                    )
+                    if stuck is not None:
+                        worker = next(w for w in self.workers if w.rank == stuck.rank)
+                        return Outcome(failure=worker.failure(stuck=stuck.reason))
+        finally:
+            follower.close()
+
+    def stopped_ranks(self) -> list[int]:
+        return [w.rank for w in self.workers
+                if not w.exited.is_set() and process_state(w.proc.pid) in STOPPED_STATES]
+
+    def stop(self, signals: SignalCatcher | None = None, grace: float = TERMINATE_GRACE) -> None:
+        """SIGTERM (+SIGCONT) to every group, SIGKILL after ``grace`` s or a second signal."""
+        alive = [w for w in self.workers if not w.exited.is_set()]
+        for w in alive:
+            signal_group(w.proc.pid, signal.SIGTERM)
+            signal_group(w.proc.pid, signal.SIGCONT)
+        seen = len(signals.received) if signals else 0
+        deadline = time.monotonic() + grace
+        for w in alive:
+            while not w.exited.wait(0.05) and time.monotonic() < deadline:
+                if signals and len(signals.received) > seen:
+                    deadline = 0.0
+        self.reap()
+
+    def reap(self) -> None:
+        """SIGKILL to every group (leftover children too), then wait for every worker."""
+        for w in self.workers:
+            signal_group(w.proc.pid, signal.SIGKILL)
+        for t in self._threads:
+            t.join(timeout=10)
+
+
+def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
+    """Runs this node's share of a resolved config; returns the launcher's exit code.
+
+    0 when every worker exits 0; the failed worker's exit code (128 + N for a death
+    by signal N, 124 for a stuck worker) after the last allowed restart; 128 + N
+    when the launcher itself gets signal N (SIGINT, SIGTERM, SIGHUP).
+    """
+    out = sys.stdout if out is None else out
+    os.makedirs(config.log_dir, exist_ok=True)
+    heartbeat_dir = tempfile.mkdtemp(prefix=f"fleet-{config.job_id}-")
+    restart = 0
+    try:
+        with SignalCatcher() as signals:
+            while True:
+                for name in os.listdir(heartbeat_dir):
+                    os.unlink(os.path.join(heartbeat_dir, name))
+                specs = plan_workers(config, restart, heartbeat_dir)
+                log.info(
+                    "Local start %d processes%s. First process distributed environment "
+                    "info (Only For Debug):\n%s", len(specs),
+                    f" (restart {restart})" if restart else "",
+                    _tables.env_table(specs[0].environ),
+                )
+                group = WorkerGroup(config, specs, restart, out)
+                group.start()
+                outcome = group.watch(signals)
+                if outcome.signum is not None:
+                    log.warning("got %s: stopping all %d workers", signal_name(outcome.signum),
+                                len(specs))
+                    group.stop(signals)
+                    return 128 + outcome.signum
+                if outcome.failure is None:
+                    group.reap()
+                    log.info("all %d workers finished", len(specs))
+                    return 0
+                _report(group, outcome.failure, signals)
+                if restart < config.max_restarts:
+                    restart += 1
+                    log.warning("restarting all %d workers (restart %d of %d)", len(specs),
+                                restart, config.max_restarts)
+                    continue
+                log.error("job failed: rank %d %s; exit code %d", outcome.failure.rank,
+                          outcome.failure.short, outcome.failure.exit_code)
+                return outcome.failure.exit_code
+    finally:
+        shutil.rmtree(heartbeat_dir, ignore_errors=True)
+
+
+def _report(group: WorkerGroup, failure: Failure, signals: SignalCatcher) -> None:
+    stopped = [r for r in group.stopped_ranks() if r != failure.rank]
+    log.error("%s; stopping the other workers", failure.summary())
+    if stopped:
+        log.error("note: rank(s) %s %s stopped (SIGSTOP?) and may be the cause",
+                  ", ".join(map(str, stopped)), "is" if len(stopped) == 1 else "are")
+    started = time.monotonic()
+    group.stop(signals)
+    log.info("stopped all workers in %.1f s", time.monotonic() - started)
+    tail = failure.log_tail()
+    log.error(
+        "last %d lines of %s (rank %d):\n%s", len(tail), failure.log_path, failure.rank,
+        "\n".join(f"[rank {failure.rank}] {line}" for line in tail),
+    )

@@ -1,0 +1,100 @@
+"""Command line -> :class:`LaunchConfig`: every option as ``--flag_name``,
+``--flag-name`` and an environment variable ``FLEETRUN_FLAG_NAME``.
+
+A flag on the command line wins over its variable; the variable wins over the
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from fleet._errors import FleetConfigError
+from fleet.launch._config import DEFAULT_PROGRESS_TIMEOUT, LaunchConfig
+
+ENV_PREFIX = "FLEETRUN_"
+
+
+def _ids(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+# name -> (type, default, help). The first name is the canonical one.
+OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
+    "nproc_per_node": (int, None, "processes on this node (default: one per visible GPU, else 1)"),
+    "gpus": (_ids, None, "GPU ids, one process each, each seeing only its GPU, e.g. 0,1 "
+                         "(aliases: --devices, --selected_gpus)"),
+    "cpu_devices": (int, None, "run CPU processes with N (fake) CPU devices each: sets "
+                               "XLA_FLAGS=--xla_force_host_platform_device_count=N, "
+                               "JAX_PLATFORMS=cpu"),
+    "nnodes": (int, None, "number of nodes (default 1, or the length of --ips)"),
+    "node_rank": (int, None, "this node's index, 0..nnodes-1 (default 0, or found in --ips)"),
+    "master": (str, None, "HOST:PORT of the coordinator on node 0 (default on one node: "
+                          "127.0.0.1 and a free port)"),
+    "ips": (_ids, None, "Paddle's form: every node's address, comma-separated; node 0's "
+                        "is the coordinator's host (port 6070 unless --master says)"),
+    "log_dir": (str, "log", "directory of workerlog.RANK"),
+    "max_restarts": (int, 0, "restart the whole group up to N times after a failure"),
+    "job_id": (str, "default", "a name for the job (FLEET_JOB_ID in every worker)"),
+    "progress_timeout": (float, DEFAULT_PROGRESS_TIMEOUT,
+                         "seconds a worker may be stopped, or silent after its first "
+                         "heartbeat, before the job fails (0: never)"),
+}
+ALIASES = {"gpus": ("devices", "selected_gpus")}
+
+
+def env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper()
+
+
+def build_parser(environ: Mapping[str, str] | None = None,
+                 description: str | None = None) -> argparse.ArgumentParser:
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="fleetrun", description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for name, (convert, default, help_text) in OPTIONS.items():
+        flags = []
+        for n in (name, *ALIASES.get(name, ())):
+            flags += [f"--{n}"] + ([f"--{n.replace('_', '-')}"] if "_" in n else [])
+        variable = env_name(name)
+        if environ.get(variable, "") != "":
+            default = _from_env(variable, environ[variable], convert)
+        parser.add_argument(
+            *flags, dest=name, type=convert, default=default, metavar=name.upper(),
+            help=f"{help_text} [env {variable}; default {default}]",
+        )
+    parser.add_argument("training_script", help="the script every worker runs")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                        help="arguments of the script")
+    return parser
+
+
+def _from_env(variable: str, text: str, convert: Callable[[str], object]) -> object:
+    try:
+        return convert(text)
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(convert, "valid")
+        raise FleetConfigError(
+            f"environment variable {variable}={text!r} is not {kind}; fix or unset it"
+        ) from None
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               environ: Mapping[str, str] | None = None,
+               description: str | None = None) -> LaunchConfig:
+    """The command line (and ``FLEETRUN_*`` variables) as an unresolved config.
+
+    Example:
+        >>> parse_args(["--nproc-per-node", "2", "train.py", "--lr", "0.1"]).nproc_per_node
+        2
+    """
+    ns = build_parser(environ, description).parse_args(argv)
+    return LaunchConfig(
+        training_script=ns.training_script,
+        training_script_args=tuple(ns.training_script_args),
+        **{name: getattr(ns, name) for name in OPTIONS},
+    )

@@ -1,0 +1,282 @@
+"""The launch configuration (frozen, validated) and each worker's environment.
+
+``LaunchConfig`` is what the user asked for; :func:`resolve` fills in the
+defaults that depend on the machine (GPUs, node rank from ``--ips``) and checks
+everything that can be checked before a worker starts; :func:`plan_workers` turns
+a resolved config into one environment per local worker for one attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from fleet._env import WorkerEnv
+from fleet._errors import FleetConfigError
+from fleet.launch import _devices, _net
+
+DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
+DEFAULT_PROGRESS_TIMEOUT = 600.0
+# jax.distributed's own heartbeat must not fire before fleet's watchdog does (it aborts
+# the *healthy* processes when one is stopped, and the report would name the wrong
+# rank), and never earlier than JAX's default.
+_JAX_HEARTBEAT_MARGIN = 30
+_JAX_HEARTBEAT_DEFAULT = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """One node's share of a job. ``None`` fields are filled in by :func:`resolve`.
+
+    Attributes:
+        training_script: the script every worker runs (``None`` under ``fleet.spawn``).
+        training_script_args: its arguments.
+        nproc_per_node: processes on this node (default: one per visible GPU, else 1).
+        gpus: GPU ids, one process each; each process sees only its GPU.
+        cpu_devices: fake CPU devices per process (CPU only); ``None`` keeps the
+            inherited ``XLA_FLAGS`` / ``JAX_PLATFORMS``.
+        nnodes: number of nodes.
+        node_rank: this node's index.
+        master: ``host:port`` of the coordinator (process 0's node). ``None`` on a
+            single node: loopback and a free port, picked again at each restart.
+        ips: Paddle's ``--ips``: every node's address, node ``i`` first at ``ips[i]``.
+        log_dir: where ``workerlog.N`` go.
+        max_restarts: how often the whole group restarts after a failure.
+        job_id: a name for the job, given to every worker.
+        progress_timeout: seconds a worker may stay stopped, or go without a
+            heartbeat once it has sent one, before the job fails (0: never).
+    """
+
+    training_script: str | None = None
+    training_script_args: tuple[str, ...] = ()
+    nproc_per_node: int | None = None
+    gpus: tuple[str, ...] | None = None
+    cpu_devices: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master: str | None = None
+    ips: tuple[str, ...] | None = None
+    log_dir: str = "log"
+    max_restarts: int = 0
+    job_id: str = "default"
+    progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def fixed_master(self) -> bool:
+        """Whether the coordinator address is fixed (else picked per attempt)."""
+        return self.master is not None
+
+    def table(self) -> dict[str, object]:
+        """The options as the configuration table shows them."""
+        rows: dict[str, object] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "training_script_args":
+                value = list(value)
+            elif isinstance(value, tuple):
+                value = ",".join(value)
+            rows[field.name] = value
+        return rows
+
+
+def _positive(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise FleetConfigError(f"--{name} {value} must be at least {minimum}")
+
+
+def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Validates ``config`` and fills in machine-dependent defaults.
+
+    Everything that can go wrong before a worker starts fails here with a
+    :class:`fleet.FleetConfigError`: a missing script, a taken port, GPU ids that do
+    not exist, a node rank outside ``nnodes``, inconsistent options.
+    """
+    environ = os.environ if environ is None else environ
+    _positive("nproc_per_node", config.nproc_per_node)
+    _positive("cpu_devices", config.cpu_devices)
+    _positive("nnodes", config.nnodes)
+    _positive("max_restarts", config.max_restarts, 0)
+    if config.progress_timeout < 0:
+        raise FleetConfigError(
+            f"--progress_timeout {config.progress_timeout} must be >= 0 seconds (0 turns "
+            "the watchdog off)"
+        )
+    if config.training_script is not None and not os.path.isfile(config.training_script):
+        raise FleetConfigError(
+            f"training script {config.training_script!r} does not exist (looked in "
+            f"{os.getcwd()}); give the path of a Python file"
+        )
+    if not config.job_id or "," in config.job_id:
+        raise FleetConfigError(f"--job_id {config.job_id!r} must be a non-empty name")
+
+    gpus, nproc = config.gpus, config.nproc_per_node
+    if gpus is not None and config.cpu_devices is not None:
+        raise FleetConfigError(
+            "--gpus and --cpu_devices both given; choose GPU processes (--gpus 0,1) or "
+            "CPU processes (--cpu_devices N)"
+        )
+    if gpus is not None:
+        if not gpus:
+            raise FleetConfigError("--gpus is empty; give GPU ids such as --gpus 0,1")
+        _devices.check_gpus(gpus, environ)
+        if nproc is not None and nproc != len(gpus):
+            raise FleetConfigError(
+                f"--nproc_per_node {nproc} does not match --gpus {','.join(gpus)} "
+                f"({len(gpus)} GPUs, one process each); drop one of the two options"
+            )
+        nproc = len(gpus)
+    elif config.cpu_devices is None:
+        visible = _devices.visible_gpus(environ)
+        if visible:
+            nproc = nproc or len(visible)
+            if nproc > len(visible):
+                raise FleetConfigError(
+                    f"--nproc_per_node {nproc} needs {nproc} GPUs (one each) but "
+                    f"{len(visible)} are visible ({','.join(visible)}); use at most "
+                    f"{len(visible)} processes, or --cpu_devices N for CPU processes"
+                )
+            gpus = tuple(visible[:nproc])
+    nproc = nproc or 1
+
+    ips, nnodes, node_rank, master = config.ips, config.nnodes, config.node_rank, config.master
+    if ips is not None:
+        if not ips or not all(ips):
+            raise FleetConfigError(f"--ips {','.join(ips)!r} must list one address per node")
+        if nnodes is not None and nnodes != len(ips):
+            raise FleetConfigError(
+                f"--nnodes {nnodes} does not match --ips {','.join(ips)} ({len(ips)} "
+                "nodes); drop --nnodes, --ips says how many nodes there are"
+            )
+        nnodes = len(ips)
+        if node_rank is None:
+            node_rank = _node_rank_from_ips(ips)
+        if master is None and nnodes > 1:
+            master = f"{ips[0]}:{DEFAULT_PORT}"
+    nnodes = nnodes or 1
+    node_rank = 0 if node_rank is None else node_rank
+    if not 0 <= node_rank < nnodes:
+        raise FleetConfigError(
+            f"--node_rank {node_rank} is outside --nnodes {nnodes} (allowed: "
+            f"0..{nnodes - 1}); number the nodes 0, 1, ... and start one launcher on each"
+        )
+    if nnodes > 1 and master is None:
+        raise FleetConfigError(
+            f"a {nnodes}-node job needs the coordinator's address on every node: give "
+            "--master HOST:PORT (HOST = node 0's address) or --ips ADDR0,ADDR1,..."
+        )
+    if master is not None:
+        host, port = _net.split_host_port(master, "--master")
+        if node_rank == 0:
+            bind = host if nnodes == 1 or _net.is_loopback(host) else ""
+            _net.check_port_free(bind, port, "--master")
+    return dataclasses.replace(
+        config, nproc_per_node=nproc, gpus=gpus, nnodes=nnodes, node_rank=node_rank,
+        master=master,
+    )
+
+
+def _node_rank_from_ips(ips: tuple[str, ...]) -> int:
+    mine = _net.local_addresses()
+    matches = [i for i, ip in enumerate(ips) if ip in mine]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise FleetConfigError(
+            f"none of --ips {','.join(ips)} is an address of this machine, so its node "
+            "rank is unknown; pass --node_rank I (I = this machine's index in --ips)"
+        )
+    raise FleetConfigError(
+        f"--ips {','.join(ips)} lists this machine more than once (nodes "
+        f"{', '.join(map(str, matches))}); pass --node_rank I to say which node this is"
+    )
+
+
+# Variables the launcher sets for each worker: never inherited from its own environment.
+_OWNED = frozenset(
+    WorkerEnv(world_size=2, coordinator="h:1", current_endpoint="h:1",
+              trainer_endpoints=("h:1",), job_id="j").to_environ()
+) | {"FLEET_HEARTBEAT_FILE", "FLEET_PROGRESS_TIMEOUT", "FLEET_JAX_HEARTBEAT_TIMEOUT",
+     "JAX_COORDINATOR_BIND_ADDRESS"}
+
+
+def worker_base_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment without the variables it sets itself per worker."""
+    return {k: v for k, v in environ.items() if k not in _OWNED}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of one attempt: who it is and the variables it gets."""
+
+    rank: int
+    local_rank: int
+    environ: dict[str, str]
+
+
+def plan_workers(
+    config: LaunchConfig,
+    restart_count: int,
+    heartbeat_dir: str,
+    environ: Mapping[str, str] | None = None,
+) -> list[WorkerSpec]:
+    """The environment of every local worker for one attempt of a resolved config."""
+    environ = os.environ if environ is None else environ
+    nproc, node = config.nproc_per_node, config.node_rank
+    if config.master is None:  # single node: loopback, fresh ports each attempt
+        ports = [_net.free_port() for _ in range(nproc)]
+        master_host, master_port = _net.LOOPBACK, ports[0]
+        local = [f"{_net.LOOPBACK}:{p}" for p in ports]
+        endpoints: tuple[str, ...] = tuple(local)
+    else:
+        master_host, master_port = _net.split_host_port(config.master, "--master")
+        hosts = config.ips or ((master_host,) if config.nnodes == 1 else None)
+        if hosts is not None:
+            endpoints = tuple(f"{h}:{master_port + i}" for h in hosts for i in range(nproc))
+            local = list(endpoints[node * nproc:(node + 1) * nproc])
+        else:  # --master only: the other nodes' addresses are not known here
+            this = master_host if node == 0 else _this_host()
+            local = [f"{this}:{master_port + i}" for i in range(nproc)]
+            endpoints = ()
+    coordinator = f"{master_host}:{master_port}"
+    bind = config.nnodes == 1 or _net.is_loopback(master_host)
+    jax_heartbeat = _JAX_HEARTBEAT_DEFAULT
+    if config.progress_timeout:
+        jax_heartbeat = max(jax_heartbeat, int(config.progress_timeout) + _JAX_HEARTBEAT_MARGIN)
+    specs = []
+    for local_rank in range(nproc):
+        rank = node * nproc + local_rank
+        env = WorkerEnv(
+            rank=rank,
+            world_size=config.world_size,
+            local_rank=local_rank,
+            local_world_size=nproc,
+            node_rank=node,
+            nnodes=config.nnodes,
+            coordinator=coordinator,
+            current_endpoint=local[local_rank],
+            trainer_endpoints=endpoints,
+            restart_count=restart_count,
+            job_id=config.job_id,
+        ).to_environ()
+        env["FLEET_HEARTBEAT_FILE"] = os.path.join(heartbeat_dir, f"heartbeat.{rank}")
+        env["FLEET_PROGRESS_TIMEOUT"] = f"{config.progress_timeout:g}"
+        env["FLEET_JAX_HEARTBEAT_TIMEOUT"] = str(jax_heartbeat)
+        env["PYTHONUNBUFFERED"] = "1"
+        if rank == 0 and bind:
+            env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
+        if config.gpus is not None:
+            env.update(_devices.gpu_environ(config.gpus[local_rank]))
+        elif config.cpu_devices is not None:
+            env.update(_devices.cpu_environ(config.cpu_devices, environ))
+        specs.append(WorkerSpec(rank=rank, local_rank=local_rank, environ=env))
+    return specs
+
+
+def _this_host() -> str:
+    addresses = sorted(a for a in _net.local_addresses() if "." in a and not _net.is_loopback(a))
+    return addresses[0] if addresses else _net.LOOPBACK

@@ -1,0 +1,150 @@
+"""fleetrun: start a data-parallel job, one process per device group, and watch it.
+
+``fleetrun`` and ``python -m fleet.launch`` are the same program, the port of
+Paddle's ``fleetrun`` / ``python -m paddle.distributed.launch`` to JAX's own
+distributed runtime (``jax.distributed``: a coordinator in process 0, gloo
+collectives on CPU, NCCL on GPU).
+
+Usage
+-----
+
+One machine, one process per visible GPU (each sees only its GPU)::
+
+    fleetrun train.py --lr 0.1
+    fleetrun --gpus 0,1 train.py                 # two processes: GPU 0 and GPU 1
+
+One machine without GPUs, for development and tests: 2 processes with 2 CPU
+devices each (4 data-parallel replicas)::
+
+    fleetrun --nproc_per_node 2 --cpu_devices 2 train.py
+
+Several machines: the same command on each, with the node's index::
+
+    fleetrun --nnodes 2 --node_rank 0 --master 10.0.0.1:6070 --gpus 0,1 train.py   # on 10.0.0.1
+    fleetrun --nnodes 2 --node_rank 1 --master 10.0.0.1:6070 --gpus 0,1 train.py   # on 10.0.0.2
+
+or Paddle's form, where each machine finds its own index in the list::
+
+    fleetrun --ips 10.0.0.1,10.0.0.2 --gpus 0,1 train.py
+
+The script calls ``fleet.init(is_collective=True)`` (or Paddle's
+``fleet.init_parallel_env()``) first; it reads the environment below.
+
+Options
+-------
+
+Every option is spelled ``--flag_name`` or ``--flag-name`` and can also come from
+the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
+
+==========================  ==============================================================
+``--nproc_per_node N``      processes on this node; default: one per visible GPU, else 1
+``--gpus 0,1``              GPU ids (``--devices``, ``--selected_gpus``): one process each,
+                            with ``CUDA_VISIBLE_DEVICES`` set to its id. Ids are physical
+                            and must be visible (``CUDA_VISIBLE_DEVICES`` of the launcher)
+``--cpu_devices N``         CPU processes with N devices each (``XLA_FLAGS=
+                            --xla_force_host_platform_device_count=N``, ``JAX_PLATFORMS=cpu``)
+``--nnodes N``              number of nodes (default 1, or the length of ``--ips``)
+``--node_rank I``           this node's index (default 0, or its position in ``--ips``)
+``--master HOST:PORT``      the coordinator, on node 0. On one node the default is
+                            127.0.0.1 with a free port (chosen again at each restart), and
+                            the coordinator listens on loopback only
+``--ips A,B``               every node's address; node 0's is the coordinator's host, port
+                            6070 unless ``--master`` says otherwise
+``--log_dir DIR``           where ``workerlog.RANK`` go (default ``log``)
+``--max_restarts N``        after a failure restart the whole group, up to N times (0)
+``--job_id NAME``           the job's name, ``FLEET_JOB_ID`` in every worker (``default``)
+``--progress_timeout S``    the stuck-worker limit in seconds (600; 0 turns it off)
+==========================  ==============================================================
+
+What each worker gets
+---------------------
+
+``FLEET_RANK`` / ``PADDLE_TRAINER_ID`` (global rank), ``FLEET_WORLD_SIZE`` /
+``PADDLE_TRAINERS_NUM``, ``FLEET_LOCAL_RANK``, ``FLEET_LOCAL_WORLD_SIZE``,
+``FLEET_NODE_RANK``, ``FLEET_NNODES``, ``FLEET_COORDINATOR`` (``host:port``),
+``FLEET_CURRENT_ENDPOINT`` / ``PADDLE_CURRENT_ENDPOINT``, ``FLEET_TRAINER_ENDPOINTS``
+/ ``PADDLE_TRAINER_ENDPOINTS`` (all endpoints, rank order; left out with
+``--master`` on several nodes, where other nodes' addresses are unknown),
+``FLEET_RESTART_COUNT`` (0, then 1, 2... after restarts: resume from your last
+checkpoint), ``FLEET_JOB_ID``, ``FLEET_HEARTBEAT_FILE`` (see below), and
+``PYTHONUNBUFFERED=1``. Rank 0 of a single-node job also gets
+``JAX_COORDINATOR_BIND_ADDRESS`` (the loopback address). The launcher prints this
+table for its first worker at start.
+
+``FLEET_JAX_HEARTBEAT_TIMEOUT`` (set by the launcher to at least 100 s and 30 s more
+than ``--progress_timeout``) and ``FLEET_JAX_INIT_TIMEOUT`` (yours to set; JAX's
+default is 300 s) are passed by ``fleet.init`` to ``jax.distributed.initialize``.
+
+Output
+------
+
+Worker ``N`` writes ``LOG_DIR/workerlog.N`` (global rank; after a restart the
+file goes on after a ``----- restart K -----`` line). This node's first worker is
+echoed live on the console, each line prefixed ``[rank N]``. The launcher's own
+lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
+
+Failures
+--------
+
+* A worker exits non-zero or dies of a signal: the launcher names it (``rank 1
+  (pid 4242) was killed by signal SIGKILL (9)``), stops the others (``SIGTERM``,
+  ``SIGKILL`` 3 s later: JAX workers ignore ``SIGTERM``), prints the last lines of
+  its log and exits with its exit code (128 + N for signal N).
+* A stuck worker: stopped (``SIGSTOP``) for ``--progress_timeout`` seconds, or
+  silent that long after its first heartbeat (``fleet.distributed_step`` sends one
+  per step; scripts with their own loop call ``fleet.launch.heartbeat()``). The
+  job ends naming the rank furthest behind; exit code 124.
+* ``Ctrl-C`` / ``SIGTERM`` / ``SIGHUP`` to the launcher: every worker's process
+  group is stopped the same way (a second signal skips the grace); exit code
+  128 + N. Workers also die if the launcher is killed outright (``SIGKILL``).
+* Bad input fails before any worker starts (exit code 2): a missing script, a
+  taken ``--master`` port, GPU ids that do not exist, ``--node_rank`` outside
+  ``--nnodes``.
+
+With ``--max_restarts N`` a failure stops the whole group and starts it again,
+up to N times, with ``FLEET_RESTART_COUNT`` counting the restarts.
+
+From Python, ``fleet.spawn(func, args, nprocs)`` starts processes the same way
+(see ``fleet/launch/_spawn.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from fleet._errors import FleetConfigError
+from fleet.launch import _tables
+from fleet.launch._agent import launch
+from fleet.launch._args import parse_args
+from fleet.launch._config import resolve
+
+_LOG_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
+
+
+def _setup_logging() -> None:
+    logger = logging.getLogger("fleet.launch")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``fleetrun`` command; returns its exit code.
+
+    Example:
+        >>> main(["--nproc_per_node", "2", "--cpu_devices", "2", "train.py"])  # doctest: +SKIP
+        0
+    """
+    _setup_logging()
+    try:
+        config = resolve(parse_args(argv, description=__doc__))
+    except FleetConfigError as e:
+        print(f"fleetrun: error: {e}", file=sys.stderr)
+        return 2
+    print(_tables.config_table(config.table()), flush=True)
+    return launch(config)

@@ -1,0 +1,313 @@
+"""The launcher's stages on their own: arguments -> config -> worker environments,
+bad input rejected before any worker starts, the watchdog's signals, the tables."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fleet import FleetConfigError, WorkerEnv
+from fleet.launch import LaunchConfig, main, parse_args, plan_workers, resolve
+from fleet.launch._args import OPTIONS, env_name
+from fleet.launch._config import worker_base_environ
+from fleet.launch._tables import config_table, env_table
+from fleet.launch._watchdog import Watchdog, Watched, process_state
+
+NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+# -- arguments ------------------------------------------------------------------------
+
+VALUES = {"nproc_per_node": "3", "gpus": "0,1", "cpu_devices": "2", "nnodes": "2",
+          "node_rank": "1", "master": "10.0.0.1:6070", "ips": "10.0.0.1,10.0.0.2",
+          "log_dir": "mylogs", "max_restarts": "4", "job_id": "exp7",
+          "progress_timeout": "12.5"}
+PARSED = {"nproc_per_node": 3, "gpus": ("0", "1"), "cpu_devices": 2, "nnodes": 2,
+          "node_rank": 1, "master": "10.0.0.1:6070", "ips": ("10.0.0.1", "10.0.0.2"),
+          "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5}
+
+
+def test_every_option_is_tested():
+    assert set(VALUES) == set(OPTIONS) == set(PARSED)
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+@pytest.mark.parametrize("spelling", ["underscore", "dash", "env"])
+def test_each_option_three_ways(name, spelling):
+    if spelling == "env":
+        config = parse_args(["train.py"], environ={env_name(name): VALUES[name]})
+    else:
+        flag = name if spelling == "underscore" else name.replace("_", "-")
+        config = parse_args([f"--{flag}", VALUES[name], "train.py"], environ={})
+    assert getattr(config, name) == PARSED[name]
+
+
+def test_defaults_and_script_arguments():
+    config = parse_args(["train.py", "--lr", "0.1", "--nnodes", "9"], environ={})
+    assert config == LaunchConfig(training_script="train.py",
+                                  training_script_args=("--lr", "0.1", "--nnodes", "9"))
+    assert (config.log_dir, config.max_restarts, config.job_id) == ("log", 0, "default")
+
+
+def test_command_line_wins_over_environment():
+    config = parse_args(["--nnodes", "3", "train.py"], environ={"FLEETRUN_NNODES": "5"})
+    assert config.nnodes == 3
+
+
+@pytest.mark.parametrize("alias", ["--devices", "--selected_gpus", "--selected-gpus"])
+def test_gpu_aliases(alias):
+    assert parse_args([alias, "2,3", "train.py"], environ={}).gpus == ("2", "3")
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(FleetConfigError, match=r"FLEETRUN_NNODES='two' is not an integer"):
+        parse_args(["train.py"], environ={"FLEETRUN_NNODES": "two"})
+
+
+# -- resolution: defaults and bad input ---------------------------------------------------
+
+def test_resolve_single_node_cpu(script):
+    config = resolve(LaunchConfig(training_script=script, cpu_devices=2), NO_GPUS)
+    assert (config.nproc_per_node, config.nnodes, config.node_rank) == (1, 1, 0)
+    assert config.master is None and config.gpus is None
+
+
+def test_resolve_defaults_to_one_process_per_visible_gpu(script):
+    config = resolve(LaunchConfig(training_script=script), {"CUDA_VISIBLE_DEVICES": "4,6"})
+    assert (config.nproc_per_node, config.gpus) == (2, ("4", "6"))
+    config = resolve(LaunchConfig(training_script=script), NO_GPUS)
+    assert (config.nproc_per_node, config.gpus) == (1, None)
+
+
+def test_resolve_ips_gives_nodes_and_master(script):
+    config = resolve(LaunchConfig(training_script=script, ips=("10.9.9.1", "10.9.9.2"),
+                                  node_rank=1), NO_GPUS)
+    assert (config.nnodes, config.node_rank, config.master) == (2, 1, "10.9.9.1:6070")
+
+
+def test_resolve_ips_finds_this_machine(script):
+    config = resolve(LaunchConfig(training_script=script, ips=("10.9.9.1", "127.0.0.1")),
+                     NO_GPUS)
+    assert config.node_rank == 1
+
+
+BAD = [
+    (dict(training_script="missing.py"), r"training script 'missing.py' does not exist"),
+    (dict(gpus=("0", "7")), r"GPU id\(s\) 7 do not exist; visible GPUs \(from "
+                            r"CUDA_VISIBLE_DEVICES='0,1'\): 0,1"),
+    (dict(gpus=("0",), cpu_devices=2), r"--gpus and --cpu_devices both given"),
+    (dict(gpus=("0", "0")), r"names a GPU twice"),
+    (dict(gpus=("0", "1"), nproc_per_node=3), r"--nproc_per_node 3 does not match --gpus 0,1"),
+    (dict(nproc_per_node=3), r"--nproc_per_node 3 needs 3 GPUs .* but 2 are visible"),
+    (dict(nnodes=2, node_rank=2, master="127.0.0.1:1"),
+     r"--node_rank 2 is outside --nnodes 2 \(allowed: 0..1\)"),
+    (dict(node_rank=-1), r"--node_rank -1 is outside --nnodes 1"),
+    (dict(nnodes=2), r"a 2-node job needs the coordinator's address.*--master HOST:PORT"),
+    (dict(ips=("10.9.9.1", "10.9.9.2"), nnodes=3), r"--nnodes 3 does not match --ips"),
+    (dict(ips=("10.9.9.1", "10.9.9.2")), r"none of --ips 10.9.9.1,10.9.9.2 is an address "
+                                         r"of this machine.*--node_rank"),
+    (dict(ips=("127.0.0.1", "127.0.0.1")), r"lists this machine more than once"),
+    (dict(master="nohost"), r"--master='nohost' is not host:port"),
+    (dict(nproc_per_node=0, cpu_devices=1), r"--nproc_per_node 0 must be at least 1"),
+    (dict(cpu_devices=0), r"--cpu_devices 0 must be at least 1"),
+    (dict(max_restarts=-1, cpu_devices=1), r"--max_restarts -1 must be at least 0"),
+    (dict(progress_timeout=-1.0, cpu_devices=1), r"--progress_timeout -1.0 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("fields,match", BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_fails_before_start(script, fields, match):
+    fields = {"training_script": script, **fields}
+    with pytest.raises(FleetConfigError, match=match):
+        resolve(LaunchConfig(**fields), {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_gpu_ids_on_a_machine_without_gpus(script):
+    with pytest.raises(FleetConfigError, match=r"GPU id\(s\) 0 do not exist.*: none.*"
+                                               r"--cpu_devices N"):
+        resolve(LaunchConfig(training_script=script, gpus=("0",)), NO_GPUS)
+
+
+def test_port_in_use(script):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(FleetConfigError, match=rf"port {port} on 127.0.0.1 is already in "
+                                                   r"use.*--master host:PORT"):
+            resolve(LaunchConfig(training_script=script, master=f"127.0.0.1:{port}"), NO_GPUS)
+        # Only node 0 hosts the coordinator: node 1 does not care.
+        resolve(LaunchConfig(training_script=script, nnodes=2, node_rank=1,
+                             master=f"127.0.0.1:{port}"), NO_GPUS)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["missing.py"], r"training script 'missing.py' does not exist"),
+    (["--gpus", "9", "{script}"], r"GPU id\(s\) 9 do not exist"),
+    (["--nnodes", "2", "--node_rank", "5", "--master", "127.0.0.1:1", "{script}"],
+     r"--node_rank 5 is outside --nnodes 2"),
+])
+def test_main_reports_bad_input_and_starts_nothing(tmp_path, script, monkeypatch, capsys,
+                                                   argv, match):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    log_dir = tmp_path / "logs"
+    argv = ["--log_dir", str(log_dir)] + [a.format(script=script) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fleetrun: error: ")
+    assert re.search(match, err)
+    assert not log_dir.exists()
+
+
+def test_cli_bad_input_exit_code(tmp_path):
+    """The installed entry points, end to end: missing script, no worker, exit 2."""
+    for command in ([sys.executable, "-m", "fleet.launch"],
+                    [os.path.join(os.path.dirname(sys.executable), "fleetrun")]):
+        done = subprocess.run([*command, "--log_dir", str(tmp_path / "log"), "nope.py"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 2
+        assert "fleetrun: error: training script 'nope.py' does not exist" in done.stderr
+        assert not (tmp_path / "log").exists()
+
+
+# -- the worker environment ---------------------------------------------------------------
+
+def test_single_node_environment(tmp_path, script):
+    config = resolve(LaunchConfig(training_script=script, nproc_per_node=2, cpu_devices=3,
+                                  job_id="j1"), NO_GPUS)
+    specs = plan_workers(config, 0, str(tmp_path), {"XLA_FLAGS": "--xla_foo=1 "
+                         "--xla_force_host_platform_device_count=8"})
+    envs = [WorkerEnv.from_environ(s.environ) for s in specs]
+    assert [(e.rank, e.local_rank, e.world_size, e.local_world_size) for e in envs] == [
+        (0, 0, 2, 2), (1, 1, 2, 2)]
+    coordinator = envs[0].coordinator
+    assert coordinator.startswith("127.0.0.1:") and envs[1].coordinator == coordinator
+    assert envs[0].trainer_endpoints == envs[1].trainer_endpoints
+    assert envs[0].trainer_endpoints[0] == coordinator
+    assert [e.current_endpoint for e in envs] == list(envs[0].trainer_endpoints)
+    first = specs[0].environ
+    assert first["JAX_COORDINATOR_BIND_ADDRESS"] == coordinator  # loopback only
+    assert "JAX_COORDINATOR_BIND_ADDRESS" not in specs[1].environ
+    assert first["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=3"
+    assert first["JAX_PLATFORMS"] == "cpu"
+    assert first["PADDLE_TRAINER_ID"] == "0" and specs[1].environ["PADDLE_TRAINER_ID"] == "1"
+    assert first["PADDLE_TRAINERS_NUM"] == "2" and first["FLEET_JOB_ID"] == "j1"
+    assert first["FLEET_HEARTBEAT_FILE"] == str(tmp_path / "heartbeat.0")
+    assert int(first["FLEET_JAX_HEARTBEAT_TIMEOUT"]) > config.progress_timeout
+    restarted = plan_workers(config, 2, str(tmp_path))
+    assert WorkerEnv.from_environ(restarted[1].environ).restart_count == 2
+
+
+def test_multi_node_environment(tmp_path, script):
+    config = resolve(LaunchConfig(training_script=script, nproc_per_node=2,
+                                  ips=("10.9.9.1", "10.9.9.2"), node_rank=1), NO_GPUS)
+    envs = [WorkerEnv.from_environ(s.environ) for s in plan_workers(config, 0, str(tmp_path))]
+    assert [e.rank for e in envs] == [2, 3]
+    assert {e.world_size for e in envs} == {4} and {e.node_rank for e in envs} == {1}
+    assert envs[0].coordinator == "10.9.9.1:6070"
+    assert envs[0].trainer_endpoints == ("10.9.9.1:6070", "10.9.9.1:6071",
+                                         "10.9.9.2:6070", "10.9.9.2:6071")
+    assert [e.current_endpoint for e in envs] == ["10.9.9.2:6070", "10.9.9.2:6071"]
+
+
+def test_gpu_processes_see_one_gpu_each(tmp_path, script):
+    config = resolve(LaunchConfig(training_script=script, gpus=("5", "3")),
+                     {"CUDA_VISIBLE_DEVICES": "3,4,5"})
+    specs = plan_workers(config, 0, str(tmp_path))
+    assert [s.environ["CUDA_VISIBLE_DEVICES"] for s in specs] == ["5", "3"]
+
+
+def test_inherited_worker_variables_are_dropped():
+    inherited = {"FLEET_RANK": "3", "PADDLE_TRAINER_ENDPOINTS": "x:1", "HOME": "/h",
+                 "FLEET_JAX_INIT_TIMEOUT": "20", "JAX_COORDINATOR_BIND_ADDRESS": "0:1"}
+    assert worker_base_environ(inherited) == {"HOME": "/h", "FLEET_JAX_INIT_TIMEOUT": "20"}
+
+
+# -- the watchdog -------------------------------------------------------------------------
+
+def test_process_state_sees_a_stopped_process():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_state(proc.pid) in ("S", "R")
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(proc.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(proc.pid) == "T"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_state(proc.pid) is None
+
+
+def _beat(path, at):
+    path.touch()
+    os.utime(path, (at, at))
+
+
+def test_watchdog_heartbeats(tmp_path):
+    now = 1000.0
+    dog = Watchdog(timeout=10, clock=lambda: now)
+    me = os.getpid()  # a running process: never stopped
+    w = [Watched(r, me, str(tmp_path / f"hb{r}")) for r in range(3)]
+    assert dog.check(w) is None  # nobody has sent a heartbeat: nothing to say
+    _beat(tmp_path / "hb0", now - 9)
+    _beat(tmp_path / "hb1", now - 5)
+    assert dog.check(w) is None
+    _beat(tmp_path / "hb0", now - 11)
+    stuck = dog.check(w)  # rank 2 never beat while the others did: it is furthest behind
+    assert stuck.rank == 2 and "sent no heartbeat" in stuck.reason
+    _beat(tmp_path / "hb2", now - 12)
+    stuck = dog.check(w)
+    assert stuck.rank == 2 and "no progress for 12.0 s" in stuck.reason
+    assert "rank 2 fell silent first" in stuck.reason
+    assert Watchdog(timeout=0, clock=lambda: now).check(w) is None  # off
+
+
+def test_watchdog_names_a_stopped_worker(tmp_path):
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        while process_state(proc.pid) != "T":
+            time.sleep(0.01)
+        clock = [1000.0]
+        dog = Watchdog(timeout=5, clock=lambda: clock[0])
+        w = [Watched(0, os.getpid(), str(tmp_path / "hb0")),
+             Watched(1, proc.pid, str(tmp_path / "hb1"))]
+        assert dog.check(w) is None  # stopped since now
+        clock[0] += 4.9
+        assert dog.check(w) is None
+        clock[0] += 0.2
+        stuck = dog.check(w)
+        assert stuck.rank == 1 and stuck.pid == proc.pid
+        assert "stopped (state T: SIGSTOP" in stuck.reason
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# -- the tables ---------------------------------------------------------------------------
+
+def test_tables(script):
+    config = resolve(LaunchConfig(training_script=script, cpu_devices=2), NO_GPUS)
+    text = config_table(config.table())
+    lines = text.splitlines()
+    assert lines[0] == "-----------  Configuration Arguments -----------"
+    assert "cpu_devices: 2" in lines and "log_dir: log" in lines
+    assert "training_script_args: []" in lines and lines[-1].startswith("-----")
+    table = env_table({"PADDLE_TRAINER_ID": "0", "LONG": "x" * 100})
+    assert "Distributed Envs" in table and "PADDLE_TRAINER_ID" in table
+    assert "..." + "x" * 42 in table
+    assert len({len(line) for line in table.splitlines()}) == 1  # a straight box

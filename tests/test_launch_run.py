@@ -1,0 +1,298 @@
+"""fleetrun with real processes and real collectives (gloo over 127.0.0.1).
+
+Every job gets a unique ``--job_id``; "no process remains" means no process on
+the machine still carries that ``FLEET_JOB_ID`` in its environment.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
+
+
+def job_processes(job_id):
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("FLEET_JOB_ID") == job_id:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+class Job:
+    """One launcher (one node) in the background, its output in a file."""
+
+    def __init__(self, tmp_path, *args, name="job", job_id=None, entry=None, env=None):
+        self.tmp_path, self.log_dir = tmp_path, tmp_path / f"{name}-log"
+        self.job_id = job_id or f"test-{uuid.uuid4().hex[:10]}"
+        self.out_path = tmp_path / f"{name}.out"
+        command = entry or [FLEETRUN]
+        with open(self.out_path, "wb") as out:
+            self.started = time.monotonic()
+            self.proc = subprocess.Popen(
+                [*command, "--job_id", self.job_id, "--log_dir", str(self.log_dir), *args],
+                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                env={**os.environ, **(env or {})},
+            )
+
+    def wait(self, timeout):
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def output(self):
+        return self.out_path.read_text(errors="replace")
+
+    def log(self, rank):
+        path = self.log_dir / f"workerlog.{rank}"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for_log(self, rank, pattern, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.log(rank)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"rank {rank} never logged {pattern!r}:\n{self.output}")
+            time.sleep(0.05)
+
+    def pid(self, rank):
+        for p in job_processes(self.job_id):
+            env = p.environ()
+            if env.get("FLEET_RANK") == str(rank) and p.ppid() == self.proc.pid:
+                return p.pid
+        raise AssertionError(f"no worker of rank {rank}")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    """Starts jobs; afterwards checks (and enforces) that none of their processes remain."""
+    started = []
+
+    def start(*args, **kwargs):
+        job = Job(tmp_path, *args, **kwargs)
+        started.append(job)
+        return job
+
+    yield start
+    for job in started:
+        job.kill()
+    deadline = time.monotonic() + 5
+    leftovers = []
+    for job in started:
+        while (leftovers := job_processes(job.job_id)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in leftovers:
+            p.kill()
+        assert not leftovers, f"processes of job {job.job_id} remain: {leftovers}"
+
+
+def assert_nothing_left(job):
+    deadline = time.monotonic() + 2  # init reaps the orphans of an exited launcher
+    while job_processes(job.job_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job_processes(job.job_id) == []
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from linear_common import train_reference
+
+    return train_reference()
+
+
+def assert_same_params(path, reference):
+    got = dict(np.load(path))
+    assert sorted(got) == sorted(reference)
+    for key in reference:
+        np.testing.assert_allclose(got[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
+
+
+# -- acceptance 1: the same parameters as the single-card script ---------------------------
+
+@pytest.mark.parametrize("nproc,devices,entry", [
+    (2, 2, "fleetrun"),
+    (1, 4, "python -m fleet.launch"),
+])
+def test_trains_like_single_card(jobs, tmp_path, reference, nproc, devices, entry):
+    out = tmp_path / "params.npz"
+    command = [FLEETRUN] if entry == "fleetrun" else [sys.executable, "-m", "fleet.launch"]
+    job = jobs("--nproc_per_node", str(nproc), "--cpu-devices", str(devices),
+               str(SCRIPTS / "train_linear.py"), str(out), entry=command)
+    assert job.wait(timeout=120) == 0, job.output
+    assert_same_params(out, reference)
+    text = job.output
+    assert "-----------  Configuration Arguments -----------" in text
+    assert f"nproc_per_node: {nproc}" in text and f"cpu_devices: {devices}" in text
+    assert f"Local start {nproc} processes" in text
+    assert re.search(rf"\|\s+PADDLE_TRAINERS_NUM\s+{nproc}\s+\|", text)
+    # Worker 0 live on the console, each line saying who wrote it; every worker's log file.
+    assert re.search(r"^\[rank 0\] step:7\tloss:", text, re.M)
+    assert "[rank 1]" not in text
+    for rank in range(nproc):
+        assert re.search(r"^step:7\tloss:", job.log(rank), re.M)
+
+
+# -- acceptance 2 and 3: a killed or stopped worker ends the job ---------------------------
+
+LOOP = str(SCRIPTS / "train_loop.py")
+
+
+def test_kill_9_of_one_worker(jobs):
+    job = jobs("--nproc_per_node", "2", "--cpu_devices", "1", LOOP)
+    for rank in (0, 1):
+        job.wait_for_log(rank, r"step:3\t")
+    victim = job.pid(1)
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    code = job.wait(timeout=10)
+    teardown = time.monotonic() - killed
+    text = job.output
+    assert code == 128 + 9, text
+    assert f"rank 1 (pid {victim}) was killed by signal SIGKILL (9)" in text
+    assert re.search(r"last \d+ lines of .*workerlog\.1 \(rank 1\):\n(\[rank 1\] .*\n)*"
+                     r"\[rank 1\] step:\d+\tloss:", text)
+    assert "job failed: rank 1 was killed by signal SIGKILL (9); exit code 137" in text
+    assert_nothing_left(job)
+    print(f"teardown after kill -9: {teardown:.2f} s")
+
+
+@pytest.mark.parametrize("how", ["sigstop", "deadlock"])
+def test_stuck_worker_ends_the_job(jobs, how):
+    timeout = 3
+    args = ["--hang_rank", "1", "--hang_step", "5"] if how == "deadlock" else []
+    job = jobs("--nproc_per_node", "2", "--cpu_devices", "1",
+               "--progress_timeout", str(timeout), LOOP, *args)
+    if how == "sigstop":
+        job.wait_for_log(1, r"step:3\t")
+        os.kill(job.pid(1), signal.SIGSTOP)
+    else:
+        job.wait_for_log(1, r"rank 1 hangs at step 5")
+    stuck = time.monotonic()
+    code = job.wait(timeout=timeout + 10)
+    elapsed = time.monotonic() - stuck
+    text = job.output
+    assert code == 124, text
+    reason = ("its process has been stopped" if how == "sigstop"
+              else r"no progress for .*rank 1 fell silent first")
+    assert re.search(rf"rank 1 \(pid \d+\) is stuck: {reason}", text), text
+    assert "job failed: rank 1 is stuck; exit code 124" in text
+    assert elapsed < timeout + 8
+    assert_nothing_left(job)
+
+
+# -- acceptance 4: a script that raises -----------------------------------------------------
+
+@pytest.mark.parametrize("arg,code", [("raise", 1), ("7", 7)])
+def test_failure_exit_code_and_traceback(jobs, arg, code):
+    job = jobs("--nproc_per_node", "2", str(SCRIPTS / "exit_on_rank.py"), arg)
+    assert job.wait(timeout=30) == code
+    text = job.output
+    assert re.search(rf"rank 1 \(pid \d+\) exited with code {code}; stopping the other", text)
+    assert "restarting" not in text  # --max_restarts defaults to 0
+    if arg == "raise":
+        assert re.search(r"\[rank 1\] Traceback \(most recent call last\):\n"
+                         r"(\[rank 1\] .*\n)*\[rank 1\] ValueError: boom from rank 1", text)
+    assert_nothing_left(job)
+
+
+# -- acceptance 5: restarts -----------------------------------------------------------------
+
+def test_max_restarts(jobs, tmp_path):
+    seen = tmp_path / "seen.txt"
+    job = jobs("--nproc_per_node", "2", "--cpu_devices", "1", "--max_restarts", "1",
+               str(SCRIPTS / "fail_once.py"), str(seen))
+    assert job.wait(timeout=90) == 0, job.output
+    assert sorted(seen.read_text().splitlines()) == [
+        "rank 0 restart 0 env 0", "rank 0 restart 1 env 1",
+        "rank 1 restart 0 env 0", "rank 1 restart 1 env 1"]
+    text = job.output
+    assert "rank 1 fails on the first run" in text  # the first run's failure, reported
+    assert "restarting all 2 workers (restart 1 of 1)" in text
+    assert "----- restart 1 -----" in job.log(1)
+
+
+# -- signals to the launcher ------------------------------------------------------------------
+
+def test_ctrl_c_stops_jax_workers(jobs):
+    job = jobs("--nproc_per_node", "2", "--cpu_devices", "1", LOOP)
+    for rank in (0, 1):
+        job.wait_for_log(rank, r"step:2\t")
+    job.proc.send_signal(signal.SIGINT)
+    assert job.wait(timeout=15) == 128 + signal.SIGINT
+    assert "got SIGINT: stopping all 2 workers" in job.output
+    assert_nothing_left(job)
+
+
+def test_sigterm_stops_stubborn_workers_and_their_children(jobs):
+    job = jobs("--nproc_per_node", "2", str(SCRIPTS / "stubborn.py"))
+    for rank in (0, 1):
+        job.wait_for_log(rank, "ready")
+    children = [int(re.search(r"child (\d+)", job.log(r))[1]) for r in (0, 1)]
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=15) == 128 + signal.SIGTERM
+    assert_nothing_left(job)
+    assert not any(psutil.pid_exists(c) and psutil.Process(c).status() != "zombie"
+                   for c in children)
+
+
+def test_workers_die_with_a_killed_launcher(jobs):
+    job = jobs("--nproc_per_node", "2", str(SCRIPTS / "exit_on_rank.py"), "0")
+    job.wait_for_log(0, "starts")
+    job.proc.kill()  # SIGKILL: no chance to clean up
+    job.proc.wait()
+    assert_nothing_left(job)
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+def test_each_gpu_process_sees_only_its_gpu(jobs):
+    job = jobs("--gpus", "1,0", str(SCRIPTS / "show_env.py"),
+               env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert job.wait(timeout=30) == 0, job.output
+    assert "CUDA_VISIBLE_DEVICES=1" in job.log(0) and "CUDA_VISIBLE_DEVICES=0" in job.log(1)
+    assert f"FLEET_JOB_ID={job.job_id}" in job.log(1)
+
+
+# -- acceptance 6: two nodes -------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("form", ["master", "ips"])
+def test_two_nodes_train_like_one(jobs, tmp_path, reference, form):
+    out = tmp_path / "params.npz"
+    master = f"127.0.0.1:{free_port()}"
+    job_id = f"test-{uuid.uuid4().hex[:10]}"
+    nodes = []
+    for node in (0, 1):
+        where = (["--nnodes", "2", "--master", master] if form == "master"
+                 else ["--ips", "127.0.0.1,127.0.0.1", "--master", master])
+        nodes.append(jobs(*where, "--node_rank", str(node), "--cpu_devices", "2",
+                          str(SCRIPTS / "train_linear.py"), str(out),
+                          name=f"node{node}", job_id=job_id))
+    for node in nodes:
+        assert node.wait(timeout=120) == 0, node.output
+    assert_same_params(out, reference)
+    assert "[rank 0] step:7" in nodes[0].output and "[rank 1] step:7" in nodes[1].output
+    assert "nnodes: 2" in nodes[1].output and "node_rank: 1" in nodes[1].output

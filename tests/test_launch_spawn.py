@@ -1,0 +1,109 @@
+"""fleet.spawn: real child processes (spawn start method), real collectives."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from fleet import FleetConfigError
+from fleet.launch import WorkerFailedError, spawn
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # spawned children get the parent's sys.path
+
+import spawn_targets  # noqa: E402
+
+
+def _children(exclude):
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if (p.pid not in exclude and p.status() != psutil.STATUS_ZOMBIE
+                    and "resource_tracker" not in " ".join(p.cmdline())):
+                found.append(p)  # (multiprocessing's resource tracker lives on by design)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails if a test leaves a child of this process behind."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 5
+    while (left := _children(before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in left:
+        p.kill()
+    assert not left, f"spawned processes remain: {left}"
+
+
+def test_trains_like_single_card_and_returns_values(no_leftovers):
+    from linear_common import train_reference
+
+    context = spawn(spawn_targets.train, nprocs=2, cpu_devices=2)
+    reference = train_reference()
+    assert len(context.return_values) == 2
+    for params in context.return_values:  # every process returns its replica's parameters
+        assert sorted(params) == sorted(reference)
+        for key in reference:
+            np.testing.assert_allclose(params[key], reference[key], atol=1e-5, rtol=0)
+    assert [p.exitcode for p in context.processes] == [0, 0]
+
+
+def test_environment_contract_without_join(no_leftovers):
+    context = spawn(spawn_targets.describe, args=("hello",), nprocs=2, join=False,
+                    cpu_devices=1, job_id="spawned")
+    while not context.join(timeout=30):
+        pass
+    first, second = context.return_values
+    assert (first["tag"], first["rank"], second["rank"], first["count"]) == ("hello", 0, 1, 2)
+    assert first["devices"] == 1 and first["env"]["JAX_PLATFORMS"] == "cpu"
+    env = second["env"]
+    assert env["PADDLE_TRAINER_ID"] == "1" and env["PADDLE_TRAINERS_NUM"] == "2"
+    assert env["FLEET_JOB_ID"] == "spawned" and env["FLEET_COORDINATOR"].startswith("127.0.0.1:")
+    assert env["PADDLE_TRAINER_ENDPOINTS"].split(",")[1] == env["PADDLE_CURRENT_ENDPOINT"]
+
+
+@pytest.mark.parametrize("how,match", [
+    ("raise", r"process 1 \(pid \d+\) raised an exception; the other processes were "
+              r"stopped. Its traceback:\n\nTraceback \(most recent call last\):\n(.*\n)*"
+              r"ValueError: boom from spawned rank 1"),
+    ("exit", r"process 1 \(pid \d+\) raised an exception(.*\n)*SystemExit: 5"),
+    ("sigkill", r"process 1 \(pid \d+\) was killed by signal SIGKILL \(9\); the other "
+                r"processes were stopped"),
+    ("sigstop", r"process 1 \(pid \d+\) is stuck: its process has been stopped"),
+    ("unpicklable", r"the return value of 'fail_on_rank_1' could not be sent to the parent"),
+])
+def test_first_failure_stops_the_rest_and_raises(no_leftovers, how, match):
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError, match=match) as failed:
+        spawn(spawn_targets.fail_on_rank_1, args=(how,), nprocs=2, progress_timeout=1)
+    assert failed.value.rank == 1
+    assert failed.value.exitcode == {"sigkill": 137, "sigstop": 124, "exit": 5}.get(how, 1)
+    assert time.monotonic() - started < 20  # rank 0 sleeps 60 s: it was stopped
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(FleetConfigError, match=r"unknown option\(s\) 'gpu' \(did you mean "
+                                               r"'gpus'\?\); valid options: cpu_devices, "
+                                               r"gpus, job_id, master"):
+        spawn(spawn_targets.rank, nprocs=2, gpu="0")
+
+
+@pytest.mark.parametrize("nprocs", [0, -2, 1.5, "2"])
+def test_bad_nprocs(nprocs):
+    with pytest.raises(FleetConfigError, match=r"nprocs=.* must be a positive integer"):
+        spawn(spawn_targets.rank, nprocs=nprocs)
+
+
+def test_bad_gpus_fail_before_start(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(FleetConfigError, match=r"GPU id\(s\) 3 do not exist"):
+        spawn(spawn_targets.rank, nprocs=1, gpus="3")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
