@@ -1,21 +1,26 @@
 """Loader throughput: ``fleet.io.DataLoader`` against a raw numpy gather + ``device_put``.
 
 Issue 3, acceptance 8. CIFAR-shaped in-memory data (50,000 x 32x32x3 uint8 images,
-int32 labels), 4 CPU devices, per-device batch 256 (global 1,024). Measured side by
-side in one run, interleaved round by round (A B B A ...) so drift hits both alike:
+int32 labels), 4 CPU devices, per-device batch 256 (global 1,024). Every group of
+cases runs side by side in one process, interleaved round by round (A B C C B A),
+and each round's ratio compares epochs run back to back, so load from other jobs
+on the machine hits all cases alike. Cases:
 
-1. raw: for the sampler's index batches, ``images[idx]``, ``labels[idx]`` and
-   ``jax.device_put(..., world.batch)``, waiting for each batch to be ready;
-2. ``DataLoader(TensorDataset([images, labels]), batch_sampler=sampler)``, waiting
-   for each batch to be ready (target: at least 0.9x of raw);
-3. the same two with a simulated 5 ms device step per batch (a ``sleep``, which,
-   like an accelerator step, leaves the CPU free): raw loads then steps, the loader
-   loads the next batch during the step;
-4. a per-sample random-crop (pad 4) + horizontal-flip transform on a
-   ``Dataset.__getitem__``, with ``num_workers`` 0 against 2 (persistent workers;
-   their start-up is timed separately).
+1. raw: for the sampler's index batches, ``jax.device_put((images[idx],
+   labels[idx]), world.batch)``, waiting for each batch to be ready; against
+   ``DataLoader(TensorDataset([images, labels]), batch_sampler=sampler)`` as it
+   comes (the vectorised fast path, loading in the main thread), and with
+   ``use_buffer_reader=True`` (a loading thread). Target: at least 0.9x of raw.
+2. the same with a 5 ms blocking step per batch (a ``sleep``: a training loop
+   that waits for every step, on an accelerator that leaves the CPU free).
+3. a per-sample random-crop (pad 4) + horizontal-flip ``Dataset.__getitem__``,
+   ``num_workers`` 0 against 2 (persistent workers; start-up timed separately).
 
-Run: ``python benchmarks/loader_throughput.py [--rounds 5]``.
+"CPU us/image" adds up this process and its workers: it shows the cost of each way
+of loading independently of how busy the machine is.
+
+Run: ``python benchmarks/loader_throughput.py [--rounds 12]`` (needs ``psutil``, from
+the ``test`` extra).
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 
 import fleet  # noqa: E402
 from fleet.io import DataLoader, Dataset, DistributedBatchSampler, TensorDataset  # noqa: E402
 
 NUM_IMAGES, PER_DEVICE_BATCH, STEP_S = 50_000, 256, 0.005
+_ME = psutil.Process()
 
 
 class CropFlipDataset(Dataset):
@@ -58,9 +65,12 @@ class CropFlipDataset(Dataset):
         return np.ascontiguousarray(image), self.labels[i]
 
 
-def raw_epoch(images, labels, batches, sharding, step_s=0.0) -> int:
+def raw_epoch(images, labels, sampler, sharding, step_s=0.0) -> int:
+    """One epoch of the sampler's batches, gathered and placed by hand."""
+    epoch = sampler.epoch
+    sampler.set_epoch(epoch + 1)
     count = 0
-    for idx in batches:
+    for idx in sampler.batches(epoch):
         x, y = jax.device_put((images[idx], labels[idx]), sharding)
         jax.block_until_ready((x, y))
         if step_s:
@@ -79,23 +89,40 @@ def loader_epoch(loader, step_s=0.0) -> int:
     return count
 
 
-def paired(base, other, rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """Images/s of ``base`` and ``other`` and their ratio, round by round (A B B A).
+def cpu_seconds() -> float:
+    """CPU time of this process and its live children (the loader's workers)."""
+    total = 0.0
+    for proc in [_ME, *_ME.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
-    Other jobs share these cores, so each round's ratio compares epochs run
-    back to back; the table reports the median over rounds.
+
+def interleaved(cases: dict[str, callable], rounds: int) -> list[tuple]:
+    """Per case: images/s and CPU us/image by round, and the ratio to the first case.
+
+    Each round runs the cases forwards, then backwards, one epoch each.
     """
-    base_rates, other_rates, ratios = [], [], []
+    names = list(cases)
+    rates = {n: [] for n in names}
+    cpu = {n: [] for n in names}
     for _ in range(rounds):
-        seconds, images = {base: 0.0, other: 0.0}, {base: 0, other: 0}
-        for fn in (base, other, other, base):
-            start = time.perf_counter()
-            images[fn] += fn()
-            seconds[fn] += time.perf_counter() - start
-        base_rates.append(images[base] / seconds[base])
-        other_rates.append(images[other] / seconds[other])
-        ratios.append(other_rates[-1] / base_rates[-1])
-    return base_rates, other_rates, ratios
+        seconds, images, used = ({n: 0.0 for n in names}, {n: 0 for n in names},
+                                 {n: 0.0 for n in names})
+        for name in names + names[::-1]:
+            cpu_start, start = cpu_seconds(), time.perf_counter()
+            images[name] += cases[name]()
+            seconds[name] += time.perf_counter() - start
+            used[name] += cpu_seconds() - cpu_start
+        for n in names:
+            rates[n].append(images[n] / seconds[n])
+            cpu[n].append(used[n] / images[n] * 1e6)
+    base = rates[names[0]]
+    return [(n, rates[n], cpu[n], None if i == 0 else [r / b for r, b in zip(rates[n], base)])
+            for i, n in enumerate(names)]
 
 
 def main() -> None:
@@ -110,26 +137,30 @@ def main() -> None:
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (NUM_IMAGES, 32, 32, 3), dtype=np.uint8)
     labels = rng.integers(0, 10, NUM_IMAGES).astype(np.int32)
+    dataset = TensorDataset([images, labels])
 
-    sampler = DistributedBatchSampler(range(NUM_IMAGES), PER_DEVICE_BATCH, shuffle=True,
-                                      drop_last=True)
-    raw_sampler = DistributedBatchSampler(range(NUM_IMAGES), PER_DEVICE_BATCH, shuffle=True,
-                                          drop_last=True)
-    loader = DataLoader(TensorDataset([images, labels]), batch_sampler=sampler)
+    def sampler():  # the same batches for every case, epoch for epoch
+        return DistributedBatchSampler(dataset, PER_DEVICE_BATCH, shuffle=True, drop_last=True)
 
-    def raw(step_s=0.0):  # the same batches as the loader's, epoch for epoch
-        return lambda: raw_epoch(images, labels, raw_sampler.batches(next_epoch(raw_sampler)),
-                                 world.batch, step_s)
+    raw_sampler = sampler()
+    inline = DataLoader(dataset, batch_sampler=sampler())
+    threaded = DataLoader(dataset, batch_sampler=sampler(), use_buffer_reader=True)
+    for fn in (lambda: raw_epoch(images, labels, raw_sampler, world.batch),
+               lambda: loader_epoch(inline), lambda: loader_epoch(threaded)):
+        fn()  # warm-up: first touches of every code path
 
-    loader_epoch(loader), raw()()  # warm-up: first touches of every code path
-    rows = []
-    raw_rates, loader_rates, ratios = paired(raw(), lambda: loader_epoch(loader), args.rounds)
-    rows += [("raw numpy gather + device_put", raw_rates, None),
-             ("fleet.io.DataLoader (TensorDataset)", loader_rates, ratios)]
-    raw_rates, loader_rates, ratios = paired(raw(STEP_S), lambda: loader_epoch(loader, STEP_S),
-                                             max(2, args.rounds // 2))
-    rows += [("raw, then a 5 ms step (sleep)", raw_rates, None),
-             ("DataLoader + 5 ms step (overlapped)", loader_rates, ratios)]
+    groups = [interleaved({
+        "raw numpy gather + device_put": lambda: raw_epoch(images, labels, raw_sampler,
+                                                           world.batch),
+        "DataLoader, TensorDataset (default)": lambda: loader_epoch(inline),
+        "DataLoader, use_buffer_reader=True": lambda: loader_epoch(threaded),
+    }, args.rounds)]
+    groups.append(interleaved({
+        "raw, then a 5 ms blocking step": lambda: raw_epoch(images, labels, raw_sampler,
+                                                            world.batch, STEP_S),
+        "DataLoader (default) + step": lambda: loader_epoch(inline, STEP_S),
+        "DataLoader, use_buffer_reader=True + step": lambda: loader_epoch(threaded, STEP_S),
+    }, max(2, args.rounds // 3)))
 
     subset = CropFlipDataset(images[: args.transform_images], labels[: args.transform_images])
     serial = DataLoader(subset, batch_size=PER_DEVICE_BATCH, shuffle=True, drop_last=True)
@@ -138,35 +169,29 @@ def main() -> None:
     start = time.perf_counter()
     loader_epoch(parallel)  # starts the workers
     first_epoch_s = time.perf_counter() - start
-    serial_rates, parallel_rates, ratios = paired(lambda: loader_epoch(serial),
-                                                  lambda: loader_epoch(parallel),
-                                                  max(2, args.rounds // 4))
+    groups.append(interleaved({
+        "crop+flip per sample, num_workers=0": lambda: loader_epoch(serial),
+        "crop+flip per sample, num_workers=2": lambda: loader_epoch(parallel),
+    }, max(2, args.rounds // 3)))
     parallel.close()
-    rows += [("crop+flip per sample, num_workers=0", serial_rates, None),
-             ("crop+flip per sample, num_workers=2", parallel_rates, ratios)]
 
     print(f"\nfleet.io loader throughput: {len(jax.devices())} CPU devices, per-device batch "
           f"{PER_DEVICE_BATCH} (global {PER_DEVICE_BATCH * world.num_replicas}), "
-          f"{NUM_IMAGES:,} x 32x32x3 uint8, {os.cpu_count()} CPU cores, "
-          f"{args.rounds} interleaved rounds\n")
-    print(f"| {'case':<40} | {'images/s (median)':>17} | {'ratio (median)':>14} | "
-          f"{'ratio min..max':>14} |")
-    print(f"|{'-' * 42}|{'-' * 19}|{'-' * 16}|{'-' * 16}|")
-    for name, rates, ratios in rows:
-        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "1.00x"
-        spread = f"{min(ratios):.2f}..{max(ratios):.2f}" if ratios else ""
-        print(f"| {name:<40} | {statistics.median(rates):>17,.0f} | {ratio:>14} | "
-              f"{spread:>14} |")
-    print(f"\nratio: against the row above, per round (A B B A), median over rounds. "
-          f"First workers epoch incl. start-up: {first_epoch_s:.2f} s for "
-          f"{args.transform_images:,} images. Load average during the run: "
-          f"{load_before:.2f} -> {os.getloadavg()[0]:.2f} (other jobs share these cores).")
-
-
-def next_epoch(sampler: DistributedBatchSampler) -> int:
-    epoch = sampler.epoch
-    sampler.set_epoch(epoch + 1)
-    return epoch
+          f"{NUM_IMAGES:,} x 32x32x3 uint8, {os.cpu_count()} CPU cores\n")
+    print(f"| {'case':<42} | {'images/s':>10} | {'ratio':>6} | {'ratio range':>11} | "
+          f"{'CPU us/image':>12} |")
+    print(f"|{'-' * 44}|{'-' * 12}|{'-' * 8}|{'-' * 13}|{'-' * 14}|")
+    for group in groups:
+        for name, rates, cpu, ratios in group:
+            ratio = f"{statistics.median(ratios):.2f}x" if ratios else "1.00x"
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+            print(f"| {name:<42} | {statistics.median(rates):>10,.0f} | {ratio:>6} | "
+                  f"{spread:>11} | {statistics.median(cpu):>12.2f} |")
+    print(f"\nMedians over rounds ({args.rounds}, {max(2, args.rounds // 3)}, "
+          f"{max(2, args.rounds // 3)}); ratio: against the first row of its group, round "
+          f"by round. First num_workers=2 epoch incl. worker start-up: {first_epoch_s:.2f} s "
+          f"for {args.transform_images:,} images. Load average: {load_before:.2f} -> "
+          f"{os.getloadavg()[0]:.2f} (other jobs share these {os.cpu_count()} cores).")
 
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ def test_collate_fn_is_used_on_the_list_of_samples(world):
 def test_next_batch_is_loaded_while_the_current_one_is_in_use(world):
     x, y = data(64)
     dataset = RecordingDataset([x, y])
-    it = iter(DataLoader(dataset, batch_size=2, prefetch_factor=2))
+    it = iter(DataLoader(dataset, batch_size=2, prefetch_factor=2, use_buffer_reader=True))
     first = next(it)
     # Without asking for it, the loader already fetched (and placed) the next batch.
     assert dataset.second_batch_fetched.wait(timeout=30)
@@ -492,14 +492,28 @@ class InitCheckDataset(Dataset):
 WORKER_INIT_ID = -1
 
 
-def test_inline_loading_without_the_buffer_thread_gives_the_same_batches(world):
+@pytest.mark.parametrize("use_buffer_reader", [None, True, False])
+def test_with_and_without_the_buffer_thread_batches_are_the_same(world, use_buffer_reader):
     x, y = data(45)
-    threaded = list(DataLoader(TensorDataset([x, y]), batch_size=2, shuffle=True))
-    inline = DataLoader(TensorDataset([x, y]), batch_size=2, shuffle=True,
-                        use_buffer_reader=False)
-    assert_batches_equal(list(inline), threaded)
+    want = [(x[b], y[b]) for b in DistributedBatchSampler(range(45), 2, shuffle=True)]
+    for dataset in (TensorDataset([x, y]), ArrayDataset(x, y)):
+        loader = DataLoader(dataset, batch_size=2, shuffle=True,
+                            use_buffer_reader=use_buffer_reader)
+        assert_batches_equal(list(loader), want)
     with pytest.raises(ValueError, match="bad sample 20"):
-        list(DataLoader(FailingDataset(64, bad=20), batch_size=1, use_buffer_reader=False))
+        list(DataLoader(FailingDataset(64, bad=20), batch_size=1,
+                        use_buffer_reader=use_buffer_reader))
+
+
+def test_fast_path_loads_in_the_main_thread_when_asked(world):
+    x, y = data(64)
+    dataset = RecordingDataset([x, y])
+    it = iter(DataLoader(dataset, batch_size=2))
+    assert dataset.fetched == []  # nothing loaded before the loop asks
+    next(it)
+    assert len(dataset.fetched) == 1
+    next(it)
+    assert len(dataset.fetched) == 2
 
 
 def test_string_fields_stay_on_the_host(world):
@@ -571,3 +585,54 @@ def test_ctrl_c_while_waiting_for_a_stuck_worker_leaves_no_worker_behind(
     assert len(workers) == 2
     # Gone already, while the iterator is still referenced here.
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+# ------------------------------------------------------------------- shared memory transport
+
+
+class GrowingDataset(Dataset):
+    """Batches of 16 whose arrays grow every third batch (shared-memory blocks grow)."""
+
+    def __len__(self):
+        return 160
+
+    def __getitem__(self, i):
+        return {"x": np.full((1 + i // 48, 2), i, np.int16), "name": f"s{i}",
+                "flag": np.bool_(i % 3 == 0)}
+
+
+def test_shared_memory_round_trip_keeps_structure_and_values():
+    from fleet.io import _shm
+
+    batch = {"a": (np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::2], ["text", 3]),
+             "b": np.array([True, False]), "c": np.int64(5), "d": np.array(7)}
+    size = _shm.packed_size(batch)
+    assert size == 64 * 3  # three arrays, each aligned to 64 bytes
+    block = bytearray(size)
+    assert _shm.write(batch, memoryview(bytearray(size - 1))) is None  # too small
+    skeleton = _shm.write(batch, memoryview(block))
+    got = _shm.read(skeleton, memoryview(block), size)
+    assert_batches_equal([got], [batch])
+    assert got["a"][1] == ["text", 3] and got["c"] == 5
+
+
+def test_workers_batches_whose_size_grows(world):
+    serial = list(DataLoader(GrowingDataset(), batch_size=2))
+    loader = DataLoader(GrowingDataset(), batch_size=2, num_workers=1, prefetch_factor=1,
+                        persistent_workers=True)
+    assert_batches_equal(list(loader), serial)
+    assert_batches_equal(list(loader), serial)
+    blocks = [b.name for b in loader._pool._blocks._all]
+    assert blocks  # the later batches came through shared memory
+    loader.close()
+    assert not set(blocks) & set(os.listdir("/dev/shm"))  # unlinked
+
+
+def test_leaving_early_unlinks_the_shared_memory(world, no_leftover_children):
+    it = iter(DataLoader(FlipDataset(400), batch_size=1, num_workers=2))
+    for _ in range(6):
+        next(it)
+    blocks = [b.name for b in it._pool._blocks._all]
+    assert blocks
+    del it
+    assert not set(blocks) & set(os.listdir("/dev/shm"))

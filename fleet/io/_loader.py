@@ -6,13 +6,20 @@ processes) -> ``jax.make_array_from_process_local_data`` places the process-loca
 rows on this process's devices, giving a global array sharded over the ``data``
 axis (``fleet.world().batch``).
 
-Overlap: the background thread (or the workers) loads up to ``prefetch_factor``
-host batches ahead. The device transfer is issued from the main thread, one batch
-ahead: when batch ``k`` is handed out, batch ``k + 1`` (if already loaded) has been
-placed too, so with JAX's asynchronous dispatch its transfer runs while step ``k``
-computes (the ``flax.jax_utils.prefetch_to_device`` pattern). Transfers stay on the
-main thread because, measured on CPU devices, transferring from a second thread
-was markedly slower (see ``benchmarks/loader_throughput.py``).
+Overlap. Per-sample loading runs in a background thread (``use_buffer_reader``) or
+in worker processes, up to ``prefetch_factor`` host batches ahead, and the main
+thread places batches on the devices one ahead: when batch ``k`` is handed out,
+batch ``k + 1`` (if loaded) has been placed too, so its transfer overlaps step
+``k`` (the ``flax.jax_utils.prefetch_to_device`` pattern). Transfers stay on the
+main thread: measured on CPU devices, transferring from a second thread was
+markedly slower.
+
+The vectorised fast path (a ``get_batch`` dataset, no workers) loads in the main
+thread by default: one gather and one transfer, issued when the loop asks for the
+next batch -- which, with JAX's asynchronous dispatch, is while the previous step
+still runs on the devices. A thread added no speed there and cost CPU time on a
+busy host (``benchmarks/loader_throughput.py`` has both); pass
+``use_buffer_reader=True`` for a training loop that waits for every step to finish.
 """
 
 from __future__ import annotations
@@ -69,7 +76,9 @@ class DataLoader:
         persistent_workers: keep the workers between epochs (closed by :meth:`close`,
             or when an epoch is left early).
         use_buffer_reader: load ahead in a background thread (Paddle's option of the
-            same name); ``False`` loads each batch in the main thread when asked.
+            same name). ``None`` (default): a thread for per-sample loading and for
+            workers; the vectorised fast path loads in the main thread when asked
+            (see below). ``True`` / ``False`` force it on / off.
 
     Starting a new iteration stops the previous one of the same loader (they share
     the sampler's epoch). Leaving the loop early, an exception in it, or Ctrl-C
@@ -100,7 +109,7 @@ class DataLoader:
         return_numpy: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         persistent_workers: bool = False,
-        use_buffer_reader: bool = True,
+        use_buffer_reader: bool | None = None,
     ):
         if not (hasattr(dataset, "__getitem__") or hasattr(dataset, "get_batch")):
             raise FleetTypeError(
@@ -134,7 +143,7 @@ class DataLoader:
         self.return_numpy = bool(return_numpy)
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = bool(persistent_workers)
-        self.use_buffer_reader = bool(use_buffer_reader)
+        self.use_buffer_reader = use_buffer_reader
         if not self.return_numpy:
             _check_sampler_fits_world(batch_sampler, _world.world())
         self._progress: _Progress | None = None
@@ -174,13 +183,19 @@ class DataLoader:
         else:
             transfer = _GlobalTransfer(world.batch, world.num_local_replicas,
                                        start["batches_done"])
-        if self.use_buffer_reader:
-            producer = _Producer(source, self.prefetch_factor)
+        if self._threaded():
+            producer, lookahead = _Producer(source, self.prefetch_factor), 1
         else:
-            producer = _InlineProducer(source)
-        iterator = _LoaderIterator(producer, transfer, pool, owns_pool, progress)
+            producer, lookahead = _InlineProducer(source), 0
+        iterator = _LoaderIterator(producer, transfer, lookahead, pool, owns_pool, progress)
         self._current = weakref.ref(iterator)
         return iterator
+
+    def _threaded(self) -> bool:
+        if self.use_buffer_reader is not None:
+            return bool(self.use_buffer_reader)
+        fast_path = self.collate_fn is None and hasattr(self.dataset, "get_batch")
+        return self.num_workers > 0 or not fast_path
 
     def _worker_pool(self) -> tuple[WorkerPool, bool]:
         """The persistent pool if one is alive, else a new one; and whether the
@@ -188,7 +203,8 @@ class DataLoader:
         if self._pool is not None and not self._pool.closed:
             return self._pool, False
         pool = WorkerPool(self.dataset, self.collate_fn, self.num_workers,
-                          self.worker_init_fn, int(np.random.randint(2**31)))
+                          self.worker_init_fn, int(np.random.randint(2**31)),
+                          max_in_flight=self.prefetch_factor * self.num_workers)
         if not self.persistent_workers:
             return pool, True
         if self._finalizer is not None:
@@ -324,10 +340,9 @@ class _LoaderIterator:
     ``("error", exception)`` -- an error is raised only after the batches before it.
     """
 
-    _LOOKAHEAD = 1  # batches placed on the devices beyond the one handed out
-
-    def __init__(self, producer, transfer, pool, owns_pool, progress):
+    def __init__(self, producer, transfer, lookahead, pool, owns_pool, progress):
         self._producer, self._transfer = producer, transfer
+        self._lookahead = lookahead  # batches placed on the devices beyond the one handed out
         self._pool, self._owns_pool = pool, owns_pool
         self._progress = progress
         self._ready: deque[tuple[str, Any]] = deque()
@@ -347,7 +362,7 @@ class _LoaderIterator:
                 self._ready.append(self._receive(block=True))
             kind, payload = self._ready.popleft()
             if kind == "batch":
-                while len(self._ready) < self._LOOKAHEAD and self._top_up():
+                while len(self._ready) < self._lookahead and self._top_up():
                     pass
         except BaseException:  # KeyboardInterrupt while waiting.
             self.close()

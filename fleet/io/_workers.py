@@ -7,9 +7,12 @@ the training script needs the usual ``if __name__ == "__main__":`` guard.
 Each worker has its own duplex pipe. Batch ``seq`` goes to worker
 ``seq % num_workers`` and every worker answers in the order it was asked, so reading
 batch ``seq`` from worker ``seq % num_workers`` keeps batches in order with no
-reordering buffer. Workers ignore SIGINT (Ctrl-C reaches the whole process group;
-the main process decides what happens) and exit when their pipe closes, so they
-never outlive the main process. An exception in a worker travels back and is
+reordering buffer. The arrays of a batch come back through shared memory
+(``fleet/io/_shm.py``), the rest of it through the pipe.
+
+Workers ignore SIGINT (Ctrl-C reaches the whole process group; the main process
+decides what happens) and exit when their pipe closes, so they never outlive the
+main process. An exception in a worker travels back and is
 raised in the main process, its ``__cause__`` holding the worker's traceback.
 """
 
@@ -22,11 +25,13 @@ import random
 import signal
 import traceback
 from collections.abc import Callable
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 
 from fleet._errors import FleetConfigError
+from fleet.io import _shm
 from fleet.io._collate import fetch_batch
 from fleet.io._errors import FleetWorkerError
 
@@ -77,9 +82,12 @@ class WorkerPool:
         num_workers: int,
         worker_init_fn: Callable[[int], None] | None,
         base_seed: int,
+        max_in_flight: int,
     ):
         ctx = multiprocessing.get_context("spawn")
         self._conns, self._procs = [], []
+        self._blocks = _shm.BlockPool(max_in_flight)
+        self._in_flight: dict[int, Any] = {}
         try:
             for worker_id in range(num_workers):
                 parent_end, child_end = ctx.Pipe(duplex=True)
@@ -120,8 +128,10 @@ class WorkerPool:
     def submit(self, seq: int, indices: list[int]) -> None:
         """Asks worker ``seq % num_workers`` for the batch at ``indices``."""
         worker = seq % self.num_workers
+        block = self._blocks.acquire()
+        self._in_flight[seq] = block
         try:
-            self._conns[worker].send((seq, indices))
+            self._conns[worker].send((seq, indices, None if block is None else block.name))
         except OSError:
             raise self._died(worker, seq) from None
 
@@ -129,7 +139,7 @@ class WorkerPool:
         """Batch ``seq``; call in ``seq`` order. Re-raises the worker's exception."""
         worker = seq % self.num_workers
         try:
-            kind, got, payload = self._conns[worker].recv()
+            kind, got, payload, size = self._conns[worker].recv()
         except (EOFError, OSError):
             raise self._died(worker, seq) from None
         if got != seq:
@@ -137,9 +147,17 @@ class WorkerPool:
                 f"DataLoader worker {worker} answered batch {got} when batch {seq} was "
                 "due; this is a bug in fleet.io, please report it"
             )
-        if kind == "error":
-            raise _rebuild_exception(payload, worker, self._procs[worker].pid, seq)
-        return payload
+        block = self._in_flight.pop(seq)
+        try:
+            if kind == "error":
+                raise _rebuild_exception(payload, worker, self._procs[worker].pid, seq)
+            if kind == "shm":
+                return _shm.read(payload, block.buf, size)
+            self._blocks.need(size)  # It came by pickle: the next blocks will fit it.
+            return payload
+        finally:
+            if block is not None:
+                self._blocks.release(block)
 
     def close(self) -> None:
         """Stops every worker at once (they hold no state) and waits for them."""
@@ -155,6 +173,8 @@ class WorkerPool:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+        self._blocks.close()
+        self._in_flight.clear()
 
     def _died(self, worker: int, seq: int) -> FleetWorkerError:
         proc = self._procs[worker]
@@ -174,6 +194,7 @@ def _worker_loop(conn, dataset, collate_fn, worker_id, num_workers, seed, worker
     np.random.seed(seed % 2**32)
     _WORKER_INFO = WorkerInfo(worker_id, num_workers, seed, dataset)
     init_error = None
+    blocks: dict[str, shared_memory.SharedMemory] = {}
     if worker_init_fn is not None:
         try:
             worker_init_fn(worker_id)
@@ -186,23 +207,37 @@ def _worker_loop(conn, dataset, collate_fn, worker_id, num_workers, seed, worker
             return
         if task is None:
             return
-        seq, indices = task
+        seq, indices, block_name = task
         if init_error is not None:
-            message = ("error", seq, init_error)
+            message = ("error", seq, init_error, 0)
         else:
             try:
-                message = ("ok", seq, fetch_batch(dataset, indices, collate_fn))
+                message = _load(dataset, indices, collate_fn, seq, block_name, blocks)
             except Exception as e:
-                message = ("error", seq, _pack_exception(e, indices))
+                message = ("error", seq, _pack_exception(e, indices), 0)
         try:
             conn.send(message)
         except (BrokenPipeError, EOFError, ConnectionResetError):
             return
         except Exception as e:  # The batch itself could not be pickled.
             try:
-                conn.send(("error", seq, _pack_exception(e, indices)))
+                conn.send(("error", seq, _pack_exception(e, indices), 0))
             except OSError:
                 return
+
+
+def _load(dataset, indices, collate_fn, seq, block_name, blocks):
+    """One batch, as the message for the main process: arrays in shared memory if
+    the lent block fits them, else everything pickled with the size it needs."""
+    batch = fetch_batch(dataset, indices, collate_fn)
+    size = _shm.packed_size(batch)
+    if block_name is not None:
+        if block_name not in blocks:
+            blocks[block_name] = shared_memory.SharedMemory(name=block_name)
+        skeleton = _shm.write(batch, blocks[block_name].buf)
+        if skeleton is not None:
+            return "shm", seq, skeleton, size
+    return "ok", seq, batch, size
 
 
 def _pack_exception(exc: BaseException, indices: list[int] | None = None) -> dict[str, Any]:
