@@ -1,8 +1,11 @@
 """fleet.spawn: real child processes (spawn start method), real collectives."""
 
 import os
+import signal
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # spawned children get the parent's sys.path
 
 import spawn_targets  # noqa: E402
+from job_processes import wait_until_gone  # noqa: E402
 
 
 def _children(exclude):
@@ -107,3 +111,28 @@ def test_bad_gpus_fail_before_start(monkeypatch):
     with pytest.raises(FleetConfigError, match=r"GPU id\(s\) 3 do not exist"):
         spawn(spawn_targets.rank, nprocs=1, gpus="3")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
+def test_children_end_with_their_parent(tmp_path, signum):
+    """Ctrl-C in the parent stops the children; a parent killed outright takes them along."""
+    job_id = f"test-{uuid.uuid4().hex[:10]}"
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        parent = subprocess.Popen([sys.executable, str(SCRIPTS / "spawn_parent.py"), job_id],
+                                  stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while out.read_text().count("ready") < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        parent.send_signal(signum)
+        parent.wait(timeout=10)
+        if signum == signal.SIGINT:
+            assert "KeyboardInterrupt" in out.read_text()
+        assert wait_until_gone(job_id) == []
+    finally:
+        parent.kill()
+        parent.wait()
+        for p in wait_until_gone(job_id, timeout=0):
+            p.kill()

@@ -43,3 +43,8 @@ def fail_on_rank_1(how):
     if how == "unpicklable":
         return lambda: None
     return "nothing"
+
+
+def sleep_ready():
+    print(f"rank {rank()} ready", flush=True)
+    time.sleep(60)

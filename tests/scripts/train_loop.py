@@ -2,6 +2,7 @@
 the failure tests: it can hang (a simulated deadlock) or raise on one rank.
 
     train_loop.py [--steps N] [--hang_rank R --hang_step S] [--raise_rank R --raise_step S]
+                  [--no_heartbeat]
 """
 
 import argparse
@@ -19,6 +20,8 @@ parser.add_argument("--hang_rank", type=int, default=-1)
 parser.add_argument("--hang_step", type=int, default=-1)
 parser.add_argument("--raise_rank", type=int, default=-1)
 parser.add_argument("--raise_step", type=int, default=-1)
+parser.add_argument("--no_heartbeat", action="store_true",
+                    help="rely on distributed_step's own heartbeats")
 args = parser.parse_args()
 
 import optax  # noqa: E402
@@ -46,10 +49,12 @@ for step in range(args.steps):
             time.sleep(1)
     if rank == args.raise_rank and step == args.raise_step:
         raise ValueError(f"boom from rank {rank} at step {step}")
-    heartbeat()
+    if not args.no_heartbeat:
+        heartbeat()
     x, y = global_batch(step)
     loss = float(train_step(model, optimizer, x[rank * rows:(rank + 1) * rows],
                             y[rank * rows:(rank + 1) * rows]))
-    heartbeat()
+    if not args.no_heartbeat:
+        heartbeat()
     print(f"step:{step}\tloss:{loss:.6f}", flush=True)
     time.sleep(0.02)
