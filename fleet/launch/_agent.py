@@ -246,8 +246,13 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
     """
     out = sys.stdout if out is None else out
     os.makedirs(config.log_dir, exist_ok=True)
-    heartbeat_dir = tempfile.mkdtemp(prefix=f"fleet-{config.job_id}-")
+    heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     restart = 0
+    devices = (f"GPU {','.join(config.gpus)}" if config.gpus is not None else
+               f"CPU, {config.cpu_devices} devices each" if config.cpu_devices is not None else
+               "devices as inherited")
+    log.info("Run collective mode: %d processes on node %d of %d (%s), %d in the job",
+             config.nproc_per_node, config.node_rank, config.nnodes, devices, config.world_size)
     try:
         with SignalCatcher() as signals:
             while True:
@@ -273,6 +278,8 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
                     log.info("all %d workers finished", len(specs))
                     return 0
                 _report(group, outcome.failure, signals)
+                if signals.received:  # stopped by hand while stopping: no restart
+                    return 128 + signals.received[0]
                 if restart < config.max_restarts:
                     restart += 1
                     log.warning("restarting all %d workers (restart %d of %d)", len(specs),

@@ -102,7 +102,15 @@ Failures
   ``--nnodes``.
 
 With ``--max_restarts N`` a failure stops the whole group and starts it again,
-up to N times, with ``FLEET_RESTART_COUNT`` counting the restarts.
+up to N times, with ``FLEET_RESTART_COUNT`` counting the restarts; on one node
+the coordinator gets a fresh port each time. Each launcher restarts only its own
+node: in a multi-node job the other nodes' workers fail when their peers go, so
+their launchers restart too, each counting its own restarts (no rendezvous:
+give every node the same ``--max_restarts``).
+
+A worker that raises, or calls ``sys.exit(non-zero)``, after ``fleet.init``
+exits at once instead of waiting in ``jax.distributed``'s shutdown barrier for
+peers that wait for it (``fleet/launch/_exit.py``).
 
 From Python, ``fleet.spawn(func, args, nprocs)`` starts processes the same way
 (see ``fleet/launch/_spawn.py``).

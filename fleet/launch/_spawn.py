@@ -81,7 +81,7 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
     config = resolve(_config_from_options(nprocs, options))
     if options.get("print_config"):
         print(_tables.config_table(config.table()), flush=True)
-    heartbeat_dir = tempfile.mkdtemp(prefix=f"fleet-spawn-{config.job_id}-")
+    heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     specs = plan_workers(config, 0, heartbeat_dir)
     if options.get("print_config"):
         print(_tables.env_table(specs[0].environ), flush=True)
