@@ -6,29 +6,13 @@ processes) -> ``jax.make_array_from_process_local_data`` places the process-loca
 rows on this process's devices, giving a global array sharded over the ``data``
 axis (``fleet.world().batch``).
 
-Overlap. Per-sample loading runs in a background thread (``use_buffer_reader``) or
-in worker processes, up to ``prefetch_factor`` host batches ahead, and the main
-thread places batches on the devices one ahead: when batch ``k`` is handed out,
-batch ``k + 1`` (if loaded) has been placed too, so its transfer overlaps step
-``k`` (the ``flax.jax_utils.prefetch_to_device`` pattern). Transfers stay on the
-main thread: measured on CPU devices, transferring from a second thread was
-markedly slower.
-
-The vectorised fast path (a ``get_batch`` dataset, no workers) loads in the main
-thread by default: one gather and one transfer, issued when the loop asks for the
-next batch -- which, with JAX's asynchronous dispatch, is while the previous step
-still runs on the devices. A thread added no speed there and cost CPU time on a
-busy host (``benchmarks/loader_throughput.py`` has both); pass
-``use_buffer_reader=True`` for a training loop that waits for every step to finish.
+How batches are loaded ahead and overlap the training step: ``fleet/io/_pipeline.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -37,12 +21,17 @@ import numpy as np
 
 from fleet import _world
 from fleet._errors import FleetConfigError, FleetTypeError
-from fleet.io._collate import fetch_batch
 from fleet.io._errors import FleetDataError
+from fleet.io._pipeline import (
+    InlineProducer,
+    LoaderIterator,
+    Progress,
+    ThreadProducer,
+    from_workers,
+    in_process,
+)
 from fleet.io._sampler import BatchSampler, DistributedBatchSampler
 from fleet.io._workers import WorkerPool
-
-_THREAD_JOIN_TIMEOUT_S = 30.0
 
 
 class DataLoader:
@@ -146,7 +135,7 @@ class DataLoader:
         self.use_buffer_reader = use_buffer_reader
         if not self.return_numpy:
             _check_sampler_fits_world(batch_sampler, _world.world())
-        self._progress: _Progress | None = None
+        self._progress: Progress | None = None
         self._skip = 0  # For batch samplers without state_dict(): batches to skip.
         self._current: weakref.ref | None = None
         self._pool: WorkerPool | None = None
@@ -169,25 +158,25 @@ class DataLoader:
             start = {"batches_done": self._skip}
             indices = itertools.islice(indices, self._skip, None)
         self._skip = 0
-        progress = _Progress(start, len(self))
+        progress = Progress(start, len(self))
         self._progress = progress
 
         pool, owns_pool = None, False
         if self.num_workers > 0:
             pool, owns_pool = self._worker_pool()
-            source = _from_workers(pool, indices, self.prefetch_factor * self.num_workers)
+            source = from_workers(pool, indices, self.prefetch_factor * self.num_workers)
         else:
-            source = _in_process(self.dataset, indices, self.collate_fn)
+            source = in_process(self.dataset, indices, self.collate_fn)
         if to_host:
             transfer = None
         else:
             transfer = _GlobalTransfer(world.batch, world.num_local_replicas,
                                        start["batches_done"])
         if self._threaded():
-            producer, lookahead = _Producer(source, self.prefetch_factor), 1
+            producer, lookahead = ThreadProducer(source, self.prefetch_factor), 1
         else:
-            producer, lookahead = _InlineProducer(source), 0
-        iterator = _LoaderIterator(producer, transfer, lookahead, pool, owns_pool, progress)
+            producer, lookahead = InlineProducer(source), 0
+        iterator = LoaderIterator(producer, transfer, lookahead, pool, owns_pool, progress)
         self._current = weakref.ref(iterator)
         return iterator
 
@@ -321,190 +310,6 @@ class DataLoader:
         self._current = None
 
 
-class _Progress:
-    """Where the running epoch started (sampler state) and how many batches were handed out."""
-
-    def __init__(self, start: dict[str, Any], length: int):
-        self.start, self.length = start, length
-        self.delivered, self.finished = 0, False
-
-    def position(self) -> int:
-        return self.start["batches_done"] + self.delivered
-
-
-class _LoaderIterator:
-    """What ``iter(loader)`` returns; stops its thread and workers when closed or dropped.
-
-    ``_ready`` holds, in order, what the producer delivered and the main thread
-    already placed on the devices: ``("batch", arrays)``, ``("end", None)`` or
-    ``("error", exception)`` -- an error is raised only after the batches before it.
-    """
-
-    def __init__(self, producer, transfer, lookahead, pool, owns_pool, progress):
-        self._producer, self._transfer = producer, transfer
-        self._lookahead = lookahead  # batches placed on the devices beyond the one handed out
-        self._pool, self._owns_pool = pool, owns_pool
-        self._progress = progress
-        self._ready: deque[tuple[str, Any]] = deque()
-        self._closed = False
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return self._progress.length - self._progress.start["batches_done"]
-
-    def __next__(self):
-        if self._closed:
-            raise StopIteration
-        try:
-            if not self._ready:
-                self._ready.append(self._receive(block=True))
-            kind, payload = self._ready.popleft()
-            if kind == "batch":
-                while len(self._ready) < self._lookahead and self._top_up():
-                    pass
-        except BaseException:  # KeyboardInterrupt while waiting.
-            self.close()
-            raise
-        if kind == "batch":
-            self._progress.delivered += 1
-            return payload
-        if kind == "end":
-            self._progress.finished = True
-            self.close()
-            raise StopIteration
-        self.close()
-        raise payload
-
-    def _top_up(self) -> bool:
-        """Places one more already-loaded batch on the devices; False if none is there."""
-        if self._ready and self._ready[-1][0] != "batch":
-            return False
-        item = self._receive(block=False)
-        if item is None:
-            return False
-        self._ready.append(item)
-        return True
-
-    def _receive(self, block: bool) -> tuple[str, Any] | None:
-        item = self._producer.get(block)
-        if item is None or item[0] != "batch" or self._transfer is None:
-            return item
-        try:
-            return "batch", self._transfer(item[1])
-        except Exception as e:
-            return "error", e
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._ready.clear()
-        self._producer.request_stop()
-        pool_in_use = self._pool is not None and not self._progress.finished
-        if self._pool is not None and (self._owns_pool or pool_in_use):
-            self._pool.close()  # Its workers die, so the thread's pending recv ends.
-        self._producer.join()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class _Producer:
-    """A daemon thread that runs ``source`` (host batches) into a bounded queue.
-
-    The thread holds no reference to the iterator, so dropping the iterator
-    closes it. Stopping: set the flag, then drain the queue; the thread checks the
-    flag around every ``put``, so it puts at most one more item and exits.
-    """
-
-    def __init__(self, source: Iterator[Any], depth: int):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(source,), name="fleet-io-prefetch", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, source):
-        try:
-            for batch in source:
-                if self._stop.is_set():
-                    return
-                self._queue.put(("batch", batch))
-                if self._stop.is_set():
-                    return
-            self._queue.put(("end", None))
-        except BaseException as e:
-            if not self._stop.is_set():
-                self._queue.put(("error", e))
-
-    def get(self, block: bool = True) -> tuple[str, Any] | None:
-        """The next item; ``None`` if ``block`` is false and none is ready."""
-        try:
-            return self._queue.get(block)
-        except queue.Empty:
-            return None
-
-    def request_stop(self) -> None:
-        self._stop.set()
-        self._drain()
-
-    def join(self) -> None:
-        self._drain()
-        self._thread.join(_THREAD_JOIN_TIMEOUT_S)
-        self._drain()
-
-    def _drain(self) -> None:
-        while self.get(block=False) is not None:
-            pass
-
-
-class _InlineProducer:
-    """Runs ``source`` in the calling thread, when asked (``use_buffer_reader=False``)."""
-
-    def __init__(self, source: Iterator[Any]):
-        self._source = source
-
-    def get(self, block: bool = True) -> tuple[str, Any] | None:
-        try:
-            return "batch", next(self._source)
-        except StopIteration:
-            return "end", None
-        except Exception as e:
-            return "error", e
-
-    def request_stop(self) -> None:
-        self._source.close()
-
-    def join(self) -> None:
-        pass
-
-
-def _in_process(dataset, indices, collate_fn):
-    for batch_indices in indices:
-        yield fetch_batch(dataset, batch_indices, collate_fn)
-
-
-def _from_workers(pool: WorkerPool, indices: Iterator[list[int]], depth: int):
-    """Keeps ``depth`` batches in flight on the workers; yields them in order."""
-    pending: deque[int] = deque()
-    seq = 0
-    for batch_indices in itertools.chain(indices, [None]):
-        if batch_indices is not None:
-            pool.submit(seq, batch_indices)
-            pending.append(seq)
-            seq += 1
-            if len(pending) < depth:
-                continue
-        while pending and (batch_indices is None or len(pending) >= depth):
-            yield pool.result(pending.popleft())
-
-
 class _GlobalTransfer:
     """Places a process-local numpy batch on the mesh as global arrays.
 
@@ -535,6 +340,8 @@ class _GlobalTransfer:
                 )
             leaves[i] = leaf
             numeric.append(i)
+        if not numeric:
+            return batch
         placed = jax.make_array_from_process_local_data(
             self.sharding, [leaves[i] for i in numeric]
         )
