@@ -188,6 +188,13 @@ def test_batches_are_global_arrays_and_each_device_holds_its_replica(
                 np.testing.assert_array_equal(np.asarray(shard.data), y[indices])
 
 
+def test_calling_the_loader_iterates_it_as_in_paddle(world):
+    x, y = data(32)
+    loader = DataLoader(TensorDataset([x, y]), batch_size=2)
+    got = [np.asarray(b).tolist() for _, (_, b) in enumerate(loader())]
+    assert got == [list(range(0, 16)), list(range(16, 32))]
+
+
 def test_dict_datasets_give_dict_batches(world):
     x, y = data(16)
     loader = DataLoader(TensorDataset({"image": x, "label": y}), batch_size=2)

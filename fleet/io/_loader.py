@@ -144,6 +144,10 @@ class DataLoader:
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
+    def __call__(self) -> Iterator[Any]:
+        """``loader()`` is ``iter(loader)``, as Paddle's ``for data in train_loader():``."""
+        return iter(self)
+
     def __iter__(self) -> Iterator[Any]:
         self._close_current()
         to_host = self.return_numpy
