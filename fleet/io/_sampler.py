@@ -21,6 +21,12 @@ How :class:`DistributedBatchSampler` splits an epoch (Paddle's algorithm):
 So step ``k``'s batches of all replicas, in replica order, are one contiguous run
 of ``order``: the global batch a ``BatchSampler(batch_size * num_replicas)`` over
 ``order`` would give.
+
+Where this differs from Paddle's code: Paddle pads with ``indices[:total - n]``,
+which comes up short when ``n < num_replicas / 2`` (fleet pads cyclically); Paddle
+advances ``epoch`` only when shuffling (fleet on every iteration, which changes
+nothing without shuffle); Paddle's ``BatchSampler(shuffle=True)`` draws from numpy's
+global RNG (fleet's from ``RandomState(epoch)``, so it can resume).
 """
 
 from __future__ import annotations
