@@ -40,6 +40,7 @@ from fleet._world import (
     worker_num,
     world,
 )
+from fleet.launch import spawn
 from fleet.strategy import DistributedStrategy
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "is_first_worker",
     "num_local_replicas",
     "num_replicas",
+    "spawn",
     "worker_index",
     "worker_num",
     "world",

@@ -51,6 +51,7 @@ from fleet._context import BucketConfig
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._model import DataParallel
 from fleet._world import DATA_AXIS, World, world
+from fleet.launch._heartbeat import heartbeat
 
 _NNX, _TREE, _BATCH, _REPL, _STATIC = "nnx", "state", "batch", "replicated", "static"
 
@@ -180,6 +181,7 @@ class DistributedStep:
     # -- the call, on the host ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        heartbeat()  # tells fleetrun's watchdog this worker reached the step
         plan, call_args = self._prepare(args, kwargs)
         compiled = self._compiled(plan)
         try:
@@ -200,6 +202,7 @@ class DistributedStep:
             self._accum_count += new_accum is not None
         elif plan.has_accum:
             self._accum, self._accum_count = None, 0
+        heartbeat()
         return out
 
     def make_jaxpr(self, *args: Any, **kwargs: Any) -> Any:

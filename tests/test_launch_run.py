@@ -183,8 +183,6 @@ def test_stuck_worker_ends_the_job(jobs, how):
     assert_nothing_left(job)
 
 
-@pytest.mark.xfail(strict=True, raises=subprocess.TimeoutExpired,
-                   reason="needs heartbeat() in DistributedStep.__call__ (lead's hook)")
 def test_distributed_step_sends_heartbeats(jobs):
     """No heartbeat() in the script: the stuck worker is found through fleet's own step."""
     job = jobs("--nproc_per_node", "2", "--cpu_devices", "1", "--progress_timeout", "3",
