@@ -252,6 +252,15 @@ class DistributedStep:
             getattr(last, k) is v or getattr(last, k) == v for k, v in fields.items()
         ):
             return last
+        for value in fields["statics"]:
+            try:
+                hash(value)
+            except TypeError:
+                raise FleetTypeError(
+                    f"an argument of type {type(value).__name__} is passed to the step as a "
+                    "static value (it holds no arrays), but it is not hashable; pass arrays, "
+                    "NNX objects or scalars, or make it hashable (a tuple instead of a list)"
+                ) from None
         self._last_plan = _Plan(**fields)
         return self._last_plan
 

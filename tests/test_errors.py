@@ -130,3 +130,14 @@ def test_bad_worker_environment(monkeypatch):
     monkeypatch.setenv("FLEET_RANK", "one")
     with pytest.raises(fleet.FleetConfigError, match="FLEET_RANK='one' is not an integer"):
         fleet.WorkerEnv.from_environ()
+
+
+def test_unhashable_static_argument(trained):
+    model, _ = trained
+
+    @fleet.distributed_step
+    def step(model, x, names):
+        return model(x).mean()
+
+    with pytest.raises(fleet.FleetTypeError, match="static value.*not hashable.*a tuple instead"):
+        step(model, np.ones((4, 10), np.float32), ["a", "b"])
