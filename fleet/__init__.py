@@ -11,6 +11,7 @@ Four changes turn a single-device Flax + Optax script into a data-parallel one::
 The public API is this module; everything else is private.
 """
 
+from fleet import io
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
 from fleet._context import BucketConfig
 from fleet._env import WorkerEnv
@@ -58,6 +59,7 @@ __all__ = [
     "distributed_optimizer",
     "distributed_step",
     "fused_allreduce_gradients",
+    "io",
     "DistributedStrategy",
     "FleetAttributeError",
     "FleetConfigError",
