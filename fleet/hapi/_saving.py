@@ -1,0 +1,94 @@
+"""``Model.save`` / ``Model.load``: parameters and optimizer state as ``.npz`` files.
+
+``save(path)`` writes ``{path}.params.npz`` (every variable of the network, keyed
+as ``network.state_dict()``: ``"linear1.kernel"``) and, for training,
+``{path}.opt.npz`` (the optimizer's state, keyed the same way: ``"step"``,
+``"opt_state.0.mu.linear1.kernel"``). The first worker writes, to a temporary file
+renamed into place, so a crash never leaves half a file; the others wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from fleet import _world
+from fleet._errors import FleetError
+from fleet._model import _like, _to_host, module_variables, set_replicated
+
+PARAMS_SUFFIX = ".params.npz"
+OPT_SUFFIX = ".opt.npz"
+
+
+def write_arrays(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Writes ``arrays`` to ``path`` (npz) atomically, on the first worker."""
+    if _world.is_first_worker():
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                                   dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    _world.barrier_worker()
+
+
+def read_arrays(path: str, what: str) -> dict[str, np.ndarray]:
+    if not os.path.exists(path):
+        raise FleetError(
+            f"no {what} file at {path!r}; pass the path given to Model.save (without the "
+            f"{PARAMS_SUFFIX} / {OPT_SUFFIX} suffix)"
+        )
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def optimizer_state_dict(optimizer: Any) -> dict[str, np.ndarray]:
+    return {k: _to_host(v.get_value()) for k, v in module_variables(optimizer).items()}
+
+
+def set_optimizer_state_dict(optimizer: Any, state: dict[str, Any]) -> None:
+    """Loads values saved by :func:`optimizer_state_dict`; all or nothing."""
+    current = module_variables(optimizer)
+    problems = [f"missing {k!r}" for k in current if k not in state]
+    problems += [f"unexpected {k!r}" for k in state if k not in current]
+    for key, value in state.items():
+        if key in current:
+            old = _to_host(current[key].get_value())
+            if old.shape != np.shape(value) or old.dtype != np.asarray(value).dtype:
+                problems.append(f"{key!r}: optimizer has {old.shape} {old.dtype}, file has "
+                                f"{np.shape(value)} {np.asarray(value).dtype}")
+    if problems:
+        raise FleetError(
+            "the saved optimizer state does not fit this optimizer: " + "; ".join(problems[:8])
+            + ("; ..." if len(problems) > 8 else "")
+            + ". Build the same optimizer as when saving, or load with reset_optimizer=True"
+        )
+    set_replicated(current, {k: _like(current[k].get_value(), np.asarray(state[k]))
+                             for k in current})
+
+
+def fit_params(network: Any, params: dict[str, np.ndarray]) -> tuple[dict, list[str]]:
+    """For ``skip_mismatch``: the saved values whose key and shape fit the network
+    (others keep their current value), and what was skipped."""
+    current = network.state_dict()
+    merged, skipped = dict(current), []
+    for key, value in params.items():
+        if key not in current:
+            skipped.append(f"{key!r} (not in the network)")
+        elif current[key].shape != value.shape or current[key].dtype != value.dtype:
+            skipped.append(f"{key!r} (file {value.shape} {value.dtype}, network "
+                           f"{current[key].shape} {current[key].dtype})")
+        else:
+            merged[key] = value
+    return merged, skipped

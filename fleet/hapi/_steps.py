@@ -1,0 +1,137 @@
+"""The steps ``fleet.Model`` runs, as pure per-replica functions for
+``fleet.distributed_step``.
+
+Each is written as for one device, on this replica's rows: the distributed step
+averages the gradients (through the distributed optimizer), averages the
+scalar loss over the replicas, and gathers the per-example arrays (metric rows,
+per-example losses, predictions) in global batch order.
+
+Dropout: every replica starts from the same replicated PRNG state, so without
+care every replica would draw the same mask for its rows. The train step folds
+the replica index into each ``nnx.RngKey`` for the duration of the forward pass
+and puts the shared key back after, so masks are independent across replicas
+and the RNG state stays identical (replicated) everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fleet._errors import FleetConfigError
+from fleet._step import DistributedStep, distributed_step
+from fleet._world import DATA_AXIS
+
+
+@contextlib.contextmanager
+def replica_rngs(module: nnx.Module) -> Iterator[None]:
+    """Inside a distributed step: each replica's RNG keys differ while the block runs."""
+    keys = [var for _, var in nnx.to_flat_state(nnx.state(module, nnx.RngKey))]
+    if not keys:
+        yield
+        return
+    shared = [var.get_value() for var in keys]
+    index = jax.lax.axis_index(DATA_AXIS)
+    for var, key in zip(keys, shared):
+        var.set_value(jax.random.fold_in(key, index))
+    try:
+        yield
+    finally:
+        for var, key in zip(keys, shared):
+            var.set_value(key)
+
+
+def batch_rows(outputs: Any) -> int:
+    leaves = jax.tree_util.tree_leaves(outputs)
+    if not leaves or jnp.ndim(leaves[0]) == 0:
+        raise FleetConfigError(
+            "the network returned no per-example array (leading axis = batch); fleet.Model "
+            "needs outputs like logits of shape (batch, ...)"
+        )
+    return jnp.shape(leaves[0])[0]
+
+
+def mean_loss(value: Any) -> jax.Array:
+    """The loss to differentiate: the mean of what the loss function returned."""
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise FleetConfigError(
+            f"the loss function returned {value.dtype} values; it must return floats "
+            "(a scalar, or one value per example)"
+        )
+    return value.mean()
+
+
+def per_example_loss(loss_fn: Callable, outputs: Any, labels: Sequence[Any]) -> jax.Array:
+    """One loss value per example, for exact evaluation.
+
+    A loss that returns one value per example (optax's losses) is used as it is;
+    one that returns the batch mean is applied to each example alone (``vmap``).
+    """
+    rows = batch_rows(outputs)
+    value = jnp.asarray(loss_fn(outputs, *labels))
+    if value.ndim >= 1 and value.shape[0] == rows:
+        mean_loss(value)  # checks the dtype
+        return value.reshape(rows, -1).mean(axis=1)
+    if value.ndim == 0:
+        def one(o: Any, *ls: Any) -> jax.Array:
+            single = jax.tree.map(lambda x: x[None], (o, *ls))
+            return mean_loss(loss_fn(*single))
+
+        return jax.vmap(one)(outputs, *labels)
+    raise FleetConfigError(
+        f"the loss function returned shape {value.shape} for a batch of {rows}; return a "
+        f"scalar or one value per example (leading axis {rows})"
+    )
+
+
+def metric_rows(metrics: Sequence[Any], outputs: Any, labels: Sequence[Any]) -> tuple:
+    """Each metric's per-example ``compute`` outputs, as tuples."""
+    rows = []
+    for metric in metrics:
+        out = metric.compute(outputs, *labels)
+        rows.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
+    return tuple(rows)
+
+
+def make_train_step(loss_fn: Callable, metrics: Sequence[Any]) -> DistributedStep:
+    """``step(network, optimizer, inputs, labels) -> (mean loss, metric rows)``."""
+
+    def train_step(network, optimizer, inputs, labels):
+        def objective(net):
+            outputs = net(*inputs)
+            return mean_loss(loss_fn(outputs, *labels)), outputs
+
+        with replica_rngs(network):
+            (loss, outputs), grads = nnx.value_and_grad(objective, has_aux=True)(network)
+        optimizer.update(network, grads)
+        return loss, metric_rows(metrics, outputs, labels)
+
+    return distributed_step(train_step)
+
+
+def make_eval_step(loss_fn: Callable | None, metrics: Sequence[Any]) -> DistributedStep:
+    """``step(network, inputs, labels) -> (per-example loss or None, metric rows)``."""
+
+    def eval_step(network, inputs, labels):
+        outputs = network(*inputs)
+        losses = None if loss_fn is None else per_example_loss(loss_fn, outputs, labels)
+        return losses, metric_rows(metrics, outputs, labels)
+
+    return distributed_step(eval_step)
+
+
+def make_predict_step() -> DistributedStep:
+    """``step(network, inputs) -> the network's outputs`` (per example)."""
+
+    def predict_step(network, inputs):
+        outputs = network(*inputs)
+        batch_rows(outputs)
+        return outputs
+
+    return distributed_step(predict_step)

@@ -1,0 +1,449 @@
+"""fleet.Model (fleet/hapi): training equals the single-device script on the same
+global batches, evaluation and prediction are exact, callbacks, saving, errors.
+
+The reference is written by hand, as a single-device user would: ``nnx.jit``,
+global batches cut from Paddle's shuffle (``RandomState(epoch).shuffle``).
+"""
+
+import io
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+
+import fleet
+from fleet import _world
+from fleet.hapi import Model, callbacks, metric
+from fleet.hapi._steps import replica_rngs
+from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
+
+TOL = 1e-5
+N_TRAIN, N_EVAL, FEATURES, CLASSES = 100, 37, 12, 4
+GLOBAL_BATCH, LR = 16, 1e-2
+
+
+class Net(nnx.Module):
+    """A small MLP (no dropout: training is deterministic)."""
+
+    def __init__(self, rngs: nnx.Rngs, hidden: int = 32):
+        self.linear1 = nnx.Linear(FEATURES, hidden, rngs=rngs)
+        self.linear2 = nnx.Linear(hidden, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def make_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, FEATURES).astype(np.float32)
+    y = (x[:, :CLASSES] + 0.5 * rng.randn(n, CLASSES)).argmax(1).astype(np.int32)
+    return x, y
+
+
+def ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def flat_params(module) -> dict[str, np.ndarray]:
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    out = {}
+    for path, var in flat:
+        value = var.get_value()
+        if hasattr(value, "addressable_shards"):
+            value = value.addressable_shards[0].data
+        out[".".join(map(str, path))] = np.asarray(value)
+    return out
+
+
+def reference_params(x, y, global_batch, epochs, lr=LR):
+    """The single-device script: nnx.jit, Paddle's shuffled order, global batches."""
+    with jax.default_device(jax.devices()[0]):
+        model = Net(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, xb, yb):
+            loss, grads = nnx.value_and_grad(lambda m: ce(m(xb), yb).mean())(model)
+            optimizer.update(model, grads)
+            return loss
+
+        for epoch in range(epochs):
+            order = np.arange(len(x))
+            np.random.RandomState(epoch).shuffle(order)
+            for start in range(0, len(x), global_batch):
+                idx = order[start:start + global_batch]
+                step(model, optimizer, x[idx], y[idx])
+        return flat_params(model)
+
+
+def single_device_logits(params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The fleet-trained parameters, applied on one device without fleet."""
+    with jax.default_device(jax.devices()[0]):
+        net = Net(nnx.Rngs(1))
+        for path, var in nnx.to_flat_state(nnx.state(net, nnx.Param)):
+            var.set_value(jax.numpy.asarray(params[".".join(map(str, path))]))
+        return np.asarray(jax.jit(lambda x: net(x))(x))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def prepared(net=None, tx=None, metrics=None, loss=ce) -> Model:
+    model = Model(net or Net(nnx.Rngs(0)))
+    model.prepare(tx or optax.adam(LR), loss,
+                  metric.Accuracy() if metrics is None else metrics)
+    return model
+
+
+@pytest.fixture(scope="module")
+def train_set():
+    return make_data(N_TRAIN, seed=0)
+
+
+@pytest.fixture(scope="module")
+def eval_set():
+    return make_data(N_EVAL, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(train_set):
+    return reference_params(*train_set, GLOBAL_BATCH, epochs=2)
+
+
+# -- acceptance 4: the single device's parameters and exact metrics ------------------------
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_fit_trains_the_single_device_model_and_evaluates_exactly(
+        make_world, train_set, eval_set, reference, n):
+    make_world(n)
+    model = prepared(metrics=[metric.Accuracy(), metric.Accuracy(topk=(1, 2), name="k")])
+    history = model.fit(TensorDataset(list(train_set)), TensorDataset(list(eval_set)),
+                        batch_size=GLOBAL_BATCH // n, epochs=2, verbose=0)
+    assert max_diff(flat_params(model.network), reference) < TOL
+
+    # evaluate: 37 samples, 3 per device -> the last global batch is padded on 4 devices.
+    result = model.evaluate(TensorDataset(list(eval_set)), batch_size=3, verbose=0)
+    logits = single_device_logits(flat_params(model.network), eval_set[0])
+    correct = logits.argmax(1) == eval_set[1]
+    top2 = (np.argsort(-logits, 1)[:, :2] == eval_set[1][:, None]).any(1)
+    assert result["acc"] == correct.sum() / N_EVAL  # exact: no padding counted
+    assert result["k_top1"] == result["acc"] and result["k_top2"] == top2.sum() / N_EVAL
+    assert result["loss"] == pytest.approx(float(ce(logits, eval_set[1]).mean()), abs=1e-6)
+    assert [h["epoch"] for h in history] == [0, 1]
+    assert history[-1]["eval_acc"] == result["acc"]
+    assert history[-1]["eval_loss"] == pytest.approx(result["loss"], abs=1e-6)
+
+    # predict: one row per sample, in dataset order (labels in the samples are ignored).
+    outputs = model.predict(TensorDataset(list(eval_set)), batch_size=3, verbose=0)
+    assert len(outputs) == 1 and sum(len(b) for b in outputs[0]) == N_EVAL
+    np.testing.assert_allclose(np.concatenate(outputs[0]), logits, atol=TOL, rtol=0)
+    stacked = model.predict(TensorDataset([eval_set[0]]), batch_size=5, verbose=0,
+                            stack_outputs=True)
+    np.testing.assert_allclose(stacked[0], logits, atol=TOL, rtol=0)
+
+
+def test_accumulated_batches_update_as_one_step_on_their_union(make_world, train_set):
+    make_world(4)
+    x, y = train_set[0][:96], train_set[1][:96]
+    model = prepared()
+    model.fit(TensorDataset([x, y]), batch_size=2, accumulate_grad_batches=2, epochs=1,
+              verbose=0)  # global batches of 8, two per update = the reference's 16
+    assert max_diff(flat_params(model.network), reference_params(x, y, 16, 1)) < TOL
+
+
+def test_a_dataloader_is_used_as_given_and_num_iters_stops(make_world, train_set):
+    make_world(2)
+    ds = TensorDataset(list(train_set))
+    loader = DataLoader(ds, batch_sampler=DistributedBatchSampler(ds, 5, drop_last=True))
+    seen = []
+
+    class Steps(callbacks.Callback):
+        def on_train_batch_end(self, step, logs=None):
+            seen.append((step, logs["batch_size"]))
+
+    model = prepared()
+    model.fit(loader, epochs=1, verbose=0, callbacks=[Steps()])
+    assert seen == [(i, 10) for i in range(10)]  # 100 samples, 5 per device, 2 devices
+    seen.clear()
+    history = model.fit(loader, epochs=5, num_iters=13, verbose=0, callbacks=[Steps()])
+    assert len(seen) == 13 and len(history) == 2
+
+
+def test_model_initialises_fleet_on_every_local_device(train_set):
+    _world._WORLD = None
+    try:
+        model = prepared()
+        assert fleet.num_replicas() == jax.local_device_count() == 8
+        model.fit(TensorDataset(list(train_set)), batch_size=2, verbose=0)
+    finally:
+        _world._WORLD = None
+
+
+# -- dropout: independent masks on each replica ---------------------------------------------
+
+def test_dropout_masks_differ_across_replicas_and_rng_state_stays_replicated(make_world):
+    make_world(2)
+
+    class Drop(nnx.Module):
+        def __init__(self):
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
+
+    net = fleet.distributed_model(Drop())
+    key_before = np.asarray(jax.random.key_data(net.dropout.rngs.key.get_value()))
+
+    @fleet.distributed_step
+    def masks(net, x, keys):  # keys: a string, so static
+        if keys == "per replica":
+            with replica_rngs(net):
+                return net.dropout(x)
+        return net.dropout(x)
+
+    x = np.ones((4, 256), np.float32)  # rows 0-1 on replica 0, rows 2-3 on replica 1
+    same = np.asarray(masks(net, x, "shared"))
+    assert np.array_equal(same[:2], same[2:])  # the problem: one mask for both replicas
+    out = np.asarray(masks(net, x, "per replica"))
+    assert not np.array_equal(out[:2], out[2:])
+    assert set(np.unique(out)) == {0.0, 2.0}
+    key = net.dropout.rngs.key.get_value()
+    assert np.array_equal(np.asarray(jax.random.key_data(key)), key_before)
+    assert key.sharding.is_fully_replicated and int(net.dropout.rngs.count.get_value()) == 2
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+def test_accuracy_matches_numpy_top_k():
+    rng = np.random.RandomState(0)
+    pred = rng.randn(50, 6).astype(np.float32)
+    label = rng.randint(0, 6, 50)
+    acc = metric.Accuracy(topk=(1, 3))
+    order = np.argsort(-pred, 1)
+    want = [float((order[:, :k] == label[:, None]).any(1).mean()) for k in (1, 3)]
+    assert acc.update(np.asarray(acc.compute(pred, label))) == want
+    assert acc.update(np.asarray(acc.compute(pred, label[:, None]))) == want  # (N, 1)
+    assert acc.update(np.asarray(acc.compute(pred, np.eye(6)[label]))) == want  # one-hot
+    assert acc.accumulate() == want and acc.name() == ["acc_top1", "acc_top3"]
+    acc.reset()
+    assert acc.accumulate() == [0.0, 0.0]
+    assert metric.Accuracy(name="top").name() == ["top"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"topk": 0}, r"topk=0\): topk must be a positive int"),
+    ({"topk": ()}, r"non-empty tuple"),
+    ({"topk": "1"}, r"topk='1'"),
+    ({"name": 3}, r"name must be a string"),
+])
+def test_accuracy_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(fleet.FleetConfigError if "topk" in kwargs else fleet.FleetTypeError,
+                       match=match):
+        metric.Accuracy(**kwargs)
+
+
+def test_accuracy_rejects_too_few_classes_and_bad_prediction_shapes():
+    with pytest.raises(fleet.FleetConfigError, match=r"needs at least 5 classes, but the "
+                                                     r"predictions have 3"):
+        metric.Accuracy(topk=5).compute(np.zeros((2, 3)), np.zeros(2))
+    with pytest.raises(fleet.FleetConfigError, match=r"got \(2, 3, 1\)"):
+        metric.Accuracy().compute(np.zeros((2, 3, 1)), np.zeros(2))
+
+
+# -- callbacks ----------------------------------------------------------------------------
+
+def test_callback_hooks_run_in_order(make_world, train_set, eval_set):
+    make_world(2)
+    calls = []
+
+    class Record(callbacks.Callback):
+        def __getattribute__(self, name):
+            if name.startswith("on_") and name not in ("on_begin", "on_end", "on_batch_begin",
+                                                       "on_batch_end"):
+                return lambda *a: calls.append(name)
+            return super().__getattribute__(name)
+
+    model = prepared()
+    model.fit(TensorDataset(list(train_set)), TensorDataset(list(eval_set)), batch_size=25,
+              epochs=2, eval_freq=2, verbose=0, callbacks=[Record()])
+    epoch = ["on_epoch_begin", *["on_train_batch_begin", "on_train_batch_end"] * 2,
+             "on_epoch_end"]
+    evaluation = ["on_eval_begin", *["on_eval_batch_begin", "on_eval_batch_end"] * 1,
+                  "on_eval_end"]
+    assert calls == ["on_train_begin", *epoch, *epoch, *evaluation, "on_train_end"]
+
+
+def test_early_stopping_stops_when_the_monitored_value_stalls(make_world, train_set, eval_set,
+                                                              tmp_path):
+    make_world(2)
+    model = prepared(tx=optax.sgd(0.0))  # nothing changes: the eval loss never improves
+    stop = callbacks.EarlyStopping(monitor="loss", patience=1, verbose=0)
+    history = model.fit(TensorDataset(list(train_set)), TensorDataset(list(eval_set)),
+                        batch_size=25, epochs=10, verbose=0, callbacks=[stop],
+                        save_dir=tmp_path)
+    assert len(history) == 3 and model.stop_training and stop.stopped_epoch == 2
+    assert (tmp_path / "best_model.params.npz").exists()
+    with pytest.raises(fleet.FleetConfigError, match=r"monitor='f1'\) is not among the "
+                                                     r"evaluation values \['loss', 'acc'\]"):
+        model.fit(TensorDataset(list(train_set)), verbose=0,
+                  callbacks=[callbacks.EarlyStopping(monitor="f1")])
+
+
+def test_model_checkpoint_saves_every_save_freq_epochs(make_world, train_set, tmp_path):
+    make_world(2)
+    model = prepared()
+    model.fit(TensorDataset(list(train_set)), batch_size=25, epochs=3, save_freq=2,
+              save_dir=tmp_path / "ckpt", verbose=0)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "1.opt.npz", "1.params.npz", "final.opt.npz", "final.params.npz"]
+
+
+def test_lr_scheduler_sets_the_learning_rate_per_epoch_and_per_step(make_world, train_set):
+    make_world(2)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+    model = prepared(tx=tx)
+    start = flat_params(model.network)
+    snapshots = []
+
+    class Snapshot(callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            snapshots.append(flat_params(self.model.network))
+
+    by_epoch = callbacks.LRScheduler(lambda epoch: [0.0, 0.1][epoch])
+    model.fit(TensorDataset(list(train_set)), batch_size=25, epochs=2, verbose=0,
+              callbacks=[by_epoch, Snapshot()])
+    assert max_diff(snapshots[0], start) == 0  # epoch 0 ran with lr 0
+    assert max_diff(snapshots[1], start) > 1e-3
+    lr = callbacks.LRScheduler(lambda s: 0.0, by_step=True)
+    model.fit(TensorDataset(list(train_set)), batch_size=25, epochs=1, verbose=0,
+              callbacks=[lr])
+    assert max_diff(flat_params(model.network), snapshots[1]) == 0
+    assert float(lr._variables[0].get_value()) == 0.0
+
+    plain = prepared(tx=optax.sgd(0.1))
+    with pytest.raises(fleet.FleetConfigError, match=r"optax.inject_hyperparams"):
+        plain.fit(TensorDataset(list(train_set)), verbose=0,
+                  callbacks=[callbacks.LRScheduler(lambda e: 0.1)])
+    with pytest.raises(fleet.FleetConfigError, match=r"choose exactly one"):
+        callbacks.LRScheduler(lambda e: 0.1, by_step=True, by_epoch=True)
+
+
+def test_progress_bar_shows_step_loss_metrics_and_samples_per_second(
+        make_world, train_set, eval_set, monkeypatch):
+    make_world(2)
+    out = io.StringIO()
+    model = prepared()
+    model.fit(TensorDataset(list(train_set)), TensorDataset(list(eval_set)), batch_size=10,
+              epochs=1, callbacks=[callbacks.ProgBarLogger(log_freq=2, verbose=2, file=out)])
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "Epoch 1/1"
+    steps = [line for line in lines if line.startswith("step")]
+    assert [s.split(" - ")[0] for s in steps] == [f"step {i}/5" for i in (2, 4, 5)] + [
+        "step 2/2"]
+    assert all(re.fullmatch(r"step +\d+/\d+ - loss: \d\.\d{4} - acc: \d\.\d{4} - \d+ samples/s",
+                            s) for s in steps)
+    assert lines[-3:-1] == ["Eval begin...", steps[-1]] and lines[-1] == "Eval samples: 37"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    bar = callbacks.ProgressBar(num=4, verbose=1, file=tty)
+    bar.update(2, [("loss", 0.25)], samples=8)
+    bar.update(4, [("loss", 0.125)], samples=8)
+    assert tty.getvalue().startswith("\rstep 2/4 [==============>...............] - loss: "
+                                     "0.2500 - ")
+    assert "\rstep 4/4 [==============================] - loss: 0.1250" in tty.getvalue()
+    assert tty.getvalue().endswith(" samples/s\n")
+
+    monkeypatch.setattr(_world, "is_first_worker", lambda: False)
+    quiet = io.StringIO()
+    model.fit(TensorDataset(list(train_set)), batch_size=10, epochs=1,
+              callbacks=[callbacks.ProgBarLogger(verbose=2, file=quiet)])
+    assert quiet.getvalue() == ""
+
+
+# -- saving, summary -----------------------------------------------------------------------
+
+def test_save_and_load_resume_training_exactly(make_world, train_set, tmp_path):
+    make_world(2)
+    ds = TensorDataset(list(train_set))
+    a = prepared()
+    a.fit(ds, batch_size=8, epochs=1, verbose=0)
+    a.save(tmp_path / "ckpt")
+    b = Model(Net(nnx.Rngs(7)))
+    b.load(tmp_path / "ckpt")  # before prepare: the optimizer state waits for it
+    b.prepare(optax.adam(LR), ce, metric.Accuracy())
+    assert max_diff(flat_params(b.network), flat_params(a.network)) == 0
+    for m in (a, b):
+        m.fit(ds, batch_size=8, epochs=1, verbose=0)
+    assert max_diff(flat_params(b.network), flat_params(a.network)) == 0  # Adam state too
+
+    wider = prepared(net=Net(nnx.Rngs(0), hidden=16))
+    with pytest.raises(fleet.FleetError, match=r"'linear1.kernel': model has \(12, 16\) "
+                                               r"float32, given \(12, 32\) float32"):
+        wider.load(tmp_path / "ckpt")
+    with pytest.warns(fleet.FleetWarning, match=r"skipped 3 saved values"):
+        wider.load(tmp_path / "ckpt", skip_mismatch=True, reset_optimizer=True)
+    with pytest.raises(fleet.FleetError, match=r"no parameter file at .*nothing\.params\.npz"):
+        b.load(tmp_path / "nothing")
+    other_tx = prepared(tx=optax.sgd(0.1))
+    with pytest.raises(fleet.FleetError, match=r"optimizer state does not fit .*"
+                                               r"reset_optimizer=True"):
+        other_tx.load(tmp_path / "ckpt")
+
+
+def test_summary_counts_parameters(make_world, capsys):
+    make_world(1)
+    model = Model(Net(nnx.Rngs(0)), inputs=[jax.ShapeDtypeStruct((None, FEATURES),
+                                                                 np.float32)])
+    info = model.summary()
+    assert info == {"total_params": 12 * 32 + 32 + 32 * 4 + 4,
+                    "trainable_params": 12 * 32 + 32 + 32 * 4 + 4}
+    text = capsys.readouterr().out
+    assert "linear1 (Linear)" in text and "kernel[12, 32], bias[32]" in text
+    assert "-> output shape: (1, 4)" in text
+
+
+# -- errors --------------------------------------------------------------------------------
+
+def test_errors_say_what_was_given_and_what_to_do(make_world, train_set):
+    make_world(2)
+    ds = TensorDataset(list(train_set))
+    with pytest.raises(fleet.FleetTypeError, match=r"Linen module Dense; convert it with "
+                                                   r"flax.nnx.bridge.ToNNX"):
+        Model(linen.Dense(3))
+    with pytest.raises(fleet.FleetTypeError, match=r"NNX module \(nnx.Module\), got int"):
+        Model(3)
+    model = Model(Net(nnx.Rngs(0)))
+    with pytest.raises(fleet.FleetError, match=r"fit needs an optimizer: call model.prepare"):
+        model.fit(ds)
+    with pytest.raises(fleet.FleetTypeError, match=r"optax transformation .* got str"):
+        model.prepare("adam")
+    with pytest.raises(fleet.FleetTypeError, match=r"fleet.metric.Metric objects, got object"):
+        model.prepare(optax.adam(LR), ce, [object()])
+    with pytest.raises(fleet.FleetConfigError, match=r"metric names \['acc', 'acc'\] repeat"):
+        model.prepare(optax.adam(LR), ce, [metric.Accuracy(), metric.Accuracy()])
+    model.prepare(optax.adam(LR), None)
+    with pytest.raises(fleet.FleetError, match=r"fit needs a loss"):
+        model.fit(ds)
+    model.prepare(optax.adam(LR), ce)
+    with pytest.raises(fleet.FleetTypeError, match=r"train_data must be a dataset .* got "
+                                                   r"ndarray; wrap arrays as "
+                                                   r"fleet.io.TensorDataset"):
+        model.fit(train_set[0])
+    with pytest.raises(fleet.FleetConfigError, match=r"batch_size=0 must be at least 1"):
+        model.fit(ds, batch_size=0)
+    with pytest.raises(fleet.FleetConfigError, match=r"verbose=3 must be 0"):
+        model.fit(ds, verbose=3)
+    with pytest.raises(fleet.FleetTypeError, match=r"callbacks must be .* got builtin_function_or_method"):
+        model.fit(ds, callbacks=[print], verbose=0)
+    with pytest.raises(fleet.FleetTypeError, match=r"got a dict with keys \['x', 'y'\]"):
+        model.fit(TensorDataset({"x": train_set[0], "y": train_set[1]}), verbose=0)
+    model.prepare(optax.adam(LR), lambda logits, y: ce(logits, y)[:3])
+    with pytest.raises(fleet.FleetConfigError, match=r"returned shape \(3,\) for a batch of "
+                                                     r"5"):
+        model.evaluate(ds, batch_size=5, verbose=0)
