@@ -174,6 +174,21 @@ def test_a_dataloader_is_used_as_given_and_num_iters_stops(make_world, train_set
     assert len(seen) == 13 and len(history) == 2
 
 
+def test_one_batch_api_matches_the_loops(make_world, train_set):
+    make_world(4)
+    x, y = train_set[0][:16], train_set[1][:16]
+    model = prepared()
+    loss, (acc,) = model.train_batch([x], [y])
+    reference = reference_params(x, y, 16, 1)
+    assert max_diff(flat_params(model.network), reference) < TOL
+    logits = single_device_logits(flat_params(model.network), x)
+    (eval_loss,), (eval_acc,) = model.eval_batch([x], [y])
+    assert eval_acc == (logits.argmax(1) == y).mean()
+    assert eval_loss == pytest.approx(float(ce(logits, y).mean()), abs=1e-6)
+    np.testing.assert_allclose(model.predict_batch([x])[0], logits, atol=TOL, rtol=0)
+    assert 0 <= acc <= 1 and loss[0] > 0
+
+
 def test_model_initialises_fleet_on_every_local_device(train_set):
     _world._WORLD = None
     try:

@@ -179,7 +179,7 @@ class Model:
         self._check_ready("train_batch", need_optimizer=True)
         self.network.train()
         loss, rows = self._train_call(_as_tuple(inputs), _as_tuple(labels), update)
-        values = [m.update(*_to_host(r)) for m, r in zip(self._metrics, rows)]
+        values = [m.update(*jax.tree.map(_to_host, r)) for m, r in zip(self._metrics, rows)]
         return ([float(loss)], values) if self._metrics else [float(loss)]
 
     def eval_batch(self, inputs: Any, labels: Any = None) -> Any:
@@ -187,14 +187,14 @@ class Model:
         self._check_ready("eval_batch", need_loss=False)
         self.network.eval()
         losses, rows = self._step("eval")(self.network, _as_tuple(inputs), _as_tuple(labels))
-        values = [m.update(*_to_host(r)) for m, r in zip(self._metrics, rows)]
+        values = [m.update(*jax.tree.map(_to_host, r)) for m, r in zip(self._metrics, rows)]
         loss = [float(np.mean(_to_host(losses)))] if losses is not None else []
         return (loss, values) if self._metrics else loss
 
     def predict_batch(self, inputs: Any) -> list[np.ndarray]:
         """The network's outputs for one global batch, as host arrays."""
         self.network.eval()
-        out = _to_host(self._step("predict")(self.network, _as_tuple(inputs)))
+        out = jax.tree.map(_to_host, self._step("predict")(self.network, _as_tuple(inputs)))
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def _train_call(self, inputs: tuple, labels: tuple, update: bool) -> Any:
@@ -378,7 +378,7 @@ class Model:
         if limit is not None:
             steps = min(steps, limit)
         logs: dict[str, Any] = {}
-        total, rows_seen, done = None, 0, 0
+        total, rows_seen, done, pending = None, 0, 0, None
         for step, batch in enumerate(loader):
             if step >= steps:
                 break
@@ -387,14 +387,23 @@ class Model:
             cbks.on_batch_begin("train", step, logs)
             update = (step + 1) % accumulate == 0 or step + 1 == steps
             loss, metric_rows = self._train_call(inputs, labels, update)
-            for m, r in zip(self._metrics, metric_rows):
-                m.update(*loader.gather_for_metrics(r))
+            # The metric rows of a step go to the host once the next step is queued,
+            # so the device never waits for the host (the last step's at once).
+            if pending is not None:
+                self._update_metrics(loader, *pending)
+            pending = (step, metric_rows) if self._metrics else None
+            if pending is not None and step + 1 == steps:
+                self._update_metrics(loader, *pending)
+                pending = None
             weighted = loss * rows
             total = weighted if total is None else total + weighted
             rows_seen += rows
             done += 1
             logs = {"loss": loss, **self._metric_logs(), "step": step, "batch_size": rows}
             cbks.on_batch_end("train", step, logs)
+        if pending is not None:  # the loader ran out before len(loader) steps
+            self._update_metrics(loader, *pending)
+            logs.update(self._metric_logs())
         if done == 0:
             raise FleetConfigError(
                 "the training data gave no batch this epoch; use a larger dataset, a smaller "
@@ -441,6 +450,16 @@ class Model:
         cbks.on_end("eval", logs)
         self.network.train()
         return logs
+
+    def _update_metrics(self, loader: Any, step: int, metric_rows: tuple) -> None:
+        """Updates the metrics with step ``step``'s rows, padding rows dropped."""
+        rows = jax.tree.map(_to_host, metric_rows)
+        sampler = loader.batch_sampler
+        if hasattr(sampler, "padding_mask"):
+            keep = ~sampler.padding_mask(step)
+            rows = jax.tree.map(lambda a: a[keep] if len(a) == len(keep) else a, rows)
+        for m, r in zip(self._metrics, rows):
+            m.update(*r)
 
     def _metric_logs(self) -> dict[str, Any]:
         logs = {}

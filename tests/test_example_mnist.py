@@ -1,0 +1,136 @@
+"""examples/mnist: the IDX reader, the script on one process and through fleetrun,
+and the Fashion-MNIST accuracy on 1 and 4 CPU devices (the one long test).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "mnist"
+FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+def _load_data_module():
+    spec = importlib.util.spec_from_file_location("mnist_example_data", EXAMPLE / "data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+data = _load_data_module()
+
+
+def run(args, devices=1, cwd=None, timeout=180, check=True):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(EXAMPLE / "train.py"), *args], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def small_idx(tmp_path_factory):
+    """A learnable MNIST-format data set: 10 classes, each a bright 7x7 block."""
+    root = tmp_path_factory.mktemp("idx")
+    rng = np.random.RandomState(0)
+    for split, n in (("train", 512), ("test", 100)):
+        labels = rng.randint(0, 10, n).astype(np.uint8)
+        images = rng.randint(0, 60, (n, 28, 28)).astype(np.uint8)
+        for i, c in enumerate(labels):
+            r, col = divmod(int(c), 4)
+            images[i, 7 * r:7 * r + 7, 7 * col:7 * col + 7] += 150
+        img_name, lab_name = data.FILES[split]
+        data.write_idx(root / f"{img_name}.gz", images)  # gzipped, as Debian ships them
+        data.write_idx(root / lab_name, labels)  # and plain
+    return root
+
+
+# -- the IDX reader ------------------------------------------------------------------------
+
+def test_idx_reader_reads_what_was_written(small_idx, tmp_path):
+    images, labels = data.load(small_idx, "train")
+    assert images.shape == (512, 28, 28) and images.dtype == np.uint8
+    assert labels.shape == (512,) and labels.max() == 9
+    array = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    data.write_idx(tmp_path / "a.gz", array)
+    np.testing.assert_array_equal(data.read_idx(tmp_path / "a.gz"), array)
+
+
+def test_idx_reader_errors(tmp_path):
+    (tmp_path / "bad").write_bytes(b"PK\x03\x04rest")
+    with pytest.raises(data.DataError, match=r"not an IDX file \(magic bytes 504b0304"):
+        data.read_idx(tmp_path / "bad")
+    data.write_idx(tmp_path / "cut", np.zeros((4, 5), np.uint8))
+    (tmp_path / "cut").write_bytes((tmp_path / "cut").read_bytes()[:-3])
+    with pytest.raises(data.DataError, match=r"holds 17 data bytes, but its header \(4, 5\) "
+                                             r"says 20"):
+        data.read_idx(tmp_path / "cut")
+    with pytest.raises(data.DataError, match=r"no train-images-idx3-ubyte\[\.gz\] in .*"
+                                             r"--data-dir DIR.*dataset-fashion-mnist"):
+        data.load(tmp_path, "train")
+
+
+def test_script_without_data_says_what_to_pass(tmp_path):
+    proc = run(["--data-dir", str(tmp_path)], check=False, timeout=60)
+    assert proc.returncode == 1
+    assert "error: no train-images-idx3-ubyte[.gz] in" in proc.stderr
+    assert "--data-dir DIR" in proc.stderr
+
+
+# -- acceptance 1: one process and fleetrun --------------------------------------------------
+
+def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):
+    """Two replicas either way (1 process x 2 devices, 2 processes x 1 device): the same
+    global batches and the same per-replica dropout keys, so the same model."""
+    args = ["--data-dir", str(small_idx), "--epochs", "2", "--batch-size", "16",
+            "--log-freq", "8", "--verbose", "2"]
+    single = run([*args, "--metrics-out", str(tmp_path / "single.json")], devices=2)
+    assert "test accuracy:" in single.stdout and "samples/s" in single.stdout
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    job = subprocess.run(
+        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "1", "--log_dir", "log",
+         "--job_id", "mnist-example-test", str(EXAMPLE / "train.py"), *args,
+         "--metrics-out", str(tmp_path / "fleetrun.json")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
+    assert "[rank 0] test accuracy:" in job.stdout
+    assert "test accuracy" not in (tmp_path / "log" / "workerlog.1").read_text()
+
+    a = json.loads((tmp_path / "single.json").read_text())
+    b = json.loads((tmp_path / "fleetrun.json").read_text())
+    assert (a["devices"], a["processes"], b["devices"], b["processes"]) == (2, 1, 2, 2)
+    assert a["global_batch"] == b["global_batch"] == 32
+    assert a["acc"] == b["acc"] > 0.9  # the blocks are easy to learn
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+# -- acceptance 3: Fashion-MNIST -------------------------------------------------------------
+
+def test_fashion_mnist_one_epoch_on_4_devices_reaches_84_percent(tmp_path):
+    if not (FASHION / "t10k-labels-idx1-ubyte.gz").exists():
+        reason = (f"Fashion-MNIST is not installed in {FASHION}: "
+                  "apt-get install -y dataset-fashion-mnist")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run this test: {reason}")
+        pytest.skip(reason)
+    results = {}
+    for devices in (4, 1):  # the same global batch of 64 on both
+        out = tmp_path / f"{devices}.json"
+        run(["--dataset", "fashion", "--epochs", "1", "--batch-size", str(64 // devices),
+             "--verbose", "0", "--metrics-out", str(out)], devices=devices, timeout=300)
+        results[devices] = json.loads(out.read_text())
+        assert results[devices]["devices"] == devices and results[devices]["test_images"] == 10000
+    print({d: r["acc"] for d, r in results.items()})
+    assert results[4]["acc"] >= 0.84
+    assert abs(results[4]["acc"] - results[1]["acc"]) <= 0.005
