@@ -1,0 +1,45 @@
+"""fleet.checkpoint: whole training states, saved atomically, resumed exactly.
+
+Two levels, both on orbax-checkpoint (arrays in tensorstore, metadata in JSON,
+never pickle):
+
+* :func:`save` / :func:`load`, Paddle's ``paddle.save`` / ``paddle.load`` for
+  state dicts::
+
+      fleet.save(model.state_dict(), "model.pdparams")
+      model.set_state_dict(fleet.load("model.pdparams"))
+
+* :class:`CheckpointManager` for training: model (every variable: parameters,
+  batch-norm statistics, RNG streams), optimizer, loader position, RNG keys,
+  step, epoch and metadata, from every process, each array written once; keeps
+  the last ``max_to_keep``, saves every N steps or seconds, asynchronously::
+
+      manager = fleet.CheckpointManager("ckpt", max_to_keep=3, save_interval_steps=100)
+      restored = manager.restore_latest(model=model, optimizer=opt, loader=loader)
+      start = 0 if restored is None else restored.step + 1
+      for step in range(start, total_steps):
+          ...
+          manager.save(step, model=model, optimizer=opt, loader=loader)
+      manager.close()
+
+A job restarted by ``fleetrun --max_restarts`` that runs these lines continues
+from the last complete checkpoint as if it had never stopped: on CPU the
+parameters and optimizer state are bitwise those of an uninterrupted run.
+
+A checkpoint holds replicated state once, so any number of processes (and any
+devices) can restore one written by any other number. Sharded state, when fleet
+has it, is written shard by shard and read into the sharding of the arrays it is
+restored into (orbax reshards), so it moves between process counts as well.
+"""
+
+from fleet.checkpoint._errors import FleetCheckpointError
+from fleet.checkpoint._io import load, save
+from fleet.checkpoint._manager import CheckpointManager, Restored
+
+__all__ = [
+    "CheckpointManager",
+    "FleetCheckpointError",
+    "Restored",
+    "load",
+    "save",
+]

@@ -1,0 +1,164 @@
+"""The parts of a training state: what is read from live objects and put back.
+
+A checkpoint holds up to four array parts and one JSON part:
+
+* ``model``, ``optimizer``: NNX objects (``fleet.DataParallel``, an
+  ``nnx.Optimizer``...), every variable (parameters, batch-norm statistics, RNG
+  streams, step counters) by dotted path; restored **in place**;
+* ``state``: any pytree of arrays (a Linen ``TrainState``, raw parameters);
+* ``rng``: a PRNG key or a pytree of keys; ``state`` and ``rng`` come back as new
+  values, laid out like the ones given;
+* JSON: step, epoch, the loader's position, the user's metadata, and the PRNG
+  implementations of key leaves.
+
+Restoring checks every part first and changes nothing when anything differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from fleet._model import module_variables, replicate
+from fleet.checkpoint import _tree
+from fleet.checkpoint._errors import FleetCheckpointError
+
+ARRAY_PARTS = ("model", "optimizer", "state", "rng")
+
+
+@dataclasses.dataclass
+class Part:
+    """One array part: a live object's leaves by dotted path."""
+
+    name: str
+    obj: Any
+    leaves: dict[str, Any]
+    treedef: Any = None  # a pytree part (rebuilt on restore)
+    variables: dict[str, nnx.Variable] | None = None  # an NNX part (set in place)
+
+    @classmethod
+    def of(cls, name: str, obj: Any) -> Part:
+        if isinstance(obj, nnx.Pytree):
+            variables = module_variables(obj)
+            return cls(name, obj, {k: v.get_value() for k, v in variables.items()},
+                       variables=variables)
+        try:
+            leaves, treedef = _tree.flatten(obj)
+        except ValueError as e:
+            raise FleetCheckpointError(f"{name}: {e}") from None
+        bad = [k for k, v in leaves.items()
+               if not isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, bool))]
+        if bad:
+            raise FleetCheckpointError(
+                f"{name}={type(obj).__name__}: leaf {bad[0]!r} is a "
+                f"{type(leaves[bad[0]]).__name__}; {name} must be an NNX object or a "
+                "pytree of arrays and numbers (a TrainState, a dict of parameters, a key)"
+            )
+        return cls(name, obj, leaves, treedef=treedef)
+
+    def signatures(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {k: _tree.signature(v) for k, v in self.leaves.items()}
+
+    def impls(self) -> dict[str, str]:
+        return _tree.key_impls(self.leaves)
+
+    def to_save(self) -> dict[str, jax.Array]:
+        """The arrays orbax writes: live ``jax.Array`` s as they are, host values
+        placed replicated on the mesh (equal on every process: process 0's)."""
+        arrays, host = _tree.stored(self.leaves)
+        if host:
+            arrays.update(replicate(host))
+        return {k: arrays[k] for k in self.leaves}
+
+    def targets(self, default_sharding: jax.sharding.Sharding) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: _tree.target(v, default_sharding) for k, v in self.leaves.items()}
+
+    def put(self, values: dict[str, jax.Array]) -> Any:
+        """Puts restored ``values`` back: NNX variables in place; returns the object
+        (a new pytree for a pytree part)."""
+        new = {k: _tree.restored(values[k], leaf) for k, leaf in self.leaves.items()}
+        if self.variables is not None:
+            for key, var in self.variables.items():
+                var.set_value(new[key])
+            return self.obj
+        return jax.tree_util.tree_unflatten(self.treedef, list(new.values()))
+
+
+def parts(**objects: Any) -> dict[str, Part]:
+    """The array parts given (``None`` means absent)."""
+    return {name: Part.of(name, obj) for name, obj in objects.items() if obj is not None}
+
+
+# --------------------------------------------------------------------------- loader
+
+
+def loader_state(loader: Any) -> dict[str, Any]:
+    if not callable(getattr(loader, "state_dict", None)):
+        raise FleetCheckpointError(
+            f"loader={type(loader).__name__} has no state_dict(); pass a fleet.io.DataLoader "
+            "or a batch sampler (anything with state_dict() / set_state_dict())"
+        )
+    return jsonable(loader.state_dict(), "loader.state_dict()")
+
+
+def loader_problems(loader: Any, state: Any) -> list[str]:
+    """Why ``state`` does not fit ``loader``, tried on a copy of its batch sampler
+    (the loader itself is left alone)."""
+    if state is None:
+        return ["loader: the checkpoint holds no loader position (saved without loader=)"]
+    sampler = getattr(loader, "batch_sampler", None)
+    probe, probe_state = (sampler, state.get("sampler")) if sampler is not None else (loader, state)
+    if not callable(getattr(probe, "set_state_dict", None)):
+        return []
+    if probe_state is None:
+        return [f"loader: the checkpoint's position {state} is not a batch sampler's position"]
+    try:
+        copy.copy(probe).set_state_dict(probe_state)
+    except Exception as e:  # noqa: BLE001 - the sampler's own message says what differs
+        return [f"loader: {e}"]
+    return []
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def jsonable(value: Any, where: str) -> Any:
+    """``value`` as plain JSON data (numpy scalars become Python numbers, tuples
+    lists); raises, naming the first offending entry, for anything else."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return value  # json writes NaN / Infinity and reads them back
+        return value
+    if isinstance(value, np.generic) and value.ndim == 0 and value.dtype.kind in "biuf":
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise FleetCheckpointError(
+                f"{where} has the key {bad[0]!r} ({type(bad[0]).__name__}); JSON keys are "
+                "strings: use str keys"
+            )
+        return {k: jsonable(v, f"{where}[{k!r}]") for k, v in value.items()}
+    raise FleetCheckpointError(
+        f"{where} is a {type(value).__name__}; metadata is stored as JSON (never pickled), "
+        "so it may hold dicts with str keys, lists, str, int, float, bool and None; "
+        "convert it (e.g. .tolist()), or save arrays through model=, state= or rng="
+    )
+
+
+def dumps_check(value: Any, where: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise FleetCheckpointError(f"{where} cannot be written as JSON: {e}") from None

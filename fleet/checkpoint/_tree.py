@@ -1,0 +1,164 @@
+"""Training state as flat ``{dotted path: leaf}`` dicts, and how two of them differ.
+
+A checkpoint stores each part of the training state (the model's variables, the
+optimizer's, a functional ``state`` pytree, RNG keys) as one flat dict keyed by
+dotted path, ``"linear1.kernel"``: the keys of ``DataParallel.state_dict()``.
+PRNG keys are stored as their key data (``uint32``); the name of their
+implementation goes into the checkpoint's JSON metadata and comes back as the
+implementation of the key they are restored into.
+
+Pure functions only: what is stored (:func:`stored`), what a restore reads
+(:func:`target`), what it gives back (:func:`restored`), what differs
+(:func:`differences`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fleet._model import _dotted
+
+
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
+    """``{path: implementation name}`` of the PRNG key leaves (``"threefry2x32"``)."""
+    return {k: str(jax.random.key_impl(v)) for k, v in leaves.items() if is_key(v)}
+
+
+def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
+    """``({dotted path: leaf}, treedef)`` of a pytree; a lone leaf is ``"value"``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = {(_dotted(path) or "value"): leaf for path, leaf in flat}
+    if len(leaves) != len(flat):
+        raise ValueError("two leaves of the tree have the same dotted path")
+    return leaves, treedef
+
+
+def signature(x: Any) -> tuple[tuple[int, ...], str]:
+    """``(shape, dtype name)`` of ``x`` as stored (PRNG keys as their key data)."""
+    if is_key(x):
+        x = jax.random.key_data(x)
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return tuple(np.shape(x)), np.dtype(dtype).name
+
+
+def describe(sig: tuple[tuple[int, ...], str]) -> str:
+    shape, dtype = sig
+    return f"{dtype}[{', '.join(map(str, shape))}]"
+
+
+def differences(
+    saved: dict[str, tuple[tuple[int, ...], str]],
+    current: dict[str, tuple[tuple[int, ...], str]],
+    saved_impls: dict[str, str],
+    current_impls: dict[str, str],
+) -> list[str]:
+    """Every way ``saved`` (the checkpoint) does not fit ``current`` (the live object).
+
+    Example:
+        >>> differences({"w": ((2,), "float32")}, {"w": ((3,), "float32"), "b": ((), "int32")},
+        ...             {}, {})
+        ["missing 'b' (int32[] here, not in the checkpoint)", "'w': checkpoint float32[2], here float32[3]"]
+    """
+    problems = [
+        f"missing {k!r} ({describe(current[k])} here, not in the checkpoint)"
+        for k in current if k not in saved
+    ]
+    problems += [
+        f"unexpected {k!r} ({describe(saved[k])} in the checkpoint, not here)"
+        for k in saved if k not in current
+    ]
+    for key in current:
+        if key in saved and saved[key] != current[key]:
+            problems.append(
+                f"{key!r}: checkpoint {describe(saved[key])}, here {describe(current[key])}"
+            )
+        elif key in saved and saved_impls.get(key) != current_impls.get(key):
+            problems.append(
+                f"{key!r}: checkpoint holds {_impl_text(saved_impls.get(key))}, "
+                f"here {_impl_text(current_impls.get(key))}"
+            )
+    return problems
+
+
+def _impl_text(impl: str | None) -> str:
+    return f"a {impl!r} PRNG key" if impl else "plain data, not a PRNG key"
+
+
+def host_value(x: Any) -> np.ndarray:
+    """``x`` as a numpy array: a replicated global array gives its first local copy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise ValueError("a sharded array cannot be taken to one host")
+        return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(x)
+
+
+def is_global(x: Any) -> bool:
+    """Whether orbax can write ``x`` as it is: a ``jax.Array`` of this job's devices.
+
+    With several processes, an array on this process's devices only (a key made
+    with ``jax.random.key``, a model never wrapped) is a host-local value: every
+    process holds its own, and orbax refuses to write those.
+    """
+    return isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable)
+
+
+def stored(leaves: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What orbax writes for ``leaves``: ``(arrays, host)``.
+
+    ``arrays`` holds the global ``jax.Array`` leaves (PRNG keys as key data),
+    written as they are: every shard once, however the array is laid out.
+    ``host`` holds the other leaves (numpy arrays, Python numbers, host-local
+    arrays) as numpy arrays; the caller places them on the mesh first.
+    """
+    arrays, host = {}, {}
+    for key, leaf in leaves.items():
+        value = jax.random.key_data(leaf) if is_key(leaf) else leaf
+        if is_global(leaf):
+            arrays[key] = value
+        else:
+            host[key] = np.asarray(value)
+    return arrays, host
+
+
+def target(leaf: Any, default_sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
+    """What to read into ``leaf``'s place: its shape and dtype, laid out like ``leaf``.
+
+    A global ``jax.Array`` keeps its sharding (replicated state restores
+    replicated; sharded state would restore sharded, each process reading only
+    its shards); anything else is read replicated on ``default_sharding``.
+    """
+    sharding = leaf.sharding if is_global(leaf) else default_sharding
+    if is_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    shape, dtype = signature(leaf)
+    return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+
+
+def restored(value: jax.Array, like: Any) -> Any:
+    """``value`` (as read) in the form of ``like``, the leaf it replaces.
+
+    PRNG keys are wrapped in ``like``'s implementation; a numpy leaf comes back as
+    numpy, a Python number as a Python number.
+    """
+    if isinstance(like, jax.Array) and not is_global(like):  # back to this process's device
+        value = jax.device_put(host_value(value), like.sharding)
+    if is_key(like):
+        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+    if isinstance(like, jax.Array):
+        return value
+    host = host_value(value)
+    if isinstance(like, (bool, int, float, complex)):
+        return type(like)(host.item())
+    if isinstance(like, np.generic):
+        return host.dtype.type(host.item())
+    return host
