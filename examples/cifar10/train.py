@@ -1,0 +1,254 @@
+"""A CNN on CIFAR-10 with fleet's four-step API (the seed's Fleet example, in JAX).
+
+One process, data-parallel over its devices, or several processes, unchanged::
+
+    python examples/cifar10/train.py                             # all local devices
+    fleetrun --nproc_per_node 2 examples/cifar10/train.py        # 2 processes
+    python examples/cifar10/train.py --synthetic --epochs 1      # offline, generated data
+
+The data (the official ``cifar-10-python.tar.gz`` or its extracted
+``cifar-10-batches-py/``) comes from ``--data-dir``, else the cache directory
+(``$FLEET_DATA_HOME/cifar10`` or ``~/.cache/fleet/cifar10``); when it is not there
+it is downloaded, MD5-checked and written atomically (see ``data.py``).
+
+Training: random crop (4 pixels of zero padding) and horizontal flip, drawn per
+image from ``(seed, epoch, image index)`` on the device, so every split of the
+global batch over devices and processes augments alike; Adam; softmax
+cross-entropy. After every epoch, the validation loss and accuracy are exact
+(every test image once: the sampler's padding is dropped). The first worker
+prints and writes ``metrics.json`` and ``curves.png`` to ``--output-dir``.
+
+``--batch-size`` is per device (Paddle's per-card batch): the global batch is
+``batch_size x devices``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import data  # examples/cifar10/data.py
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import fleet  # 1. import fleet
+from fleet.hapi import ProgressBar
+from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
+
+MEAN = np.array([0.4914, 0.4822, 0.4465], np.float32) * 255
+STD = np.array([0.2470, 0.2435, 0.2616], np.float32) * 255
+
+
+class MyNet(nnx.Module):
+    """The seed's network: three 3x3 convolutions (two max-pooled), two linear layers."""
+
+    def __init__(self, rngs: nnx.Rngs, num_classes: int = 10):
+        self.conv1 = nnx.Conv(3, 32, (3, 3), padding="VALID", rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, (3, 3), padding="VALID", rngs=rngs)
+        self.conv3 = nnx.Conv(64, 64, (3, 3), padding="VALID", rngs=rngs)
+        self.linear1 = nnx.Linear(4 * 4 * 64, 64, rngs=rngs)
+        self.linear2 = nnx.Linear(64, num_classes, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.max_pool(nnx.relu(self.conv1(x)), (2, 2), (2, 2))  # 30 -> 15
+        x = nnx.max_pool(nnx.relu(self.conv2(x)), (2, 2), (2, 2))  # 13 -> 6
+        x = nnx.relu(self.conv3(x))  # 4x4x64 = 1024
+        x = nnx.relu(self.linear1(x.reshape(x.shape[0], -1)))
+        return self.linear2(x)
+
+
+def normalize(images):
+    return (images.astype(jnp.float32) - MEAN) / STD
+
+
+def augment(images, index, seed, epoch):
+    """Random 32x32 crop of the zero-padded 40x40 image, and a coin-flip mirror; the
+    randomness of each image comes from (seed, epoch, its dataset index)."""
+    base = jax.random.fold_in(jax.random.key(seed), epoch)
+
+    def one(image, i):
+        k_crop, k_flip = jax.random.split(jax.random.fold_in(base, i))
+        padded = jnp.pad(image, ((4, 4), (4, 4), (0, 0)))
+        dy, dx = jax.random.randint(k_crop, (2,), 0, 9)
+        crop = jax.lax.dynamic_slice(padded, (dy, dx, 0), (32, 32, 3))
+        return jnp.where(jax.random.bernoulli(k_flip), crop[:, ::-1], crop)
+
+    return jax.vmap(one)(images, index)
+
+
+def train_step(model, optimizer, images, labels, index, seed, epoch):
+    x = normalize(augment(images, index, seed, epoch))
+
+    def loss_fn(model):
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def eval_step(model, images, labels):
+    logits = model(normalize(images))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return losses, logits.argmax(-1) == labels  # per example: gathered, exact
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", help="directory with cifar-10-python.tar.gz or "
+                   "cifar-10-batches-py/ (default: the cache directory)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="train on generated CIFAR-shaped data (no download)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32, help="images per device per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-size", type=int, help="use the first N training images "
+                   "(with --synthetic: generate N; default 50000)")
+    p.add_argument("--test-size", type=int, help="use the first N test images "
+                   "(with --synthetic: generate N; default 10000)")
+    p.add_argument("--num-workers", type=int, default=0, help="loader worker processes")
+    p.add_argument("--log-freq", type=int, default=50, help="progress every N steps")
+    p.add_argument("--output-dir", default="output/cifar10",
+                   help="where the first worker writes metrics.json and curves.png")
+    p.add_argument("--url", default=data.URL, help="where to download the archive from")
+    p.add_argument("--md5", default=data.MD5, help="the archive's expected MD5")
+    # Checkpoints (--save-dir, --resume) arrive with fleet's checkpointing (issue 6):
+    # they restore the model, the optimizer and the loader state before the epoch loop.
+    return p.parse_args(argv)
+
+
+def load_data(args, world) -> tuple[dict, str]:
+    """The train / test arrays and a note for log lines ("" or " (synthetic data)")."""
+    if args.synthetic:
+        splits = data.synthetic(args.train_size or 50000, args.test_size or 10000)
+        return splits, " (synthetic data)"
+    root = Path(args.data_dir) if args.data_dir else data.default_cache()
+    found = data.locate(root)
+    if found is None:
+        if world.env.local_rank == 0:  # one download per machine; the others wait
+            print(f"CIFAR-10 is not in {root}: downloading {args.url}", flush=True)
+            try:
+                data.download(args.url, root / data.ARCHIVE, args.md5)
+            except data.DataError as e:
+                sys.exit(f"error: {e}")
+        fleet.barrier_worker()
+        found = root / data.ARCHIVE
+    try:
+        splits = data.read(found, md5=args.md5)
+    except data.DataError as e:
+        sys.exit(f"error: {e}")
+    limits = {"train": args.train_size, "test": args.test_size}
+    return {k: (x[:limits[k]], y[:limits[k]]) for k, (x, y) in splits.items()}, ""
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    world = fleet.init(is_collective=True)  # 2. initialise the data-parallel world
+    first = fleet.is_first_worker()
+    splits, note = load_data(args, world)
+
+    model = MyNet(nnx.Rngs(args.seed))
+    optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
+    model = fleet.distributed_model(model)  # 3. the model and the optimizer
+    optimizer = fleet.distributed_optimizer(optimizer)
+    step = fleet.distributed_step(train_step)  # 4. instead of nnx.jit
+    evaluate = fleet.distributed_step(eval_step)
+
+    # 5. the loaders: each device gets its own batch_size images of every global batch.
+    (x_train, y_train), (x_test, y_test) = splits["train"], splits["test"]
+    train_set = TensorDataset([x_train, y_train, np.arange(len(x_train), dtype=np.int32)])
+    test_set = TensorDataset([x_test, y_test])
+    train_loader = DataLoader(train_set, batch_sampler=DistributedBatchSampler(
+        train_set, args.batch_size, shuffle=True, drop_last=True), num_workers=args.num_workers)
+    valid_loader = DataLoader(test_set, batch_sampler=DistributedBatchSampler(
+        test_set, args.batch_size), num_workers=args.num_workers)
+    global_batch = args.batch_size * world.num_replicas
+    if first:
+        print(f"CIFAR-10{note}: {len(train_set)} training and {len(test_set)} test images; "
+              f"{world.num_replicas} devices in {fleet.worker_num()} processes; global batch "
+              f"{global_batch}", flush=True)
+
+    history = []
+    for epoch in range(args.epochs):
+        bar = ProgressBar(len(train_loader), verbose=1, suffix=note.strip())
+        if first:
+            print(f"Epoch {epoch + 1}/{args.epochs}", flush=True)
+        seen, window, started, losses = 0, 0, None, []
+        for i, (images, labels, index) in enumerate(train_loader):
+            loss = step(model, optimizer, images, labels, index, args.seed, epoch)
+            losses.append(loss)
+            window += global_batch
+            if i == 0:  # time the epoch from the end of the first (compiling) step
+                loss.block_until_ready()
+                started = time.perf_counter()
+            else:
+                seen += global_batch
+            if (i + 1) % args.log_freq == 0 or i + 1 == len(train_loader):
+                bar.update(i + 1, [("loss", float(loss))], window)
+                window = 0
+        train_loss = float(jnp.mean(jnp.stack(losses)))
+        elapsed = time.perf_counter() - started
+        images_per_sec = seen / elapsed if seen else float("nan")
+
+        loss_sum, correct, count = 0.0, 0, 0
+        for images, labels in valid_loader:
+            per_loss, hits = valid_loader.gather_for_metrics(evaluate(model, images, labels))
+            loss_sum += float(per_loss.sum(dtype=np.float64))
+            correct += int(hits.sum())
+            count += len(hits)
+        record = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": loss_sum / count,
+                  "val_accuracy": correct / count, "val_images": count,
+                  "images_per_sec": images_per_sec}
+        history.append(record)
+        if first:
+            print(f"[validation] epoch {epoch + 1}/{args.epochs} accuracy/loss: "
+                  f"{record['val_accuracy']:.4f}/{record['val_loss']:.4f} ({count} images; "
+                  f"training {images_per_sec:.0f} images/s){note}", flush=True)
+
+    result = {"synthetic": bool(note), "devices": world.num_replicas,
+              "processes": fleet.worker_num(), "global_batch": global_batch,
+              "epochs": history}
+    if first:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(result, indent=2))
+        print(f"wrote {out / 'metrics.json'}", flush=True)
+        plot(history, out / "curves.png", note)
+    return result
+
+
+def plot(history: list[dict], path: Path, note: str) -> None:
+    """Loss and accuracy curves; skipped (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipped the plot (pip install matplotlib, or "
+              "pip install -e '.[examples]')", flush=True)
+        return
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
+    ax_loss.plot(epochs, [h["val_loss"] for h in history], "o-", label="validation")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss" + note)
+    ax_loss.legend()
+    ax_acc.plot(epochs, [h["val_accuracy"] for h in history], "o-", color="C1")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1),
+               title="validation accuracy" + note)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

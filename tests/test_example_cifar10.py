@@ -1,0 +1,274 @@
+"""examples/cifar10: the loader of the official format, the download (against a
+local HTTP server, never the real address), and the script on one process and
+through fleetrun on an archive the test writes in the official format.
+"""
+
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "cifar10"
+FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
+PER_BATCH, N_TEST = 16, 25  # 80 training images in 5 batches; the test set pads on 2 replicas
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+data = _load("cifar10_example_data", EXAMPLE / "data.py")
+
+
+def write_archive(path: Path, seed: int = 0) -> tuple[str, dict]:
+    """A small cifar-10-python.tar.gz in the official format; returns its MD5 and the
+    images (NHWC) and labels it holds."""
+    rng = np.random.RandomState(seed)
+    members, want = {}, {"train": ([], []), "test": ([], [])}
+    names = [(f"data_batch_{i}", "train", PER_BATCH) for i in range(1, 6)]
+    for name, split, n in [*names, ("test_batch", "test", N_TEST)]:
+        images = rng.randint(0, 256, (n, 32, 32, 3)).astype(np.uint8)
+        labels = rng.randint(0, 10, n)
+        rows = images.transpose(0, 3, 1, 2).reshape(n, 3072)  # R plane, G plane, B plane
+        members[name] = pickle.dumps({b"batch_label": name.encode(), b"labels": labels.tolist(),
+                                      b"data": rows, b"filenames": [b"x.png"] * n}, protocol=2)
+        want[split][0].append(images)
+        want[split][1].append(labels)
+    members["batches.meta"] = pickle.dumps({b"label_names": [c.encode() for c in data.CLASSES]})
+    with tarfile.open(path, "w:gz") as tar:
+        for name, blob in members.items():
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    md5 = hashlib.md5(path.read_bytes()).hexdigest()
+    return md5, {k: (np.concatenate(x), np.concatenate(y)) for k, (x, y) in want.items()}
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cifar") / data.ARCHIVE
+    md5, want = write_archive(path)
+    return path, md5, want
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickled a file whose MD5 was not checked")
+
+    monkeypatch.setattr(data.pickle, "load", refuse)
+
+
+# -- reading the official format -----------------------------------------------------------
+
+def test_reads_the_official_archive_and_the_extracted_directory(archive, tmp_path):
+    path, md5, want = archive
+    assert data.locate(path.parent) == path
+    got = data.read(path, md5=md5)
+    for split, n in (("train", 5 * PER_BATCH), ("test", N_TEST)):
+        images, labels = got[split]
+        assert images.shape == (n, 32, 32, 3) and images.dtype == np.uint8
+        np.testing.assert_array_equal(images, want[split][0])
+        np.testing.assert_array_equal(labels, want[split][1])
+    with tarfile.open(path) as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert data.locate(tmp_path) == tmp_path / data.DIRNAME
+    assert data.locate(tmp_path / data.DIRNAME) == tmp_path / data.DIRNAME
+    extracted = data.read(tmp_path / data.DIRNAME)
+    np.testing.assert_array_equal(extracted["train"][0], want["train"][0])
+    assert data.locate(tmp_path / "nothing") is None
+
+
+def test_an_archive_with_another_md5_is_not_unpickled(archive, no_unpickling):
+    path, md5, _ = archive
+    with pytest.raises(data.ChecksumError, match=rf"has MD5 {md5}, expected {data.MD5}; .*not "
+                                                 r"opened.*--md5"):
+        data.read(path)  # the published MD5 by default
+
+
+# -- downloading, from a local server ----------------------------------------------------------
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        srv = self.server
+        body, asked = srv.payload, self.headers.get("Range")
+        srv.ranges.append(asked)
+        start = int(asked.split("=")[1].split("-")[0]) if asked and srv.honor_range else 0
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        self.send_header("Content-Length", str(len(body) - start))
+        self.end_headers()
+        if srv.breaks:  # send a part, then drop the connection
+            srv.breaks -= 1
+            self.wfile.write(body[start:start + srv.break_after])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(body[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server(archive):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.payload = archive[0].read_bytes()
+    srv.ranges, srv.honor_range, srv.breaks, srv.break_after = [], True, 0, 0
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}/{data.ARCHIVE}"
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    thread.join()
+
+
+def test_download_checks_the_md5_and_renames_into_place(server, archive, tmp_path):
+    progress = io.StringIO()
+    dest = data.download(server.url, tmp_path / data.ARCHIVE, archive[1], file=progress)
+    assert dest.read_bytes() == server.payload and server.ranges == [None]
+    assert list(tmp_path.iterdir()) == [dest]  # no .part left
+    assert progress.getvalue().splitlines()[-1].startswith(f"{data.ARCHIVE}  100%")
+
+
+def test_a_broken_download_resumes_with_a_range_request(server, archive, tmp_path):
+    server.breaks, server.break_after = 1, len(server.payload) // 3
+    dest, part = tmp_path / data.ARCHIVE, tmp_path / (data.ARCHIVE + ".part")
+    with pytest.raises(data.DataError, match=r"failed 1 times \(the transfer broke off.*"
+                                             r"partial file .*\.part is kept: run again"):
+        data.download(server.url, dest, archive[1], attempts=1, file=io.StringIO())
+    assert part.stat().st_size == server.break_after and not dest.exists()
+    data.download(server.url, dest, archive[1], file=io.StringIO())  # the next run
+    assert server.ranges == [None, f"bytes={server.break_after}-"]
+    assert dest.read_bytes() == server.payload and not part.exists()
+
+    # Within one run: the next attempt resumes.
+    server.breaks, server.ranges = 1, []
+    dest.unlink()
+    data.download(server.url, dest, archive[1], attempts=2, file=io.StringIO())
+    assert server.ranges == [None, f"bytes={server.break_after}-"]
+    assert dest.read_bytes() == server.payload
+
+
+def test_a_server_without_range_support_restarts_cleanly(server, archive, tmp_path):
+    server.honor_range = False
+    (tmp_path / (data.ARCHIVE + ".part")).write_bytes(b"stale bytes")
+    dest = data.download(server.url, tmp_path / data.ARCHIVE, archive[1], file=io.StringIO())
+    assert server.ranges == ["bytes=11-"]  # asked to resume, got the whole file
+    assert dest.read_bytes() == server.payload
+
+
+def test_a_download_with_the_wrong_md5_is_deleted_unopened(server, tmp_path, no_unpickling):
+    with pytest.raises(data.ChecksumError, match=rf"has MD5 \w+, expected {data.MD5}; it was "
+                                                 r"deleted and not opened"):
+        data.download(server.url, tmp_path / data.ARCHIVE, data.MD5, file=io.StringIO())
+    assert list(tmp_path.iterdir()) == []
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/{data.ARCHIVE}"
+
+
+def test_offline_says_so_and_names_the_options(tmp_path):
+    with pytest.raises(data.OfflineError, match=r"cannot reach .* looks offline\. put "
+                                                r"cifar-10-python\.tar\.gz .* --data-dir DIR, "
+                                                r"or .* --synthetic"):
+        data.download(closed_port_url(), tmp_path / data.ARCHIVE, data.MD5)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the script ------------------------------------------------------------------------------
+
+def run_script(args, devices, cwd, timeout=120, check=True):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(EXAMPLE / "train.py"), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
+        server, archive, tmp_path):
+    """2 replicas either way (1 process x 2 devices; fleetrun: 2 processes x 1 device):
+    the same global batches and augmentation, so the same losses and accuracies."""
+    common = ["--md5", archive[1], "--epochs", "2", "--batch-size", "8", "--log-freq", "2"]
+    single = run_script(["--data-dir", "cache", "--url", server.url, *common,
+                         "--output-dir", "single"], devices=2, cwd=tmp_path)
+    assert (tmp_path / "cache" / data.ARCHIVE).read_bytes() == server.payload
+    assert "downloading" in single.stdout and "100%" in single.stderr
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "single" / "curves.png").stat().st_size > 0
+    else:
+        assert "matplotlib is not installed: skipped the plot" in single.stdout
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    job = subprocess.run(
+        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "1", "--log_dir", "log",
+         "--job_id", "cifar10-example-test", str(EXAMPLE / "train.py"),
+         "--data-dir", "cache", *common, "--output-dir", "fleetrun"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
+    assert server.ranges == [None]  # the fleetrun job found the archive: no download
+    assert "[rank 0] [validation] epoch 2/2 accuracy/loss:" in job.stdout
+    assert "validation" not in (tmp_path / "log" / "workerlog.1").read_text()
+
+    a = json.loads((tmp_path / "single" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "fleetrun" / "metrics.json").read_text())
+    assert (a["devices"], a["processes"], b["devices"], b["processes"]) == (2, 1, 2, 2)
+    assert a["global_batch"] == b["global_batch"] == 16 and not a["synthetic"]
+    for x, y in zip(a["epochs"], b["epochs"]):
+        assert x["val_images"] == y["val_images"] == N_TEST  # exact: padding dropped
+        assert x["val_accuracy"] == y["val_accuracy"]
+        for key in ("train_loss", "val_loss"):
+            assert x[key] == pytest.approx(y[key], abs=1e-5)
+
+
+def test_synthetic_data_is_named_in_every_accuracy_line(tmp_path):
+    proc = run_script(["--synthetic", "--train-size", "256", "--test-size", "64", "--epochs",
+                       "1", "--batch-size", "16", "--log-freq", "4"], devices=2, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if "accuracy" in line]
+    assert lines and all(line.endswith("(synthetic data)") for line in lines)
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert steps[-1].startswith("step 8/8 - loss: ") and "samples/s" in steps[-1]
+    assert json.loads((tmp_path / "output/cifar10/metrics.json").read_text())["synthetic"]
+
+
+def test_offline_script_names_data_dir_and_synthetic(tmp_path):
+    proc = run_script(["--data-dir", str(tmp_path), "--url", closed_port_url()], devices=1,
+                      cwd=tmp_path, check=False, timeout=60)
+    assert proc.returncode == 1
+    assert "looks offline" in proc.stderr and "--data-dir DIR" in proc.stderr
+    assert "--synthetic" in proc.stderr
+
+
+def test_the_plot_is_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "data", data)  # what train.py imports as `data`
+    train = _load("cifar10_example_train", EXAMPLE / "train.py")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    train.plot([{"epoch": 1, "train_loss": 1.0, "val_loss": 1.0, "val_accuracy": 0.5}],
+               tmp_path / "curves.png", "")
+    assert "matplotlib is not installed: skipped the plot" in capsys.readouterr().out
+    assert not (tmp_path / "curves.png").exists()
