@@ -121,6 +121,19 @@ class _Plan:
         )
 
 
+def _plain_array_variable(v: nnx.Variable) -> bool:
+    """Whether ``v`` holds one jax.Array and has no get/set hooks: then the step reads
+    and writes its raw value directly (Flax's private fields; any other Flax layout
+    falls back to ``get_value`` / ``set_value``)."""
+    metadata = getattr(v, "_var_metadata", None)
+    return (
+        isinstance(getattr(v, "_raw_value", None), jax.Array)
+        and isinstance(metadata, dict)
+        and not metadata.get("on_get_value")
+        and not metadata.get("on_set_value")
+    )
+
+
 class _GraphCache:
     """The NNX objects' graph, split once and reused while their structure holds."""
 
@@ -130,10 +143,9 @@ class _GraphCache:
         self.graphdef, state = nnx.split(objs)
         self.variables = jax.tree_util.tree_leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         self.state_treedef = jax.tree_util.tree_structure(state)
-        self.fast = all(
-            isinstance(v._raw_value, jax.Array) and not v._var_metadata.get("on_get_value")
-            and not v._var_metadata.get("on_set_value") for v in self.variables
-        ) and self.state_treedef.num_leaves == len(self.variables)
+        self.fast = all(map(_plain_array_variable, self.variables)) and (
+            self.state_treedef.num_leaves == len(self.variables)
+        )
 
     @staticmethod
     def _tree_view(objs: tuple) -> tuple[list, Any]:
