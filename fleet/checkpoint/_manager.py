@@ -35,8 +35,11 @@ _META = "meta"
 # replica-parallel writing, takes a different slice from each replica: the same
 # bytes only if every replica holds the same values, which fleet's convention
 # (process 0's first copy is the value) does not need to assume.
+# Host values (numpy, numbers, process-local arrays) are numpy arrays, which orbax
+# writes from process 0.
 _REGISTRY = ocp.type_handlers.create_type_handler_registry(
     (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
+    (np.ndarray, ocp.type_handlers.NumpyHandler()),
 )
 _FORMAT = "fleet-checkpoint"
 _VERSION = 1
@@ -257,7 +260,7 @@ class CheckpointManager:
                 f"there is no complete checkpoint of step {step} in {self.directory}; "
                 f"saved steps: {steps}"
             )
-        default_sharding = world().replicated
+        world()  # a clear error before orbax's if fleet.init was not called
         parts = _state.parts(model=model, optimizer=optimizer, state=state, rng=rng)
         meta = self._read_meta(step)
         problems = self._problems(step, meta, parts)
@@ -273,9 +276,8 @@ class CheckpointManager:
         if parts:
             args = {}
             for name, part in parts.items():
-                targets = part.targets(default_sharding)
-                args[name] = ocp.args.PyTreeRestore(
-                    targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets))
+                items, restore_args = part.targets()
+                args[name] = ocp.args.PyTreeRestore(items, restore_args=restore_args)
             values = self._orbax.restore(step, args=ocp.args.Composite(**args))
         new = {name: p.put(values[name]) for name, p in parts.items()}
         if loader is not None:
@@ -284,8 +286,14 @@ class CheckpointManager:
                         state=new.get("state"), rng=new.get("rng"))
 
     def _read_meta(self, step: int) -> dict[str, Any]:
-        meta = self._orbax.restore(step, args=ocp.args.Composite(
-            **{_META: ocp.args.JsonRestore()}))[_META]
+        try:
+            meta = self._orbax.restore(step, args=ocp.args.Composite(
+                **{_META: ocp.args.JsonRestore()}))[_META]
+        except (ValueError, OSError) as e:  # JSON that does not parse, a missing file
+            raise FleetCheckpointError(
+                f"{self.directory}/{step}: its {_META!r} item is not readable JSON ({e!r}); "
+                "the checkpoint is damaged, restore another step"
+            ) from None
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
             raise FleetCheckpointError(
                 f"{self.directory}/{step} is not a fleet checkpoint (its {_META!r} item "

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fleet._model import module_variables, replicate
+from fleet._model import module_variables
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
 
@@ -69,16 +69,15 @@ class Part:
     def impls(self) -> dict[str, str]:
         return _tree.key_impls(self.leaves)
 
-    def to_save(self) -> dict[str, jax.Array]:
-        """The arrays orbax writes: live ``jax.Array`` s as they are, host values
-        placed replicated on the mesh (equal on every process: process 0's)."""
-        arrays, host = _tree.stored(self.leaves)
-        if host:
-            arrays.update(replicate(host))
-        return {k: arrays[k] for k in self.leaves}
+    def to_save(self) -> dict[str, Any]:
+        """What orbax writes: global arrays as they are, host values as numpy copies
+        (process 0's are written)."""
+        return _tree.stored(self.leaves)
 
-    def targets(self, default_sharding: jax.sharding.Sharding) -> dict[str, jax.ShapeDtypeStruct]:
-        return {k: _tree.target(v, default_sharding) for k, v in self.leaves.items()}
+    def targets(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(items, restore args)`` for orbax's ``PyTreeRestore``."""
+        pairs = {k: _tree.target(v) for k, v in self.leaves.items()}
+        return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
 
     def put(self, values: dict[str, jax.Array]) -> Any:
         """Puts restored ``values`` back: NNX variables in place; returns the object

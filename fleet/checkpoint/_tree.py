@@ -9,7 +9,7 @@ implementation of the key they are restored into.
 
 Pure functions only: what is stored (:func:`stored`), what a restore reads
 (:func:`target`), what it gives back (:func:`restored`), what differs
-(:func:`differences`).
+(:func:`differences`, :func:`fits`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from fleet._model import _dotted
 
@@ -42,12 +43,29 @@ def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
     return leaves, treedef
 
 
+# A Python number in a template (``TrainState.create(...).step`` is ``0``) takes
+# any stored scalar of its kind.
+_PY_KINDS = {bool: ("bool", "b"), int: ("int", "iu"), float: ("float", "f"),
+             complex: ("complex", "c")}
+
+
 def signature(x: Any) -> tuple[tuple[int, ...], str]:
-    """``(shape, dtype name)`` of ``x`` as stored (PRNG keys as their key data)."""
+    """``(shape, dtype name)`` of ``x`` as stored (PRNG keys as their key data); a
+    Python number gives ``((), "int")`` (or ``"float"``, ...)."""
+    if type(x) in _PY_KINDS:
+        return (), _PY_KINDS[type(x)][0]
     if is_key(x):
         x = jax.random.key_data(x)
-    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return tuple(np.shape(x)), np.dtype(dtype).name
+    return tuple(np.shape(x)), np.dtype(x.dtype).name
+
+
+def fits(saved: tuple[tuple[int, ...], str], current: tuple[tuple[int, ...], str]) -> bool:
+    """Whether a stored ``saved`` signature can be read into ``current``'s place."""
+    if saved == current:
+        return True
+    kinds = {name: kind for name, kind in _PY_KINDS.values()}
+    return (current[1] in kinds and saved[0] == current[0] == ()
+            and np.dtype(saved[1]).kind in kinds[current[1]])
 
 
 def describe(sig: tuple[tuple[int, ...], str]) -> str:
@@ -77,7 +95,7 @@ def differences(
         for k in saved if k not in current
     ]
     for key in current:
-        if key in saved and saved[key] != current[key]:
+        if key in saved and not fits(saved[key], current[key]):
             problems.append(
                 f"{key!r}: checkpoint {describe(saved[key])}, here {describe(current[key])}"
             )
@@ -112,53 +130,51 @@ def is_global(x: Any) -> bool:
     return isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable)
 
 
-def stored(leaves: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What orbax writes for ``leaves``: ``(arrays, host)``.
+def stored(leaves: dict[str, Any]) -> dict[str, Any]:
+    """What orbax writes for ``leaves``, key by key.
 
-    ``arrays`` holds the global ``jax.Array`` leaves (PRNG keys as key data),
-    written as they are: every shard once, however the array is laid out.
-    ``host`` holds the other leaves (numpy arrays, Python numbers, host-local
-    arrays) as numpy arrays; the caller places them on the mesh first.
+    Global ``jax.Array`` s (PRNG keys as their key data) are written as they are:
+    every shard once, by the process that holds it, however the array is laid
+    out. Everything else (numpy arrays, numbers, host-local arrays) becomes a
+    numpy copy, which orbax writes from process 0 alone.
     """
-    arrays, host = {}, {}
+    out = {}
     for key, leaf in leaves.items():
         value = jax.random.key_data(leaf) if is_key(leaf) else leaf
-        if is_global(leaf):
-            arrays[key] = value
-        else:
-            host[key] = np.asarray(value)
-    return arrays, host
+        out[key] = value if is_global(leaf) else np.array(host_value(value), copy=True)
+    return out
 
 
-def target(leaf: Any, default_sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
-    """What to read into ``leaf``'s place: its shape and dtype, laid out like ``leaf``.
+def target(leaf: Any) -> tuple[Any, Any]:
+    """``(item, restore args)``: what to read into ``leaf``'s place.
 
-    A global ``jax.Array`` keeps its sharding (replicated state restores
-    replicated; sharded state would restore sharded, each process reading only
-    its shards); anything else is read replicated on ``default_sharding``.
+    A global ``jax.Array`` is read with its own shape, dtype and sharding
+    (replicated state restores replicated; sharded state would restore sharded,
+    each process reading only its shards). Anything else is read as numpy.
     """
-    sharding = leaf.sharding if is_global(leaf) else default_sharding
-    if is_key(leaf):
-        leaf = jax.random.key_data(leaf)
-    shape, dtype = signature(leaf)
-    return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+    if is_global(leaf):
+        data = jax.random.key_data(leaf) if is_key(leaf) else leaf
+        item = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+        return item, ocp.ArrayRestoreArgs(sharding=data.sharding, global_shape=data.shape,
+                                          dtype=data.dtype)
+    return np.zeros((), np.int8), ocp.RestoreArgs(restore_type=np.ndarray)
 
 
-def restored(value: jax.Array, like: Any) -> Any:
+def restored(value: Any, like: Any) -> Any:
     """``value`` (as read) in the form of ``like``, the leaf it replaces.
 
-    PRNG keys are wrapped in ``like``'s implementation; a numpy leaf comes back as
-    numpy, a Python number as a Python number.
+    PRNG keys are wrapped in ``like``'s implementation; a host-local array goes
+    back to its device, a numpy leaf stays numpy, a Python number a Python number.
     """
-    if isinstance(like, jax.Array) and not is_global(like):  # back to this process's device
-        value = jax.device_put(host_value(value), like.sharding)
-    if is_key(like):
-        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
     if isinstance(like, jax.Array):
+        if not is_global(like):
+            value = jax.device_put(np.asarray(value), like.sharding)
+        if is_key(like):
+            return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
         return value
     host = host_value(value)
-    if isinstance(like, (bool, int, float, complex)):
+    if type(like) in _PY_KINDS:
         return type(like)(host.item())
     if isinstance(like, np.generic):
-        return host.dtype.type(host.item())
+        return host.astype(like.dtype)[()]
     return host
