@@ -323,6 +323,10 @@ class CheckpointManager:
 
     # -- lifetime --------------------------------------------------------------------
 
+    def is_saving(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return self._orbax.is_saving_in_progress()
+
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save is written and committed."""
         self._orbax.wait_until_finished()
