@@ -223,6 +223,14 @@ def test_model_alone_restores_for_evaluation_and_reads_as_a_state_dict(job, tmp_
     ckpt_common.assert_bitwise_equal(load(tmp_path / "2/model"), job.model.state_dict())
 
 
+def test_a_checkpoint_of_metadata_alone(make_world, tmp_path):
+    make_world(1)
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.save(1, state={}, epoch=2, metadata={"best": float("nan")})
+        restored = manager.restore_latest(state={})
+    assert restored.state == {} and restored.epoch == 2 and np.isnan(restored.metadata["best"])
+
+
 def test_nothing_to_restore(job, tmp_path):
     before = ckpt_common.snapshot(job)
     with CheckpointManager(tmp_path) as manager:

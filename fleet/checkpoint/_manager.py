@@ -64,8 +64,8 @@ class Restored:
     rng: Any = None
 
 
-def _positive(name: str, value: Any, *, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
+def _positive(name: str, value: Any) -> int | None:
+    if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise FleetCheckpointError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -218,7 +218,7 @@ class CheckpointManager:
             "processes": jax.process_count(),
             "replicas": world().num_replicas,
         }
-        items = {name: ocp.args.PyTreeSave(p.to_save()) for name, p in parts.items()}
+        items = {name: ocp.args.PyTreeSave(p.to_save()) for name, p in parts.items() if p.leaves}
         items[_META] = ocp.args.JsonSave(meta)
         self._orbax.save(step, args=ocp.args.Composite(**items), force=True)
         return True
@@ -272,14 +272,13 @@ class CheckpointManager:
                 f"({len(problems)} difference{'s' if len(problems) > 1 else ''}; nothing was "
                 "changed):\n  " + "\n  ".join(problems)
             )
-        values = {}
-        if parts:
-            args = {}
-            for name, part in parts.items():
+        args = {}
+        for name, part in parts.items():
+            if part.leaves:  # (an empty part has no orbax item)
                 items, restore_args = part.targets()
                 args[name] = ocp.args.PyTreeRestore(items, restore_args=restore_args)
-            values = self._orbax.restore(step, args=ocp.args.Composite(**args))
-        new = {name: p.put(values[name]) for name, p in parts.items()}
+        values = self._orbax.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        new = {name: p.put(values[name] if p.leaves else {}) for name, p in parts.items()}
         if loader is not None:
             loader.set_state_dict(meta["loader"])
         return Restored(step=step, epoch=meta.get("epoch"), metadata=meta.get("metadata") or {},
@@ -315,7 +314,8 @@ class CheckpointManager:
                     f"{name}: not in the checkpoint (it holds {', '.join(meta['parts']) or 'no arrays'})"
                 )
                 continue
-            tree = getattr(items[name], "tree", items[name])
+            item = items[name] if name in items else None
+            tree = {} if item is None else getattr(item, "tree", item)
             saved = {k: (tuple(m.shape), np.dtype(m.dtype).name) for k, m in tree.items()}
             problems += [f"{name}: {p}" for p in _tree.differences(
                 saved, part.signatures(), meta["key_impls"].get(name, {}), part.impls())]

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import math
 from typing import Any
 
 import jax
@@ -131,12 +129,8 @@ def loader_problems(loader: Any, state: Any) -> list[str]:
 def jsonable(value: Any, where: str) -> Any:
     """``value`` as plain JSON data (numpy scalars become Python numbers, tuples
     lists); raises, naming the first offending entry, for anything else."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            return value  # json writes NaN / Infinity and reads them back
-        return value
+    if value is None or isinstance(value, (bool, str, int, float)):
+        return value  # (json writes NaN and Infinity, and reads them back)
     if isinstance(value, np.generic) and value.ndim == 0 and value.dtype.kind in "biuf":
         return value.item()
     if isinstance(value, (list, tuple)):
@@ -155,9 +149,3 @@ def jsonable(value: Any, where: str) -> Any:
         "convert it (e.g. .tolist()), or save arrays through model=, state= or rng="
     )
 
-
-def dumps_check(value: Any, where: str) -> None:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise FleetCheckpointError(f"{where} cannot be written as JSON: {e}") from None
