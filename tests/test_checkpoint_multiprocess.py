@@ -66,6 +66,7 @@ def test_resume_in_new_processes_is_bitwise_exact(uninterrupted, tmp_path, make_
     ckpt_jobs.run_two(tmp_path, [
         "--probe", f"{tmp_path / 'one'}:{MIDDLE}:{probe}",
         "--restore", f"{uninterrupted / 'ckpt'}:{MIDDLE}", "--steps", STEPS,
+        "--dir", tmp_path / "every-minute", "--save-seconds", 60,
         "--out", tmp_path / "resumed.npz"])
     # Trained 7, saved, new processes restored and trained 7 more: bitwise the same.
     ckpt_common.assert_bitwise_equal(ckpt_jobs.load(tmp_path / "resumed.npz"),
@@ -74,6 +75,10 @@ def test_resume_in_new_processes_is_bitwise_exact(uninterrupted, tmp_path, make_
     at7.pop("loader")
     ckpt_common.assert_bitwise_equal(ckpt_jobs.load(probe, drop=("loader",)), at7)
     assert_close(ckpt_jobs.load(f"{probe}.next.npz"), at8)
+    # Saving every 60 seconds, decided on process 0 for both: the first step after
+    # the restore (no checkpoint yet), then only the last one (forced).
+    with CheckpointManager(tmp_path / "every-minute") as manager:
+        assert manager.all_steps() == [MIDDLE + 1, STEPS]
 
 
 def test_two_process_checkpoint_restores_in_one_process(uninterrupted, make_world):

@@ -1,10 +1,12 @@
 """A checkpointing training worker (one process of a job, or a job by itself).
 
-    ckpt_train.py --steps 14 [--devices N] [--dir D --save-every K] [--resume]
+    ckpt_train.py --steps 14 [--devices N] [--dir D --save-every K --save-seconds S]
+                  [--resume]
                   [--restore DIR:STEP] [--probe DIR:STEP:OUT] [--dump STEP:OUT ...]
                   [--out OUT] [--kill-at S] [--hang-commit S] [--big N] [--sync]
 
---dir / --save-every: save into D every K steps (and the last step).
+--dir / --save-every / --save-seconds: save into D every K steps or S seconds
+    (and the last step).
 --resume: first restore the latest step of D (a restarted job).
 --restore: first restore DIR at STEP.
 --probe: before training, restore DIR at STEP into a fresh job, write its
@@ -64,6 +66,7 @@ def main() -> None:
     p.add_argument("--devices", type=int)
     p.add_argument("--dir")
     p.add_argument("--save-every", type=int)
+    p.add_argument("--save-seconds", type=int)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--restore")
     p.add_argument("--probe")
@@ -98,6 +101,7 @@ def main() -> None:
     manager = None
     if args.dir:
         manager = CheckpointManager(args.dir, save_interval_steps=args.save_every,
+                                    save_interval_seconds=args.save_seconds,
                                     max_to_keep=3, async_save=not args.sync)
         if args.resume:
             job.restore(manager)
