@@ -50,6 +50,7 @@ from fleet import _context
 from fleet._context import BucketConfig
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._model import DataParallel
+from fleet._reduce import allreduce_mean
 from fleet._world import DATA_AXIS, World, world
 from fleet.launch._heartbeat import heartbeat
 
@@ -169,6 +170,38 @@ class _GraphCache:
         else:
             for v, x in zip(self.variables, values):
                 v.set_value(x)
+
+
+def _is_buffer(v: nnx.Variable) -> bool:
+    """Model state that is neither a parameter nor optimizer state (batch-norm
+    statistics): each replica updates it from its own rows."""
+    from flax.nnx.training.optimizer import OptState
+
+    return not isinstance(v, (nnx.Param, OptState))
+
+
+def _average_buffers(new: Any, old: list, new_leaves: list, buckets: BucketConfig) -> list:
+    """Averages, over the replicas, the floating-point buffers the step changed.
+
+    Parameters and optimizer state come out equal on every replica (the gradients
+    were averaged); buffers such as batch-norm running statistics were updated from
+    each replica's own rows and would differ while marked replicated. The average
+    of the replicas' running means is the running mean of the global batch, as on
+    one device (running variances average the per-replica variances). A step under
+    ``no_sync`` leaves them local: the next synchronised step averages them.
+    """
+    variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    changed = [
+        i for i, (v, x) in enumerate(zip(variables, new_leaves))
+        if x is not old[i] and _is_buffer(v) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
+    if not changed:
+        return new_leaves
+    averaged = allreduce_mean([new_leaves[i] for i in changed], buckets)
+    new_leaves = list(new_leaves)
+    for i, x in zip(changed, averaged):
+        new_leaves[i] = x
+    return new_leaves
 
 
 def _signature(x: Any) -> tuple:
@@ -373,6 +406,8 @@ class DistributedStep:
                 "variable or sub-module); build the whole model before training"
             )
         new_state = jax.tree_util.tree_leaves(new)
+        if not plan.no_sync:
+            new_state = _average_buffers(new, state, new_state, plan.buckets)
         leaves, kinds = self._outputs(out, [v for v, k in zip(values, plan.kinds) if k == _TREE])
         new_accum = None if trace.new_accum is None else [a[None] for a in trace.new_accum]
         if probe:

@@ -125,3 +125,34 @@ def test_state_dict_with_rng_state(make_world):
     other.set_state_dict(sd)
     for key, value in other.state_dict().items():
         np.testing.assert_array_equal(value, sd[key])
+
+
+class WithBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(10, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.linear(x))
+
+
+def test_batch_norm_statistics_are_averaged_over_replicas(make_world):
+    """Each replica normalises with its own rows (as DDP without SyncBatchNorm), but
+    the running statistics leave the step equal on every replica: the average of
+    the replicas' running means is the single-device running mean."""
+    x, y = models.batches("linear", 1, 16)[0]
+    y = np.repeat(y, 4, axis=1)
+    reference = WithBatchNorm(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    nnx.jit(models.nnx_train_step)(reference, ref_opt, x, y)
+
+    make_world(4)
+    model = fleet.distributed_model(WithBatchNorm(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    fleet.distributed_step(models.nnx_train_step)(model, optimizer, x, y)
+    for var in (model.norm.mean, model.norm.var):
+        first, *rest = copies(var.get_value())
+        for other in rest:
+            np.testing.assert_array_equal(first, other)
+    np.testing.assert_allclose(np.asarray(model.norm.mean.get_value()),
+                               np.asarray(reference.norm.mean.get_value()), atol=1e-6)
