@@ -643,3 +643,21 @@ def test_leaving_early_unlinks_the_shared_memory(world, no_leftover_children):
     assert blocks
     del it
     assert not set(blocks) & set(os.listdir("/dev/shm"))
+
+
+def test_state_saved_right_after_a_restore_keeps_the_restored_position(world):
+    """Saving again before iterating (a checkpoint right after resuming) must not
+    reset the position."""
+    from fleet.io import BatchSampler, DataLoader, DistributedBatchSampler, TensorDataset
+
+    ds = TensorDataset([np.arange(64)])
+    for make in (lambda: DistributedBatchSampler(ds, 2),
+                 lambda: BatchSampler(dataset=ds, batch_size=4)):
+        loader = DataLoader(ds, batch_sampler=make(), return_numpy=True)
+        it = iter(loader)
+        next(it), next(it), next(it)
+        saved = loader.state_dict()
+        restored = DataLoader(ds, batch_sampler=make(), return_numpy=True)
+        restored.set_state_dict(saved)
+        assert restored.state_dict() == saved
+        assert restored.batch_sampler.state_dict() == saved["sampler"]

@@ -232,8 +232,9 @@ class DataLoader:
         """
         progress = self._progress
         if not hasattr(self.batch_sampler, "state_dict"):
-            done = progress.position() if progress is not None and not progress.finished else 0
-            return {"batches_done": done}
+            if progress is not None and not progress.finished:
+                return {"batches_done": progress.position()}
+            return {"batches_done": self._skip}  # a restored position not yet iterated
         if progress is None or progress.finished:
             return {"sampler": self.batch_sampler.state_dict()}
         state = dict(progress.start)

@@ -201,6 +201,8 @@ class BatchSampler:
         progress = self._progress
         if progress is not None and not progress.finished:
             epoch, done = progress.epoch, progress.done
+        elif self._resume is not None and self._resume[0] == self.epoch:
+            epoch, done = self._resume  # restored, not iterated yet: still that position
         else:
             epoch, done = self.epoch, 0
         return {"epoch": epoch, "batches_done": done, **self._fingerprint()}
