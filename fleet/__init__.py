@@ -41,11 +41,16 @@ from fleet._world import (
     worker_num,
     world,
 )
+from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
 from fleet.launch import spawn
 from fleet.strategy import DistributedStrategy
 
 __all__ = [
     "DATA_AXIS",
+    "CheckpointManager",
+    "FleetCheckpointError",
+    "load",
+    "save",
     "BucketConfig",
     "DataParallel",
     "DistributedOptimizer",
