@@ -18,8 +18,9 @@ before its first computation, and a script builds its network, which computes,
 before it creates the :class:`Model`.
 
 Files: ``_model.py`` (Model), ``_steps.py`` (the per-replica steps),
-``_metric.py`` (metrics), ``_callbacks.py`` (callbacks), ``_progbar.py``
-(progress bar), ``_saving.py`` (save / load), ``_summary.py`` (summary).
+``_inputs.py`` (datasets, loaders, batches, argument checks), ``_metric.py``
+(metrics), ``_callbacks.py`` (callbacks), ``_progbar.py`` (progress bar),
+``_saving.py`` (save / load), ``_summary.py`` (summary).
 """
 
 from fleet.hapi import callbacks, metric

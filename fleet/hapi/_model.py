@@ -24,7 +24,6 @@ metrics are exact and predictions come back once each, in dataset order.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import warnings
@@ -42,10 +41,18 @@ from fleet._model import DataParallel, distributed_model
 from fleet._optimizer import distributed_optimizer
 from fleet.hapi import _saving, _steps
 from fleet.hapi._callbacks import Callback, CallbackList, ModelCheckpoint
+from fleet.hapi._inputs import (
+    as_tuple,
+    check_verbose,
+    count_inputs,
+    global_rows,
+    int_at_least,
+    make_loader,
+    split_batch,
+)
 from fleet.hapi._metric import Metric
 from fleet.hapi._progbar import ProgBarLogger
 from fleet.hapi._summary import summary as _summary
-from fleet.io import DataLoader, DistributedBatchSampler
 from fleet.io._loader import _to_host
 
 _NEEDS_PREPARE = (
@@ -94,7 +101,7 @@ class Model:
         if not _world.is_initialized():
             _world.init(is_collective=True)
         self.network = network if isinstance(network, DataParallel) else distributed_model(network)
-        self._num_inputs = _count_inputs(network, inputs)
+        self._num_inputs = count_inputs(network, inputs)
         self._inputs = inputs
         self._optimizer: Any = None
         self._loss: Any = None
@@ -178,7 +185,7 @@ class Model:
         (``no_sync``); the next step with ``update=True`` applies them all."""
         self._check_ready("train_batch", need_optimizer=True)
         self.network.train()
-        loss, rows = self._train_call(_as_tuple(inputs), _as_tuple(labels), update)
+        loss, rows = self._train_call(as_tuple(inputs), as_tuple(labels), update)
         values = [m.update(*jax.tree.map(_to_host, r)) for m, r in zip(self._metrics, rows)]
         return ([float(loss)], values) if self._metrics else [float(loss)]
 
@@ -186,7 +193,7 @@ class Model:
         """Loss and metric values of one global batch (no padding is assumed)."""
         self._check_ready("eval_batch", need_loss=False)
         self.network.eval()
-        losses, rows = self._step("eval")(self.network, _as_tuple(inputs), _as_tuple(labels))
+        losses, rows = self._step("eval")(self.network, as_tuple(inputs), as_tuple(labels))
         values = [m.update(*jax.tree.map(_to_host, r)) for m, r in zip(self._metrics, rows)]
         loss = [float(np.mean(_to_host(losses)))] if losses is not None else []
         return (loss, values) if self._metrics else loss
@@ -194,7 +201,7 @@ class Model:
     def predict_batch(self, inputs: Any) -> list[np.ndarray]:
         """The network's outputs for one global batch, as host arrays."""
         self.network.eval()
-        out = jax.tree.map(_to_host, self._step("predict")(self.network, _as_tuple(inputs)))
+        out = jax.tree.map(_to_host, self._step("predict")(self.network, as_tuple(inputs)))
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def _train_call(self, inputs: tuple, labels: tuple, update: bool) -> Any:
@@ -252,17 +259,17 @@ class Model:
             epoch's examples) and metrics, and ``eval_*`` values when evaluated.
         """
         self._check_ready("fit", need_optimizer=True, need_loss=True)
-        batch_size = _int_at_least("batch_size", batch_size, 1)
-        epochs = _int_at_least("epochs", epochs, 1)
-        eval_freq = _int_at_least("eval_freq", eval_freq, 1)
-        log_freq = _int_at_least("log_freq", log_freq, 1)
-        accumulate = _int_at_least("accumulate_grad_batches", accumulate_grad_batches, 1)
+        batch_size = int_at_least("batch_size", batch_size, 1)
+        epochs = int_at_least("epochs", epochs, 1)
+        eval_freq = int_at_least("eval_freq", eval_freq, 1)
+        log_freq = int_at_least("log_freq", log_freq, 1)
+        accumulate = int_at_least("accumulate_grad_batches", accumulate_grad_batches, 1)
         if num_iters is not None:
-            num_iters = _int_at_least("num_iters", num_iters, 1)
-        _check_verbose(verbose)
-        train_loader, own_train = _loader(train_data, batch_size, shuffle, drop_last,
+            num_iters = int_at_least("num_iters", num_iters, 1)
+        check_verbose(verbose)
+        train_loader, own_train = make_loader(train_data, batch_size, shuffle, drop_last,
                                            num_workers, "train_data")
-        eval_loader, own_eval = (None, False) if eval_data is None else _loader(
+        eval_loader, own_eval = (None, False) if eval_data is None else make_loader(
             eval_data, batch_size, False, False, num_workers, "eval_data")
         try:
             steps = len(train_loader)
@@ -315,10 +322,10 @@ class Model:
             metrics with several values).
         """
         self._check_ready("evaluate", need_loss=False)
-        batch_size = _int_at_least("batch_size", batch_size, 1)
-        log_freq = _int_at_least("log_freq", log_freq, 1)
-        _check_verbose(verbose)
-        loader, own = _loader(eval_data, batch_size, False, False, num_workers, "eval_data")
+        batch_size = int_at_least("batch_size", batch_size, 1)
+        log_freq = int_at_least("log_freq", log_freq, 1)
+        check_verbose(verbose)
+        loader, own = make_loader(eval_data, batch_size, False, False, num_workers, "eval_data")
         try:
             cbks = self._callbacks(callbacks, verbose, log_freq, {
                 "batch_size": batch_size, "verbose": verbose, "log_freq": log_freq,
@@ -340,9 +347,9 @@ class Model:
             One entry per network output: a list of per-batch arrays, or with
             ``stack_outputs=True`` one array with a row per sample.
         """
-        batch_size = _int_at_least("batch_size", batch_size, 1)
-        _check_verbose(verbose)
-        loader, own = _loader(test_data, batch_size, False, False, num_workers, "test_data")
+        batch_size = int_at_least("batch_size", batch_size, 1)
+        check_verbose(verbose)
+        loader, own = make_loader(test_data, batch_size, False, False, num_workers, "test_data")
         try:
             cbks = self._callbacks(callbacks, verbose, 1, {
                 "batch_size": batch_size, "verbose": verbose, "metrics": []})
@@ -351,7 +358,7 @@ class Model:
             outputs: list[list[np.ndarray]] | None = None
             cbks.on_begin("predict", {"steps": len(loader), "metrics": []})
             for i, batch in enumerate(loader):
-                inputs, _ = self._split(batch)
+                inputs, _ = split_batch(batch, self._num_inputs)
                 cbks.on_batch_begin("predict", i, {})
                 out = loader.gather_for_metrics(step(self.network, inputs))
                 out = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -382,8 +389,8 @@ class Model:
         for step, batch in enumerate(loader):
             if step >= steps:
                 break
-            inputs, labels = self._split(batch)
-            rows = _global_rows(inputs)
+            inputs, labels = split_batch(batch, self._num_inputs)
+            rows = global_rows(inputs)
             cbks.on_batch_begin("train", step, logs)
             update = (step + 1) % accumulate == 0 or step + 1 == steps
             loss, metric_rows = self._train_call(inputs, labels, update)
@@ -426,7 +433,7 @@ class Model:
         for step, batch in enumerate(loader):
             if step >= steps:
                 break
-            inputs, labels = self._split(batch)
+            inputs, labels = split_batch(batch, self._num_inputs)
             cbks.on_batch_begin("eval", step, logs)
             losses, metric_rows = loader.gather_for_metrics(
                 step_fn(self.network, inputs, labels))
@@ -437,7 +444,7 @@ class Model:
             elif metric_rows:
                 rows = len(metric_rows[0][0])
             else:
-                rows = _global_rows(inputs)
+                rows = global_rows(inputs)
             logs = {}
             if losses is not None:
                 loss_sum += float(np.sum(losses, dtype=np.float64))
@@ -471,21 +478,6 @@ class Model:
             else:
                 logs.update(zip(names, values))
         return logs
-
-    def _split(self, batch: Any) -> tuple[tuple, tuple]:
-        if isinstance(batch, dict):
-            raise FleetTypeError(
-                f"fleet.Model takes samples as tuples (inputs..., labels...), got a dict with "
-                f"keys {sorted(batch)}; return a tuple from the dataset's __getitem__"
-            )
-        fields = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        if len(fields) < self._num_inputs:
-            raise FleetConfigError(
-                f"a sample has {len(fields)} fields but the network takes "
-                f"{self._num_inputs} inputs; samples must be (inputs..., labels...), or "
-                "pass inputs=N to fleet.Model"
-            )
-        return fields[:self._num_inputs], fields[self._num_inputs:]
 
     def _callbacks(self, callbacks: Sequence[Callback] | None, verbose: int, log_freq: int,
                    params: dict[str, Any], save_dir: Any = None,
@@ -573,57 +565,6 @@ class Model:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _count_inputs(network: nnx.Module, inputs: Any) -> int:
-    if inputs is None:
-        try:
-            signature = inspect.signature(type(network).__call__)
-        except (TypeError, ValueError):
-            return 1
-        required = [p for p in list(signature.parameters.values())[1:]
-                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                    and p.default is p.empty]
-        return max(len(required), 1)
-    if isinstance(inputs, int) and not isinstance(inputs, bool):
-        if inputs < 1:
-            raise FleetConfigError(f"fleet.Model(inputs={inputs}) must be at least 1")
-        return inputs
-    if isinstance(inputs, (list, tuple)) and inputs:
-        return len(inputs)
-    raise FleetTypeError(
-        f"fleet.Model(inputs=...) takes the number of inputs or a list of "
-        f"jax.ShapeDtypeStruct, one per input; got {inputs!r}"
-    )
-
-
-def _loader(data: Any, batch_size: int, shuffle: bool, drop_last: bool, num_workers: int,
-            what: str) -> tuple[DataLoader, bool]:
-    """The loader for ``data``, and whether ``fleet.Model`` made it (and closes it)."""
-    if isinstance(data, DataLoader):
-        return data, False
-    if (data is None or isinstance(data, (np.ndarray, jax.Array))
-            or not (hasattr(data, "__len__") and hasattr(data, "__getitem__"))):
-        raise FleetTypeError(
-            f"{what} must be a dataset (a fleet.io.Dataset, or anything with __len__ and "
-            f"__getitem__) or a fleet.io.DataLoader, got {type(data).__name__}; wrap arrays "
-            "as fleet.io.TensorDataset([x, y])"
-        )
-    sampler = DistributedBatchSampler(data, batch_size, shuffle=shuffle, drop_last=drop_last)
-    return DataLoader(data, batch_sampler=sampler, num_workers=num_workers), True
-
-
-def _as_tuple(x: Any) -> tuple:
-    if x is None:
-        return ()
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _global_rows(inputs: tuple) -> int:
-    first = jax.tree_util.tree_leaves(inputs)[0]
-    if isinstance(first, jax.Array):
-        return int(first.shape[0])
-    return int(np.shape(first)[0]) * jax.process_count()  # process-local numpy rows
-
-
 def _public(logs: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in logs.items():
@@ -631,19 +572,3 @@ def _public(logs: dict[str, Any]) -> dict[str, Any]:
             continue
         out[k] = [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
     return out
-
-
-def _int_at_least(name: str, value: Any, low: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise FleetTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise FleetConfigError(f"{name}={value} must be at least {low}")
-    return int(value)
-
-
-def _check_verbose(verbose: Any) -> None:
-    if verbose not in (0, 1, 2):
-        raise FleetConfigError(
-            f"verbose={verbose!r} must be 0 (silent), 1 (progress bar) or 2 (one line per "
-            "log_freq steps)"
-        )

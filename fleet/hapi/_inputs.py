@@ -1,0 +1,100 @@
+"""What ``fleet.Model``'s loops accept: datasets, loaders, batches, and their
+arguments, checked with messages that say what to pass instead."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from fleet._errors import FleetConfigError, FleetTypeError
+from fleet.io import DataLoader, DistributedBatchSampler
+
+
+def count_inputs(network: nnx.Module, inputs: Any) -> int:
+    """How many leading sample fields feed the network (``fleet.Model(inputs=...)``)."""
+    if inputs is None:
+        try:
+            signature = inspect.signature(type(network).__call__)
+        except (TypeError, ValueError):
+            return 1
+        required = [p for p in list(signature.parameters.values())[1:]
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                    and p.default is p.empty]
+        return max(len(required), 1)
+    if isinstance(inputs, int) and not isinstance(inputs, bool):
+        if inputs < 1:
+            raise FleetConfigError(f"fleet.Model(inputs={inputs}) must be at least 1")
+        return inputs
+    if isinstance(inputs, (list, tuple)) and inputs:
+        return len(inputs)
+    raise FleetTypeError(
+        f"fleet.Model(inputs=...) takes the number of inputs or a list of "
+        f"jax.ShapeDtypeStruct, one per input; got {inputs!r}"
+    )
+
+
+def make_loader(data: Any, batch_size: int, shuffle: bool, drop_last: bool, num_workers: int,
+                what: str) -> tuple[DataLoader, bool]:
+    """The loader for ``data``, and whether ``fleet.Model`` made it (and closes it)."""
+    if isinstance(data, DataLoader):
+        return data, False
+    if (data is None or isinstance(data, (np.ndarray, jax.Array))
+            or not (hasattr(data, "__len__") and hasattr(data, "__getitem__"))):
+        raise FleetTypeError(
+            f"{what} must be a dataset (a fleet.io.Dataset, or anything with __len__ and "
+            f"__getitem__) or a fleet.io.DataLoader, got {type(data).__name__}; wrap arrays "
+            "as fleet.io.TensorDataset([x, y])"
+        )
+    sampler = DistributedBatchSampler(data, batch_size, shuffle=shuffle, drop_last=drop_last)
+    return DataLoader(data, batch_sampler=sampler, num_workers=num_workers), True
+
+
+def as_tuple(x: Any) -> tuple:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def global_rows(inputs: tuple) -> int:
+    first = jax.tree_util.tree_leaves(inputs)[0]
+    if isinstance(first, jax.Array):
+        return int(first.shape[0])
+    return int(np.shape(first)[0]) * jax.process_count()  # process-local numpy rows
+
+
+def int_at_least(name: str, value: Any, low: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise FleetTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise FleetConfigError(f"{name}={value} must be at least {low}")
+    return int(value)
+
+
+def check_verbose(verbose: Any) -> None:
+    if verbose not in (0, 1, 2):
+        raise FleetConfigError(
+            f"verbose={verbose!r} must be 0 (silent), 1 (progress bar) or 2 (one line per "
+            "log_freq steps)"
+        )
+
+
+def split_batch(batch: Any, num_inputs: int) -> tuple[tuple, tuple]:
+    """``(inputs, labels)``: the first ``num_inputs`` fields of a batch, and the rest."""
+    if isinstance(batch, dict):
+        raise FleetTypeError(
+            f"fleet.Model takes samples as tuples (inputs..., labels...), got a dict with "
+            f"keys {sorted(batch)}; return a tuple from the dataset's __getitem__"
+        )
+    fields = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    if len(fields) < num_inputs:
+        raise FleetConfigError(
+            f"a sample has {len(fields)} fields but the network takes "
+            f"{num_inputs} inputs; samples must be (inputs..., labels...), or "
+            "pass inputs=N to fleet.Model"
+        )
+    return fields[:num_inputs], fields[num_inputs:]
+
