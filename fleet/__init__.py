@@ -11,7 +11,7 @@ Four changes turn a single-device Flax + Optax script into a data-parallel one::
 The public API is this module; everything else is private.
 """
 
-from fleet import io
+from fleet import _world, io
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
 from fleet._context import BucketConfig
 from fleet._env import WorkerEnv
@@ -42,6 +42,7 @@ from fleet._world import (
     world,
 )
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
+from fleet.hapi import Model, callbacks, metric
 from fleet.launch import spawn
 from fleet.strategy import DistributedStrategy
 
@@ -56,10 +57,12 @@ __all__ = [
     "DistributedOptimizer",
     "DistributedStep",
     "LinenDataParallel",
+    "Model",
     "all_gather",
     "all_reduce",
     "barrier",
     "broadcast",
+    "callbacks",
     "distributed_model",
     "distributed_optimizer",
     "distributed_step",
@@ -79,6 +82,7 @@ __all__ = [
     "init",
     "init_parallel_env",
     "is_first_worker",
+    "metric",
     "num_local_replicas",
     "num_replicas",
     "spawn",
@@ -86,3 +90,5 @@ __all__ = [
     "worker_num",
     "world",
 ]
+
+_world.join_launched_job()

@@ -172,6 +172,32 @@ def _initialize_distributed(env: WorkerEnv) -> None:
         raise
 
 
+def join_launched_job() -> None:
+    """Joins the job's distributed runtime now if a launcher started this process.
+
+    ``import fleet`` calls it. JAX allows ``jax.distributed.initialize`` only before
+    its first computation, and a ``fleet.Model`` script builds its network (which
+    computes) with no ``fleet.init`` at all: the launcher alone makes it distributed,
+    as with Paddle's high-level API. Outside a launched multi-process job it does
+    nothing; a malformed environment or a backend already running is left for
+    ``fleet.init`` to report.
+    """
+    try:
+        env = WorkerEnv.from_environ()
+    except FleetConfigError:
+        return
+    if not env.is_multiprocess or jax.distributed.is_initialized():
+        return
+    try:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return
+    except (ImportError, AttributeError):
+        return
+    _initialize_distributed(env)
+
+
 def world() -> World:
     """The world ``fleet.init`` set up; raises if ``fleet.init`` was not called."""
     if _WORLD is None:
