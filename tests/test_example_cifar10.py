@@ -272,3 +272,28 @@ def test_the_plot_is_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
                tmp_path / "curves.png", "")
     assert "matplotlib is not installed: skipped the plot" in capsys.readouterr().out
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
+    """--max-steps stops in the middle of epoch 2 (after saving); --resume finishes the
+    job. The validation numbers after the last epoch, a function of the parameters,
+    equal an uninterrupted run's exactly, and so does the epoch-1 record kept in the
+    checkpoint's metadata."""
+    common = ["--synthetic", "--train-size", "256", "--test-size", "64", "--epochs", "2",
+              "--batch-size", "16", "--log-freq", "100", "--save-every", "3"]
+    run_script([*common, "--output-dir", "straight"], devices=2, cwd=tmp_path)
+    stopped = run_script([*common, "--save-dir", "ckpt", "--max-steps", "11",
+                          "--output-dir", "stopped"], devices=2, cwd=tmp_path)
+    assert "stopped after 11 steps" in stopped.stdout  # 8 steps an epoch: mid-epoch 2
+    resumed = run_script([*common, "--save-dir", "ckpt", "--resume", "--output-dir", "resumed"],
+                         devices=2, cwd=tmp_path)
+    assert "resumed from step 11 (epoch 2)" in resumed.stdout
+
+    a = json.loads((tmp_path / "straight" / "metrics.json").read_text())["epochs"]
+    b = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["epochs"]
+    assert len(a) == len(b) == 2
+    timing = "images_per_sec"
+    assert {k: v for k, v in a[0].items() if k != timing} == {
+        k: v for k, v in b[0].items() if k != timing}
+    for key in ("val_loss", "val_accuracy", "val_images"):
+        assert a[1][key] == b[1][key], key

@@ -20,6 +20,13 @@ prints and writes ``metrics.json`` and ``curves.png`` to ``--output-dir``.
 
 ``--batch-size`` is per device (Paddle's per-card batch): the global batch is
 ``batch_size x devices``.
+
+Checkpoints: ``--save-dir DIR`` saves the whole training state (model, optimizer,
+loader position, step, epoch, history) every ``--save-every`` steps and at the
+end of every epoch, keeping the last three; ``--resume`` continues from the
+newest one exactly where it stopped, mid-epoch too. Under
+``fleetrun --max_restarts N ... --save-dir DIR --resume`` a job that loses a
+worker restarts and goes on as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -119,9 +126,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the first worker writes metrics.json and curves.png")
     p.add_argument("--url", default=data.URL, help="where to download the archive from")
     p.add_argument("--md5", default=data.MD5, help="the archive's expected MD5")
-    # Checkpoints (--save-dir, --resume) arrive with fleet's checkpointing (issue 6):
-    # they restore the model, the optimizer and the loader state before the epoch loop.
-    return p.parse_args(argv)
+    p.add_argument("--save-dir", help="save checkpoints here (whole training state)")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --save-dir, if there is one")
+    p.add_argument("--max-steps", type=int,
+                   help="stop after this many steps in all (a short run; saves first)")
+    args = p.parse_args(argv)
+    if args.resume and not args.save_dir:
+        p.error("--resume needs --save-dir (where the checkpoints are)")
+    return args
 
 
 def load_data(args, world) -> tuple[dict, str]:
@@ -175,8 +189,26 @@ def main(argv=None) -> dict:
               f"{world.num_replicas} devices in {fleet.worker_num()} processes; global batch "
               f"{global_batch}", flush=True)
 
-    history = []
-    for epoch in range(args.epochs):
+    history, global_step, start_epoch = [], 0, 0
+    manager = None
+    if args.save_dir:
+        manager = fleet.CheckpointManager(args.save_dir, max_to_keep=3,
+                                          save_interval_steps=args.save_every)
+    if args.resume:
+        restored = manager.restore_latest(model=model, optimizer=optimizer, loader=train_loader)
+        if restored is not None:
+            global_step, start_epoch = restored.step, restored.epoch
+            history = restored.metadata["history"]
+            if first:
+                print(f"resumed from step {global_step} (epoch {start_epoch + 1}) in "
+                      f"{args.save_dir}", flush=True)
+
+    def save(epoch: int, force: bool = False) -> None:
+        if manager is not None:
+            manager.save(global_step, model=model, optimizer=optimizer, loader=train_loader,
+                         epoch=epoch, metadata={"history": history}, force=force)
+
+    for epoch in range(start_epoch, args.epochs):
         bar = ProgressBar(len(train_loader), verbose=1, suffix=note.strip())
         if first:
             print(f"Epoch {epoch + 1}/{args.epochs}", flush=True)
@@ -184,6 +216,10 @@ def main(argv=None) -> dict:
         for i, (images, labels, index) in enumerate(train_loader):
             loss = step(model, optimizer, images, labels, index, args.seed, epoch)
             losses.append(loss)
+            global_step += 1
+            if args.max_steps is not None and global_step >= args.max_steps:
+                break
+            save(epoch)
             window += global_batch
             if i == 0:  # time the epoch from the end of the first (compiling) step
                 loss.block_until_ready()
@@ -193,7 +229,12 @@ def main(argv=None) -> dict:
             if (i + 1) % args.log_freq == 0 or i + 1 == len(train_loader):
                 bar.update(i + 1, [("loss", float(loss))], window)
                 window = 0
-        train_loss = float(jnp.mean(jnp.stack(losses)))
+        if args.max_steps is not None and global_step >= args.max_steps:
+            save(epoch, force=True)
+            if first:
+                print(f"stopped after {global_step} steps (--max-steps)", flush=True)
+            break
+        train_loss = float(jnp.mean(jnp.stack(losses)))  # (after a resume: the steps run since)
         elapsed = time.perf_counter() - started
         images_per_sec = seen / elapsed if seen else float("nan")
 
@@ -211,6 +252,9 @@ def main(argv=None) -> dict:
             print(f"[validation] epoch {epoch + 1}/{args.epochs} accuracy/loss: "
                   f"{record['val_accuracy']:.4f}/{record['val_loss']:.4f} ({count} images; "
                   f"training {images_per_sec:.0f} images/s){note}", flush=True)
+        save(epoch + 1, force=True)  # the loader stands at the next epoch's start
+    if manager is not None:
+        manager.close()
 
     result = {"synthetic": bool(note), "devices": world.num_replicas,
               "processes": fleet.worker_num(), "global_batch": global_batch,
