@@ -299,7 +299,7 @@ def test_early_stopping_stops_when_the_monitored_value_stalls(make_world, train_
                         batch_size=25, epochs=10, verbose=0, callbacks=[stop],
                         save_dir=tmp_path)
     assert len(history) == 3 and model.stop_training and stop.stopped_epoch == 2
-    assert (tmp_path / "best_model.params.npz").exists()
+    assert (tmp_path / "best_model.pdparams").exists()
     with pytest.raises(fleet.FleetConfigError, match=r"monitor='f1'\) is not among the "
                                                      r"evaluation values \['loss', 'acc'\]"):
         model.fit(TensorDataset(list(train_set)), verbose=0,
@@ -312,7 +312,26 @@ def test_model_checkpoint_saves_every_save_freq_epochs(make_world, train_set, tm
     model.fit(TensorDataset(list(train_set)), batch_size=25, epochs=3, save_freq=2,
               save_dir=tmp_path / "ckpt", verbose=0)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "1.opt.npz", "1.params.npz", "final.opt.npz", "final.params.npz"]
+        "2", "final.pdopt", "final.pdparams"]  # epoch 2 of 3 (save_freq=2), then the end
+
+
+def test_fit_resume_continues_from_the_last_epoch_checkpoint(make_world, train_set, tmp_path):
+    """2 epochs straight vs 1 epoch, a new Model (a restarted job), fit(resume=True):
+    the same parameters, optimizer state and shuffled order, bitwise."""
+    make_world(2)
+    ds = TensorDataset(list(train_set))
+    straight = prepared()
+    straight.fit(ds, batch_size=8, epochs=2, verbose=0)
+
+    first = prepared()
+    first.fit(ds, batch_size=8, epochs=1, save_dir=tmp_path / "ckpt", verbose=0)
+    again = prepared(net=Net(nnx.Rngs(5)))  # other initial values: all come from the checkpoint
+    history = again.fit(ds, batch_size=8, epochs=2, save_dir=tmp_path / "ckpt", resume=True,
+                        verbose=0)
+    assert [h["epoch"] for h in history] == [1]  # only the epoch that was left
+    assert max_diff(flat_params(again.network), flat_params(straight.network)) == 0
+    with pytest.raises(fleet.FleetConfigError, match="no save_dir was given"):
+        again.fit(ds, batch_size=8, epochs=2, resume=True, verbose=0)
 
 
 def test_lr_scheduler_sets_the_learning_rate_per_epoch_and_per_step(make_world, train_set):
@@ -403,7 +422,7 @@ def test_save_and_load_resume_training_exactly(make_world, train_set, tmp_path):
         wider.load(tmp_path / "ckpt")
     with pytest.warns(fleet.FleetWarning, match=r"skipped 3 saved values"):
         wider.load(tmp_path / "ckpt", skip_mismatch=True, reset_optimizer=True)
-    with pytest.raises(fleet.FleetError, match=r"no parameter file at .*nothing\.params\.npz"):
+    with pytest.raises(fleet.FleetError, match=r"no parameter file at .*nothing\.pdparams"):
         b.load(tmp_path / "nothing")
     other_tx = prepared(tx=optax.sgd(0.1))
     with pytest.raises(fleet.FleetError, match=r"optimizer state does not fit .*"

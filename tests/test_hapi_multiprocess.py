@@ -96,7 +96,7 @@ def test_fit_under_fleetrun_trains_the_single_device_model(job, tmp_path):
     assert info["result"]["loss"] == pytest.approx(float(ce(logits, test[1]).mean()), abs=1e-6)
     assert info["history"][-1]["eval_acc"] == info["result"]["acc"]
     np.testing.assert_allclose(pred, logits, atol=TOL, rtol=0)
-    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.opt.npz", "ckpt.params.npz"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.pdopt", "ckpt.pdparams"]
 
     # Progress on the first worker only: 100 samples / 16 per step = 7 steps per epoch.
     assert re.search(r"^\[rank 0\] step 2/7 - loss: \d\.\d{4} - acc: \d\.\d{4} - \d+ samples/s$",

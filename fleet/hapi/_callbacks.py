@@ -103,29 +103,56 @@ class CallbackList:
 
 
 class ModelCheckpoint(Callback):
-    """Saves the model every ``save_freq`` epochs and at the end of training.
+    """Saves the training state every ``save_freq`` epochs, and the model at the end.
 
-    Files: ``{save_dir}/{epoch}`` and ``{save_dir}/final``, each as
-    :meth:`fleet.Model.save` writes them (``.params.npz``, ``.opt.npz``). Nothing is
-    saved when ``save_dir`` is ``None``. ``fit(save_dir=..., save_freq=...)`` adds
-    one of these by itself.
+    Every ``save_freq``-th epoch goes through :class:`fleet.CheckpointManager` into
+    ``{save_dir}/{epochs done}``: the network (every variable), the optimizer, the
+    training loader's position and the epoch, written by every process, each array
+    once, atomically. ``fit(resume=True)`` continues from the newest one. At the end
+    of training the model is also saved as :meth:`fleet.Model.save` writes it, to
+    ``{save_dir}/final`` (``.pdparams``, ``.pdopt``). Nothing is saved when
+    ``save_dir`` is ``None``. ``fit(save_dir=..., save_freq=...)`` adds one of these
+    by itself.
 
     Args:
         save_freq: save after every ``save_freq``-th epoch.
         save_dir: the directory.
+        max_to_keep: keep only the newest epoch checkpoints (default: all).
     """
 
-    def __init__(self, save_freq: int = 1, save_dir: str | os.PathLike | None = None):
+    def __init__(self, save_freq: int = 1, save_dir: str | os.PathLike | None = None,
+                 max_to_keep: int | None = None):
         super().__init__()
         self.save_freq = _positive_int("ModelCheckpoint(save_freq)", save_freq)
         self.save_dir = None if save_dir is None else os.fspath(save_dir)
+        self.max_to_keep = max_to_keep
+        self.loader: Any = None  # fit sets the training loader
+        self._manager: Any = None
+
+    def manager(self) -> Any:
+        if self._manager is None:
+            from fleet.checkpoint import CheckpointManager
+
+            self._manager = CheckpointManager(self.save_dir, max_to_keep=self.max_to_keep)
+        return self._manager
+
+    def restore_latest(self) -> int:
+        """Loads the newest epoch checkpoint into the model, its optimizer and the
+        loader; returns the number of epochs it had done (0 if there is none)."""
+        restored = self.manager().restore_latest(
+            model=self.model.network, optimizer=self.model._optimizer, loader=self.loader)
+        return 0 if restored is None else int(restored.epoch)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.save_dir is not None and (epoch + 1) % self.save_freq == 0:
-            self.model.save(os.path.join(self.save_dir, str(epoch)))
+            self.manager().save(epoch + 1, model=self.model.network,
+                                optimizer=self.model._optimizer, loader=self.loader,
+                                epoch=epoch + 1, force=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.save_dir is not None:
+            self.manager().close()  # waits for an asynchronous save to finish
+            self._manager = None
             self.model.save(os.path.join(self.save_dir, "final"))
 
 

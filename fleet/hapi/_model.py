@@ -230,6 +230,7 @@ class Model:
         callbacks: Sequence[Callback] | None = None,
         accumulate_grad_batches: int = 1,
         num_iters: int | None = None,
+        resume: bool = False,
     ) -> list[dict[str, Any]]:
         """Trains for ``epochs`` epochs, evaluating every ``eval_freq`` epochs.
 
@@ -253,6 +254,9 @@ class Model:
             accumulate_grad_batches: update every ``k`` steps with the gradients of
                 all ``k`` (their mean: one step on the union of the batches).
             num_iters: stop after this many steps (overrides ``epochs``).
+            resume: continue from the newest epoch checkpoint in ``save_dir``
+                (network, optimizer, loader position), if there is one: a job
+                restarted by ``fleetrun --max_restarts`` goes on where it stopped.
 
         Returns:
             One dict per epoch: ``epoch``, the training ``loss`` (mean over the
@@ -281,12 +285,13 @@ class Model:
                 "save_dir": None if save_dir is None else os.fspath(save_dir),
                 "save_freq": save_freq,
             }, save_dir, save_freq)
+            start_epoch = self._resume_point(cbks, train_loader, resume)
             self.stop_training = False
             self.history = []
             done = 0
             cbks.on_begin("train")
             logs: dict[str, Any] = {}
-            for epoch in range(epochs):
+            for epoch in range(start_epoch, epochs):
                 limit = None if num_iters is None else num_iters - done
                 cbks.on_epoch_begin(epoch)
                 logs = self._train_epoch(train_loader, cbks, accumulate, limit)
@@ -498,6 +503,23 @@ class Model:
             cb.set_params(params)
         return CallbackList(cbks)
 
+    @staticmethod
+    def _resume_point(cbks: CallbackList, train_loader: Any, resume: bool) -> int:
+        """Gives checkpoint callbacks the loader; with ``resume``, restores the newest
+        epoch checkpoint and returns the epoch to start from."""
+        checkpoints = [cb for cb in cbks.callbacks
+                       if isinstance(cb, ModelCheckpoint) and cb.save_dir is not None]
+        for cb in checkpoints:
+            cb.loader = train_loader
+        if not resume:
+            return 0
+        if not checkpoints:
+            raise FleetConfigError(
+                "fit(resume=True) continues from the checkpoints in save_dir, but no "
+                "save_dir was given; pass save_dir=... (the same as the run to resume)"
+            )
+        return checkpoints[0].restore_latest()
+
     def _check_ready(self, what: str, need_optimizer: bool = False,
                      need_loss: bool = False) -> None:
         if need_optimizer and self._optimizer is None:
@@ -509,7 +531,7 @@ class Model:
     # -- saving, loading, summary -------------------------------------------------------
 
     def save(self, path: str | os.PathLike, training: bool = True) -> None:
-        """Writes ``{path}.params.npz`` and, with ``training``, ``{path}.opt.npz``.
+        """Writes ``{path}.pdparams`` and, with ``training``, ``{path}.pdopt``.
 
         Every process must call it (the first one writes, the others wait).
         """

@@ -1,45 +1,32 @@
-"""``Model.save`` / ``Model.load``: parameters and optimizer state as ``.npz`` files.
+"""``Model.save`` / ``Model.load``: parameters and optimizer state, Paddle's names.
 
-``save(path)`` writes ``{path}.params.npz`` (every variable of the network, keyed
+``save(path)`` writes ``{path}.pdparams`` (every variable of the network, keyed
 as ``network.state_dict()``: ``"linear1.kernel"``) and, for training,
-``{path}.opt.npz`` (the optimizer's state, keyed the same way: ``"step"``,
-``"opt_state.0.mu.linear1.kernel"``). The first worker writes, to a temporary file
-renamed into place, so a crash never leaves half a file; the others wait for it.
+``{path}.pdopt`` (the optimizer's state, keyed the same way: ``"step"``,
+``"opt_state.0.mu.linear1.kernel"``), each with :func:`fleet.save` (an orbax
+directory, replaced atomically; loading never unpickles). The first worker
+writes; the others wait for it.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
-from fleet import _world
+from fleet import _world, checkpoint
 from fleet._errors import FleetError
 from fleet._model import _like, _to_host, module_variables, set_replicated
 
-PARAMS_SUFFIX = ".params.npz"
-OPT_SUFFIX = ".opt.npz"
+PARAMS_SUFFIX = ".pdparams"
+OPT_SUFFIX = ".pdopt"
 
 
 def write_arrays(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Writes ``arrays`` to ``path`` (npz) atomically, on the first worker."""
+    """Writes ``arrays`` to ``path`` with :func:`fleet.save`, on the first worker."""
     if _world.is_first_worker():
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        checkpoint.save(arrays, path)
     _world.barrier_worker()
 
 
@@ -49,8 +36,7 @@ def read_arrays(path: str, what: str) -> dict[str, np.ndarray]:
             f"no {what} file at {path!r}; pass the path given to Model.save (without the "
             f"{PARAMS_SUFFIX} / {OPT_SUFFIX} suffix)"
         )
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    return checkpoint.load(path)
 
 
 def optimizer_state_dict(optimizer: Any) -> dict[str, np.ndarray]:
