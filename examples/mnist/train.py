@@ -26,7 +26,6 @@ from data import DataError, default_dir, load  # examples/mnist/data.py
 from flax import nnx
 
 import fleet
-from fleet.hapi import Model, metric
 from fleet.io import TensorDataset
 
 NAMES = {"mnist": "MNIST", "fashion": "Fashion-MNIST"}
@@ -82,9 +81,9 @@ def main(argv=None) -> dict:
     except DataError as e:
         sys.exit(f"error: {e}")
 
-    model = Model(MLP(nnx.Rngs(args.seed)))
+    model = fleet.Model(MLP(nnx.Rngs(args.seed)))
     model.prepare(optax.adam(args.lr), optax.softmax_cross_entropy_with_integer_labels,
-                  metric.Accuracy())
+                  fleet.metric.Accuracy())
     model.fit(train_set, test_set, batch_size=args.batch_size, epochs=args.epochs,
               log_freq=args.log_freq, verbose=args.verbose)
     result = model.evaluate(test_set, batch_size=args.batch_size, verbose=0)
