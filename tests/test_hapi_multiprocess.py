@@ -6,16 +6,14 @@ predict in dataset order, and print progress only on the first worker.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.fleetrun_jobs import Jobs
 from tests.test_hapi import (
     GLOBAL_BATCH,
     N_EVAL,
@@ -29,7 +27,6 @@ from tests.test_hapi import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 PROCESSES, LOCAL = 2, 2
 
 WORKER = textwrap.dedent(f"""
@@ -61,25 +58,9 @@ WORKER = textwrap.dedent(f"""
 
 @pytest.fixture
 def job(tmp_path):
-    procs = []
-
-    def run():
-        (tmp_path / "worker.py").write_text(WORKER)
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        procs.append(subprocess.Popen(
-            [FLEETRUN, "--nproc_per_node", str(PROCESSES), "--cpu_devices", str(LOCAL),
-             "--log_dir", "log", "--job_id", "hapi-test", "worker.py"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        output, _ = procs[0].communicate(timeout=180)
-        logs = [(tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(PROCESSES)]
-        assert procs[0].returncode == 0, output[-3000:] + "".join(log[-3000:] for log in logs)
-        return output, logs
-
-    yield run
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    jobs = Jobs(tmp_path)
+    yield lambda: jobs.run(WORKER, PROCESSES, LOCAL, "hapi-test")
+    jobs.close()
 
 
 def test_fit_under_fleetrun_trains_the_single_device_model(job, tmp_path):

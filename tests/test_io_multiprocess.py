@@ -6,15 +6,13 @@ each sample once, on every process.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from fleet.io import DistributedBatchSampler
+from tests.fleetrun_jobs import Jobs
 
 N, BATCH, PROCESSES, LOCAL = 37, 2, 2, 2
 
@@ -46,31 +44,18 @@ WORKER = textwrap.dedent(f"""
 """)
 
 
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 
 
 @pytest.fixture
 def run_job(tmp_path):
-    procs = []
+    jobs = Jobs(tmp_path)
 
     def run():
-        (tmp_path / "worker.py").write_text(WORKER)
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        procs.append(subprocess.Popen(
-            [FLEETRUN, "--nproc_per_node", str(PROCESSES), "--cpu_devices", str(LOCAL),
-             "--log_dir", "log", "--job_id", "io-test", "worker.py"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        output, _ = procs[0].communicate(timeout=180)
-        logs = [(tmp_path / "log" / f"workerlog.{rank}").read_text()
-                for rank in range(PROCESSES)]
-        assert procs[0].returncode == 0, output[-3000:] + "".join(log[-2000:] for log in logs)
+        _, logs = jobs.run(WORKER, PROCESSES, LOCAL, "io-test")
         return [json.loads(log.split("RESULT", 1)[1].splitlines()[0]) for log in logs]
 
     yield run
-    for p in procs:  # hermetic even when an assertion fired
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    jobs.close()
 
 
 def test_each_device_of_each_process_gets_its_replica_batch(run_job):
