@@ -176,5 +176,4 @@ def fused_allreduce_gradients(grads: Any, config: BucketConfig | None = None) ->
             "fused_allreduce_gradients was called in a step run under no_sync; call the "
             "step outside `with model.no_sync():` to reduce"
         )
-    reduced = reduce_gradients(grads, config)
-    return reduced
+    return reduce_gradients(grads, config)

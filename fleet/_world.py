@@ -10,6 +10,7 @@ contiguous block of rows.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import jax
@@ -130,8 +131,6 @@ def init_parallel_env() -> World:
 
 
 def _initialize_distributed(env: WorkerEnv) -> None:
-    import os
-
     if jax.distributed.is_initialized():
         return
     if env.is_multiprocess:
