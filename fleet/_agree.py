@@ -1,0 +1,98 @@
+"""Bounded agreement between processes: ``agree(name, value)``.
+
+Every fleet call that needs all processes (a sampler starting an epoch, a step
+compiling its program, a checkpoint manager opening its directory) goes through
+:func:`agree`: each process publishes a short string under ``name`` in JAX's
+distributed key-value store and reads every other process's string. It never
+waits forever: after ``timeout_s`` seconds it raises
+:class:`FleetTimeoutError`, naming the call and the ranks that did not join.
+A process that never makes the call (``if fleet.is_first_worker(): ...``) thus
+ends its peers with a message, instead of leaving them blocked.
+
+Keys are ``fleet/agree/<name>/<n>/<rank>``, where ``n`` counts this process's
+calls under ``name``: processes that make the same calls in the same order meet
+under the same keys. With one process, ``agree`` returns ``[value]`` at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+
+from fleet._errors import FleetError
+
+#: Default bound on every wait, in seconds; ``FLEET_AGREE_TIMEOUT`` overrides it.
+DEFAULT_TIMEOUT_S = 60.0
+
+_calls: dict[str, int] = {}
+
+
+class FleetTimeoutError(FleetError, TimeoutError):
+    """A call that needs every process was not joined by all of them in time."""
+
+
+def default_timeout() -> float:
+    value = os.environ.get("FLEET_AGREE_TIMEOUT")
+    try:
+        return float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise FleetError(
+            f"environment variable FLEET_AGREE_TIMEOUT={value!r} is not a number of seconds"
+        ) from None
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]:
+    """Publishes ``value`` and returns every process's value, in rank order.
+
+    Every process must call it with the same ``name`` (and in the same order
+    relative to its other ``agree`` calls). It waits at most ``timeout_s``
+    seconds (default :data:`DEFAULT_TIMEOUT_S`, or ``FLEET_AGREE_TIMEOUT``).
+
+    Raises:
+        FleetTimeoutError: some processes did not make this call in time; the
+            message names the call and those ranks.
+
+    Example:
+        >>> agree("dataset-length", "60000")  # one process: its own value
+        ['60000']
+    """
+    nproc, rank = jax.process_count(), jax.process_index()
+    if nproc == 1:
+        return [value]
+    client = _client()
+    if client is None:  # several processes but no runtime: nothing to agree through
+        return [value]
+    timeout_s = default_timeout() if timeout_s is None else timeout_s
+    n = _calls.get(name, 0)
+    _calls[name] = n + 1
+    prefix = f"fleet/agree/{name}/{n}/"
+    client.key_value_set(prefix + str(rank), value)
+    deadline = time.monotonic() + timeout_s
+    values: list[str | None] = [None] * nproc
+    values[rank] = value
+    for other in range(nproc):
+        if values[other] is not None:
+            continue
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            values[other] = client.blocking_key_value_get(prefix + str(other), left_ms)
+        except Exception as e:  # noqa: BLE001 (jaxlib raises its own runtime error)
+            if "DEADLINE" not in str(e).upper() and "timed out" not in str(e).lower():
+                raise
+            present = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(prefix)}
+            missing = [r for r in range(nproc) if str(r) not in present]
+            raise FleetTimeoutError(
+                f"{name}: process {rank} waited {timeout_s:g} s for every process to make "
+                f"this call, but rank(s) {missing} did not; every process must make it "
+                "(do not guard it with `if fleet.is_first_worker():`). Set "
+                "FLEET_AGREE_TIMEOUT to wait longer"
+            ) from None
+    return values  # type: ignore[return-value]
