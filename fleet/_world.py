@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError, FleetNotInitializedError, FleetUnsupportedError
+from fleet._worker import initialize_distributed, join_launched_job  # noqa: F401
 from fleet.strategy import DistributedStrategy
 
 DATA_AXIS = "data"
@@ -108,7 +109,7 @@ def init(
             f"set strategy.{enabled[0]} = False (its configs may stay)"
         )
     env = WorkerEnv.from_environ()
-    _initialize_distributed(env)
+    initialize_distributed(env)
     if _WORLD is not None and devices is None:
         _WORLD = dataclasses.replace(_WORLD, strategy=strategy)
         return _WORLD
@@ -128,73 +129,6 @@ def init(
 def init_parallel_env() -> World:
     """Paddle's ``paddle.distributed.init_parallel_env()``: ``init`` with defaults."""
     return init(is_collective=True)
-
-
-def _initialize_distributed(env: WorkerEnv) -> None:
-    if jax.distributed.is_initialized():
-        return
-    if env.is_multiprocess:
-        kwargs = dict(
-            coordinator_address=env.coordinator,
-            num_processes=env.world_size,
-            process_id=env.rank,
-        )
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        kwargs = {}  # jax.distributed reads its own variables.
-    else:
-        return
-    # Timeouts from the launcher (fleet/launch/_main.py documents them): JAX's
-    # heartbeat must outlast fleet's own stuck-worker watchdog.
-    for variable, argument in (("FLEET_JAX_HEARTBEAT_TIMEOUT", "heartbeat_timeout_seconds"),
-                               ("FLEET_JAX_INIT_TIMEOUT", "initialization_timeout")):
-        value = os.environ.get(variable)
-        if value:
-            try:
-                kwargs[argument] = int(float(value))
-            except ValueError:
-                raise FleetConfigError(
-                    f"environment variable {variable}={value!r} is not a number of seconds"
-                ) from None
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from fleet.launch import _exit
-
-    _exit.install()  # a failing worker must not wait in JAX's shutdown barrier
-    try:
-        jax.distributed.initialize(**kwargs)
-    except RuntimeError as e:
-        if "before any JAX" in str(e) or "backend" in str(e).lower():
-            raise FleetConfigError(
-                "fleet.init must run before any JAX computation in a multi-process job "
-                f"(JAX said: {e}); move fleet.init(is_collective=True) to the top of "
-                "your script"
-            ) from e
-        raise
-
-
-def join_launched_job() -> None:
-    """Joins the job's distributed runtime now if a launcher started this process.
-
-    ``import fleet`` calls it. JAX allows ``jax.distributed.initialize`` only before
-    its first computation, and a ``fleet.Model`` script builds its network (which
-    computes) with no ``fleet.init`` at all: the launcher alone makes it distributed,
-    as with Paddle's high-level API. Outside a launched multi-process job it does
-    nothing; a malformed environment or a backend already running is left for
-    ``fleet.init`` to report.
-    """
-    try:
-        env = WorkerEnv.from_environ()
-    except FleetConfigError:
-        return
-    if not env.is_multiprocess or jax.distributed.is_initialized():
-        return
-    try:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            return
-    except (ImportError, AttributeError):
-        return
-    _initialize_distributed(env)
 
 
 def world() -> World:

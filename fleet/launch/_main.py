@@ -110,7 +110,7 @@ give every node the same ``--max_restarts``).
 
 A worker that raises, or calls ``sys.exit(non-zero)``, after ``fleet.init``
 exits at once instead of waiting in ``jax.distributed``'s shutdown barrier for
-peers that wait for it (``fleet/launch/_exit.py``).
+peers that wait for it (``fleet/_worker.py``).
 
 From Python, ``fleet.spawn(func, args, nprocs)`` starts processes the same way
 (see ``fleet/launch/_spawn.py``).

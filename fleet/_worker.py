@@ -1,0 +1,193 @@
+"""The worker's side of the launcher contract.
+
+A launcher (``fleetrun``, ``python -m fleet.launch``, ``fleet.spawn``, or a
+cluster's own: SLURM's ``srun``, Open MPI's ``mpirun``) starts the workers; each
+worker, in this module:
+
+* joins the job's distributed runtime (:func:`initialize_distributed`, called by
+  ``fleet.init``; :func:`join_launched_job`, called by ``import fleet``);
+* tells the launcher's watchdog it is making progress (:func:`heartbeat`;
+  ``fleet.distributed_step`` calls :func:`step_begin` / :func:`step_end`);
+* leaves at once when it fails (:func:`install_fail_fast`) instead of waiting
+  for its peers in JAX's shutdown barrier.
+
+This module is part of the core: it imports nothing from ``fleet.launch``.
+``fleet.launch.heartbeat`` is :func:`heartbeat`, re-exported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+
+import jax
+
+from fleet._env import WorkerEnv
+from fleet._errors import FleetConfigError
+
+# -- liveness: heartbeat and steps --------------------------------------------------
+
+
+def heartbeat() -> None:
+    """Tells the launcher this worker is making progress (cheap; call it every step).
+
+    The launcher gives every worker a file, ``FLEET_HEARTBEAT_FILE``; this touches
+    it (one ``utime`` system call, a few microseconds). ``fleet.distributed_step``
+    beats when a step starts and when it returns; a script with its own loop can
+    call it too. Once a worker has sent one heartbeat, the launcher's watchdog
+    expects the next within ``--progress_timeout`` seconds, so a worker that
+    deadlocks, or waits forever on a dead peer, ends the job instead of hanging
+    it. Outside a launcher it does nothing.
+
+    Example:
+        >>> from fleet.launch import heartbeat
+        >>> for step in range(3):
+        ...     heartbeat()   # no-op when not started by fleetrun / fleet.spawn
+    """
+    path = os.environ.get("FLEET_HEARTBEAT_FILE")
+    if not path:
+        return
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        try:
+            with open(path, "a"):
+                pass
+        except OSError:
+            pass
+    except OSError:
+        pass
+
+
+def step_begin() -> None:
+    """Called by ``fleet.distributed_step`` when a step starts (before any collective)."""
+    heartbeat()
+
+
+def step_end() -> None:
+    """Called by ``fleet.distributed_step`` when a step has returned."""
+    heartbeat()
+
+
+# -- fail fast ---------------------------------------------------------------------
+#
+# At interpreter exit JAX's distributed client waits in a shutdown barrier for
+# every other process. A worker that raised, or called sys.exit(non-zero), while
+# its peers wait for it inside a collective would wait there for them, and they
+# for it: the launcher would never see it fail. In a multi-process job the
+# worker therefore ends with os._exit(code) before that barrier when the program
+# ends with an uncaught exception (already printed by then) or a non-zero
+# sys.exit from the main thread. A successful exit still shuts down cleanly. (A
+# bare ``raise SystemExit(n)`` is not seen; JAX's own shutdown timeout ends it.)
+
+_exit_state: dict[str, object] = {}
+
+
+def _exit(status: object = None) -> None:
+    if threading.current_thread() is threading.main_thread():
+        _exit_state["status"] = status
+    _exit_state["real_exit"](status)
+
+
+def _exit_code(status: object) -> int:
+    if status is None:
+        return 0
+    if isinstance(status, bool) or not isinstance(status, int):
+        return 1  # sys.exit("message") prints the message and exits 1
+    return status & 0xFF
+
+
+def _at_exit() -> None:
+    code = _exit_code(_exit_state.get("status"))
+    last = getattr(sys, "last_value", None)  # set when an uncaught exception was printed
+    if not code and last is not None and not isinstance(last, (SystemExit, KeyboardInterrupt)):
+        code = 1
+    if isinstance(last, KeyboardInterrupt):
+        code = 130
+    if code:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 (a closed stream)
+                pass
+        os._exit(code)
+
+
+def install_fail_fast() -> None:
+    """Makes a failing worker exit at once (see above). Idempotent."""
+    if "real_exit" in _exit_state:
+        return
+    _exit_state["real_exit"] = sys.exit
+    sys.exit = _exit
+    atexit.register(_at_exit)  # atexit runs last-in first-out: before JAX's own clean-up
+
+
+# -- joining the distributed runtime ----------------------------------------------
+
+
+def initialize_distributed(env: WorkerEnv) -> None:
+    """Joins the job's distributed runtime (``jax.distributed.initialize``) if any."""
+    if jax.distributed.is_initialized():
+        return
+    if env.is_multiprocess:
+        kwargs = dict(
+            coordinator_address=env.coordinator,
+            num_processes=env.world_size,
+            process_id=env.rank,
+        )
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        kwargs = {}  # jax.distributed reads its own variables.
+    else:
+        return
+    # Timeouts from the launcher (fleet/launch/_main.py documents them): JAX's
+    # heartbeat must outlast fleet's own stuck-worker watchdog.
+    for variable, argument in (("FLEET_JAX_HEARTBEAT_TIMEOUT", "heartbeat_timeout_seconds"),
+                               ("FLEET_JAX_INIT_TIMEOUT", "initialization_timeout")):
+        value = os.environ.get(variable)
+        if value:
+            try:
+                kwargs[argument] = int(float(value))
+            except ValueError:
+                raise FleetConfigError(
+                    f"environment variable {variable}={value!r} is not a number of seconds"
+                ) from None
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    install_fail_fast()  # a failing worker must not wait in JAX's shutdown barrier
+    try:
+        jax.distributed.initialize(**kwargs)
+    except RuntimeError as e:
+        if "before any JAX" in str(e) or "backend" in str(e).lower():
+            raise FleetConfigError(
+                "fleet.init must run before any JAX computation in a multi-process job "
+                f"(JAX said: {e}); move fleet.init(is_collective=True) to the top of "
+                "your script"
+            ) from e
+        raise
+
+
+def join_launched_job() -> None:
+    """Joins the job's distributed runtime now if a launcher started this process.
+
+    ``import fleet`` calls it. JAX allows ``jax.distributed.initialize`` only before
+    its first computation, and a ``fleet.Model`` script builds its network (which
+    computes) with no ``fleet.init`` at all: the launcher alone makes it distributed,
+    as with Paddle's high-level API. Outside a launched multi-process job it does
+    nothing; a malformed environment or a backend already running is left for
+    ``fleet.init`` to report.
+    """
+    try:
+        env = WorkerEnv.from_environ()
+    except FleetConfigError:
+        return
+    if not env.is_multiprocess or jax.distributed.is_initialized():
+        return
+    try:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return
+    except (ImportError, AttributeError):
+        return
+    initialize_distributed(env)
