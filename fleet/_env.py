@@ -23,6 +23,12 @@ fleet name                  Paddle name                 meaning
 
 When ``FLEET_COORDINATOR`` is missing, the first of the trainer endpoints is the
 coordinator (Paddle's launcher gives only endpoints).
+
+Without any of these, a process started by a cluster's own launcher (SLURM's
+``srun``, Open MPI's ``mpirun``) takes its place from that launcher's variables
+(``fleet/_cluster.py``); ``fleet.init`` then lets JAX find the coordinator. A
+process that is one of several but cannot join them (``fleet._cluster.unjoinable``)
+is refused: it would train alone.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from fleet import _cluster
 from fleet._errors import FleetConfigError
 
 # fleet name -> Paddle name (read as a fallback, and written by the launchers).
@@ -57,10 +64,16 @@ class WorkerEnv:
     trainer_endpoints: tuple[str, ...] = ()
     restart_count: int = 0
     job_id: str | None = None
+    launcher: str | None = None  # "fleet" (FLEET_* / PADDLE_*), "SLURM", "Open MPI", None
 
     @property
     def is_multiprocess(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def from_cluster(self) -> bool:
+        """Started by a cluster's launcher: JAX's own detection finds the coordinator."""
+        return self.launcher not in (None, "fleet")
 
     def to_environ(self) -> dict[str, str]:
         """The variables a launcher sets for this worker (fleet's and Paddle's names)."""
@@ -112,6 +125,26 @@ class WorkerEnv:
 
         endpoints_text = get("FLEET_TRAINER_ENDPOINTS")
         endpoints = tuple(e for e in (endpoints_text or "").split(",") if e)
+        launched = any(get(name) is not None for name in
+                       ("FLEET_RANK", "FLEET_WORLD_SIZE", "FLEET_COORDINATOR"))
+        if not launched and not endpoints and not environ.get("JAX_COORDINATOR_ADDRESS"):
+            cluster = _cluster.detect(environ)
+            if cluster is not None:
+                env = cls(rank=cluster.rank, world_size=cluster.world_size,
+                          local_rank=cluster.local_rank,
+                          local_world_size=cluster.local_world_size,
+                          node_rank=cluster.node_rank, nnodes=cluster.nnodes,
+                          launcher=cluster.name)
+                env.validate()
+                return env
+            reason = _cluster.unjoinable(environ)
+            if reason is not None:
+                raise FleetConfigError(
+                    f"{reason}, but fleet cannot join them (it would train alone). Start "
+                    "the job with fleetrun, with srun, or with Open MPI 4's mpirun; or set "
+                    "FLEET_RANK, FLEET_WORLD_SIZE and FLEET_COORDINATOR=host:port (rank "
+                    "0's address) for every process"
+                )
         world_size = get_int("FLEET_WORLD_SIZE", len(endpoints) or 1)
         env = cls(
             rank=get_int("FLEET_RANK", 0),
@@ -125,6 +158,7 @@ class WorkerEnv:
             trainer_endpoints=endpoints,
             restart_count=get_int("FLEET_RESTART_COUNT", 0),
             job_id=get("FLEET_JOB_ID"),
+            launcher="fleet" if launched or endpoints else None,
         )
         env.validate()
         return env
@@ -137,7 +171,7 @@ class WorkerEnv:
                 f"rank {self.rank} is outside the job's {self.world_size} processes "
                 f"(allowed: 0..{self.world_size - 1}); check FLEET_RANK / PADDLE_TRAINER_ID"
             )
-        if self.is_multiprocess and not self.coordinator:
+        if self.is_multiprocess and not self.coordinator and not self.from_cluster:
             raise FleetConfigError(
                 f"a {self.world_size}-process job needs a coordinator address: set "
                 "FLEET_COORDINATOR=host:port (or PADDLE_TRAINER_ENDPOINTS), or start the "

@@ -24,6 +24,7 @@ import threading
 
 import jax
 
+from fleet import _cluster
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError
 
@@ -127,19 +128,34 @@ def install_fail_fast() -> None:
 # -- joining the distributed runtime ----------------------------------------------
 
 
+_alone_noted: list[bool] = []
+
+
 def initialize_distributed(env: WorkerEnv) -> None:
-    """Joins the job's distributed runtime (``jax.distributed.initialize``) if any."""
+    """Joins the job's distributed runtime (``jax.distributed.initialize``) if any.
+
+    A job started by fleet's launcher (or any that sets ``FLEET_*`` / ``PADDLE_*``)
+    joins with its explicit coordinator, rank and size; one started by SLURM's
+    ``srun`` or Open MPI's ``mpirun``, or one that sets ``JAX_COORDINATOR_ADDRESS``,
+    joins through JAX's own cluster detection (``jax.distributed.initialize()``
+    with no arguments). A process with no job variables trains alone and says so
+    once, on stderr.
+    """
     if jax.distributed.is_initialized():
         return
-    if env.is_multiprocess:
+    if env.is_multiprocess and not env.from_cluster:
         kwargs = dict(
             coordinator_address=env.coordinator,
             num_processes=env.world_size,
             process_id=env.rank,
         )
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        kwargs = {}  # jax.distributed reads its own variables.
+    elif env.is_multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        kwargs = {}  # JAX reads its own variables and detects the cluster.
     else:
+        if env.launcher is None and not _alone_noted:
+            _alone_noted.append(True)
+            print(f"fleet: training alone in one process ({_cluster.alone_note(os.environ)})",
+                  file=sys.stderr, flush=True)
         return
     # Timeouts from the launcher (fleet/launch/_main.py documents them): JAX's
     # heartbeat must outlast fleet's own stuck-worker watchdog.
@@ -157,6 +173,14 @@ def initialize_distributed(env: WorkerEnv) -> None:
     install_fail_fast()  # a failing worker must not wait in JAX's shutdown barrier
     try:
         jax.distributed.initialize(**kwargs)
+    except ValueError as e:  # JAX found no cluster: no process count, no rank
+        if env.is_multiprocess:
+            raise
+        raise FleetConfigError(
+            f"JAX_COORDINATOR_ADDRESS={os.environ.get('JAX_COORDINATOR_ADDRESS')!r} is set "
+            f"but JAX cannot tell this process's rank and the job's size ({e}); start the "
+            "job with fleetrun, or set FLEET_RANK and FLEET_WORLD_SIZE too"
+        ) from e
     except RuntimeError as e:
         if "before any JAX" in str(e) or "backend" in str(e).lower():
             raise FleetConfigError(
@@ -165,6 +189,12 @@ def initialize_distributed(env: WorkerEnv) -> None:
                 "your script"
             ) from e
         raise
+    if env.from_cluster and (jax.process_count(), jax.process_index()) != (
+            env.world_size, env.rank):
+        raise FleetConfigError(
+            f"{env.launcher} says this is process {env.rank} of {env.world_size}, but JAX "
+            f"joined it as process {jax.process_index()} of {jax.process_count()}"
+        )
 
 
 def join_launched_job() -> None:
