@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import pickle
 import socket
 import subprocess
@@ -297,3 +298,70 @@ def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
         k: v for k, v in b[0].items() if k != timing}
     for key in ("val_loss", "val_accuracy", "val_images"):
         assert a[1][key] == b[1][key], key
+
+
+# -- issue 11 §1: the README's main command on a machine that cannot reach the CIFAR-10 host --
+
+def readme_main_command() -> list[str]:
+    """The fleetrun part of the README's first command (after `pip install ... &&`)."""
+    text = (ROOT / "README.md").read_text()
+    quick = text[text.index("## Quick start"):text.index("## Four steps")]
+    line = next(line for line in quick.splitlines() if "fleetrun --nproc_per_node" in line)
+    words = line.split("&&")[-1].split()
+    assert words[0] == ".venv/bin/fleetrun", line
+    return [FLEETRUN, *words[1:]]
+
+
+def test_readme_main_command_offline_trains_on_generated_data_and_says_so(tmp_path):
+    """No route to the host (the download URL is a closed loopback port), the default
+    cache: the job ends with 0, a banner first, "(synthetic data)" on every accuracy
+    line, metrics.json and curves.png. (The training set is cut to 512 images to keep
+    the suite short; the README's sizes finish in about 2 minutes on 2 CPU cores.)"""
+    command = readme_main_command()
+    assert command[2:5] == ["2", "examples/cifar10/train.py", "--epochs"], command
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(FLEET_DATA_HOME=str(tmp_path / "cache"), FLEET_CIFAR10_URL=closed_port_url())
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the README runs in the checkout
+    job = subprocess.run([*command, "--train-size", "512", "--test-size", "128"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    out = job.stdout
+    banner = out.index("NO CIFAR-10 ON THIS MACHINE: TRAINING ON GENERATED DATA")
+    assert "cannot reach" in out[banner:] and "--data-dir DIR" in out[banner:]
+    assert banner < out.index("Epoch 1/") < out.index("[validation] epoch 1/")
+    accuracy = [line for line in out.splitlines() if "accuracy" in line]
+    epochs = int(command[command.index("--epochs") + 1])
+    assert len(accuracy) == epochs and all(a.endswith("(synthetic data)") for a in accuracy)
+    assert re.search(r"done in \d+ s \(synthetic data\)", out)
+    metrics = json.loads((tmp_path / "output/cifar10/metrics.json").read_text())
+    assert metrics["synthetic"] and metrics["processes"] == 2 and len(metrics["epochs"]) == epochs
+    assert metrics["epochs"][-1]["val_images"] == 128
+    if importlib.util.find_spec("matplotlib") is None and os.environ.get("CI") != "true":
+        assert "matplotlib is not installed: skipped the plot" in out
+    else:  # CI installs the examples' extra
+        assert (tmp_path / "output/cifar10/curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "cache").rglob("*.tar.gz*"))  # nothing half-written
+
+
+def test_explicit_or_corrupt_data_still_fails_loudly(archive, tmp_path):
+    """The fallback is for the default cache when the network is missing: an explicit
+    --data-dir that cannot be filled fails (test above: offline), and so does a
+    corrupt archive, given or in the cache."""
+    corrupt = tmp_path / "given"
+    corrupt.mkdir()
+    (corrupt / data.ARCHIVE).write_bytes(archive[0].read_bytes()[:-10])
+    proc = run_script(["--data-dir", str(corrupt), "--url", closed_port_url()], devices=1,
+                      cwd=tmp_path, check=False, timeout=60)
+    assert proc.returncode == 1 and "has MD5" in proc.stderr and "was not opened" in proc.stderr
+    assert "GENERATED" not in proc.stdout
+
+    cache = tmp_path / "home" / "cifar10"
+    cache.mkdir(parents=True)
+    (cache / data.ARCHIVE).write_bytes(archive[0].read_bytes()[:-10])
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_PLATFORMS="cpu", FLEET_DATA_HOME=str(tmp_path / "home"),
+               FLEET_CIFAR10_URL=closed_port_url())
+    proc = subprocess.run([sys.executable, str(EXAMPLE / "train.py")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"{cache / data.ARCHIVE} has MD5" in proc.stderr
+    assert "GENERATED" not in proc.stdout

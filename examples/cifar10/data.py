@@ -276,14 +276,18 @@ def synthetic(n_train: int, n_test: int, seed: int = 1234) -> dict[str, tuple[np
                                                                                np.ndarray]]:
     """CIFAR-shaped data a CNN can learn: each class has its own coarse colour
     pattern, and every image is its class's pattern plus noise (same splits as
-    :func:`read`)."""
-    rng = np.random.RandomState(seed)
-    patterns = rng.uniform(80, 175, (len(CLASSES), 4, 4, 3))
+    :func:`read`). Generated in chunks of float32, so 50000 images need no more
+    memory than the uint8 result and a chunk."""
+    rng = np.random.default_rng(seed)
+    patterns = rng.uniform(80, 175, (len(CLASSES), 4, 4, 3)).astype(np.float32)
     patterns = patterns.repeat(8, axis=1).repeat(8, axis=2)  # 32x32, in 8x8 blocks
     out = {}
     for split, n in (("train", n_train), ("test", n_test)):
-        labels = rng.randint(0, len(CLASSES), n).astype(np.int32)
-        noise = rng.normal(0, 120, (n, 32, 32, 3))
-        images = np.clip(patterns[labels] + noise, 0, 255).astype(np.uint8)
+        labels = rng.integers(0, len(CLASSES), n).astype(np.int32)
+        images = np.empty((n, 32, 32, 3), np.uint8)
+        for start in range(0, n, 4096):
+            chunk = labels[start:start + 4096]
+            noise = rng.standard_normal((len(chunk), 32, 32, 3), dtype=np.float32) * 120
+            images[start:start + len(chunk)] = np.clip(patterns[chunk] + noise, 0, 255)
         out[split] = (images, labels)
     return out

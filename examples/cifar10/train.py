@@ -4,12 +4,16 @@ One process, data-parallel over its devices, or several processes, unchanged::
 
     python examples/cifar10/train.py                             # all local devices
     fleetrun --nproc_per_node 2 examples/cifar10/train.py        # 2 processes
+    fleetrun --nproc_per_node 2 examples/cifar10/train.py --epochs 2 --train-size 20000
     python examples/cifar10/train.py --synthetic --epochs 1      # offline, generated data
 
 The data (the official ``cifar-10-python.tar.gz`` or its extracted
 ``cifar-10-batches-py/``) comes from ``--data-dir``, else the cache directory
 (``$FLEET_DATA_HOME/cifar10`` or ``~/.cache/fleet/cifar10``); when it is not there
-it is downloaded, MD5-checked and written atomically (see ``data.py``).
+it is downloaded, MD5-checked and written atomically (see ``data.py``). When the
+download fails with no ``--data-dir`` given (a machine without the network), the
+script trains on generated data instead, says so in a banner at the start and
+ends every accuracy line with "(synthetic data)"; with ``--data-dir`` it fails.
 
 Training: random crop (4 pixels of zero padding) and horizontal flip, drawn per
 image from ``(seed, epoch, image index)`` on the device, so every split of the
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,11 +48,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import fleet  # 1. import fleet
 from fleet.hapi import ProgressBar
 from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
 
+URL_ENV = "FLEET_CIFAR10_URL"  # another download address (a mirror)
 MEAN = np.array([0.4914, 0.4822, 0.4465], np.float32) * 255
 STD = np.array([0.2470, 0.2435, 0.2616], np.float32) * 255
 
@@ -124,7 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-freq", type=int, default=50, help="progress every N steps")
     p.add_argument("--output-dir", default="output/cifar10",
                    help="where the first worker writes metrics.json and curves.png")
-    p.add_argument("--url", default=data.URL, help="where to download the archive from")
+    p.add_argument("--url", default=os.environ.get(URL_ENV) or data.URL,
+                   help=f"where to download the archive from (default: ${URL_ENV}, else "
+                   "the official address)")
     p.add_argument("--md5", default=data.MD5, help="the archive's expected MD5")
     p.add_argument("--save-dir", help="save checkpoints here (whole training state)")
     p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
@@ -138,31 +147,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+SYNTHETIC = " (synthetic data)"
+
+
+def offline_banner(reason: str) -> str:
+    rule = "=" * 78
+    return (f"{rule}\nNO CIFAR-10 ON THIS MACHINE: TRAINING ON GENERATED DATA\n{reason}\n"
+            "Every number below is measured on generated CIFAR-shaped images, not on "
+            "CIFAR-10.\nFor the real data, run once with the network, or pass "
+            f"--data-dir DIR with {data.ARCHIVE} (or {data.DIRNAME}/) in DIR.\n{rule}")
+
+
 def load_data(args, world) -> tuple[dict, str]:
-    """The train / test arrays and a note for log lines ("" or " (synthetic data)")."""
+    """The train / test arrays and a note for log lines ("" or " (synthetic data)").
+
+    ``--data-dir DIR``: the data must be there or be downloaded there, else the
+    script fails. By default (the cache directory), a download that fails (no
+    network) falls back to generated data, with a banner; a corrupt file in the
+    cache still fails (delete it to download it again)."""
+    limits = {"train": args.train_size, "test": args.test_size}
     if args.synthetic:
-        splits = data.synthetic(args.train_size or 50000, args.test_size or 10000)
-        return splits, " (synthetic data)"
-    root = Path(args.data_dir) if args.data_dir else data.default_cache()
-    found = data.locate(root)
+        return data.synthetic(args.train_size or 50000, args.test_size or 10000), SYNTHETIC
+    explicit = args.data_dir is not None
+    root = Path(args.data_dir) if explicit else data.default_cache()
+    found, problem = data.locate(root), None
     if found is None:
         if world.env.local_rank == 0:  # one download per machine; the others wait
             print(f"CIFAR-10 is not in {root}: downloading {args.url}", flush=True)
             try:
                 data.download(args.url, root / data.ARCHIVE, args.md5)
             except data.DataError as e:
-                sys.exit(f"error: {e}")
+                if explicit:
+                    sys.exit(f"error: {e}")
+                problem = str(e)
         fleet.barrier_worker()
-        found = root / data.ARCHIVE
+        found = data.locate(root)
+    # Every process trains on the same kind of data, or none trains.
+    have = multihost_utils.process_allgather(np.int32(found is not None)).reshape(-1).tolist()
+    if len(set(have)) > 1:
+        sys.exit(f"error: processes {[r for r, h in enumerate(have) if h]} have CIFAR-10 and "
+                 f"{[r for r, h in enumerate(have) if not h]} could not download it; give every "
+                 "machine the data (--data-dir DIR), or train on --synthetic data")
+    if found is None:
+        if fleet.is_first_worker():
+            reason = problem or f"the download on this machine failed (see {root})"
+            print(offline_banner(reason), flush=True)
+        return data.synthetic(args.train_size or 50000, args.test_size or 10000), SYNTHETIC
     try:
         splits = data.read(found, md5=args.md5)
     except data.DataError as e:
         sys.exit(f"error: {e}")
-    limits = {"train": args.train_size, "test": args.test_size}
     return {k: (x[:limits[k]], y[:limits[k]]) for k, (x, y) in splits.items()}, ""
 
 
 def main(argv=None) -> dict:
+    began = time.perf_counter()
     args = parse_args(argv)
     world = fleet.init(is_collective=True)  # 2. initialise the data-parallel world
     first = fleet.is_first_worker()
@@ -265,6 +304,7 @@ def main(argv=None) -> dict:
         (out / "metrics.json").write_text(json.dumps(result, indent=2))
         print(f"wrote {out / 'metrics.json'}", flush=True)
         plot(history, out / "curves.png", note)
+        print(f"done in {time.perf_counter() - began:.0f} s{note}", flush=True)
     return result
 
 
