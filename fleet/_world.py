@@ -175,3 +175,15 @@ def barrier_worker() -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("fleet.barrier_worker")
+
+
+def first_local_replica(w: World | None = None) -> int:
+    """Mesh index of this process's first device: the first replica it feeds.
+
+    Example:
+        >>> first_local_replica(init(is_collective=True))  # one process
+        0
+    """
+    w = world() if w is None else w
+    me = jax.process_index()
+    return next(i for i, d in enumerate(w.mesh.devices.flat) if d.process_index == me)
