@@ -120,10 +120,26 @@ def test_keep_last_k_and_save_every_n_steps(job, tmp_path):
         written = [manager.save(step, model=job.model) for step in range(1, 11)]
         assert written == [s % 3 == 0 for s in range(1, 11)]
         assert manager.save(10, model=job.model, force=True)  # the last step, off-interval
-        assert not manager.save(10, model=job.model, force=True)  # already there
         manager.wait_until_finished()
         assert manager.all_steps() == [9, 10] and manager.latest_step() == 10
     assert saved_steps(tmp_path) == [9, 10]
+
+
+def test_saving_an_existing_step_is_an_error_or_a_forced_overwrite(job, tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=3) as manager:
+        assert manager.save(3, model=job.model, epoch=1)
+        with pytest.raises(FleetCheckpointError, match=r"step 3 is already saved in .*; pass "
+                                                       r"force=True to overwrite it"):
+            manager.save(3, model=job.model, epoch=2)
+        assert not manager.save(4, model=job.model)  # off-interval: nothing to refuse
+        before = job.model.state_dict()
+        ckpt_common.train(job, 1)  # new values
+        assert manager.save(3, model=job.model, epoch=3, force=True)  # documented overwrite
+        assert manager.all_steps() == [3]
+        fresh = ckpt_common.build()
+        assert manager.restore(3, model=fresh.model).epoch == 3
+    ckpt_common.assert_bitwise_equal(fresh.model.state_dict(), job.model.state_dict())
+    assert any(not np.array_equal(before[k], v) for k, v in job.model.state_dict().items())
 
 
 def test_save_every_n_seconds(job, tmp_path):

@@ -3,30 +3,54 @@
 Layout: ``directory/<step>/`` holds one orbax item per part (``model``,
 ``optimizer``, ``state``, ``rng``: arrays in tensorstore's OCDBT format, each
 shard written once, by the process that holds it) and ``meta`` (JSON: step,
-epoch, loader position, user metadata). No pickle anywhere: loading reads arrays
-and JSON, it never runs code from the checkpoint.
+epoch, loader position, user metadata, a CRC-32 of every array shard). No pickle
+anywhere: loading reads arrays and JSON, it never runs code from the checkpoint.
 
 Crash safety is orbax's commit protocol: a step is written under a temporary
 name (``<step>.orbax-checkpoint-tmp-*``) and renamed to ``<step>`` only after
 every process finished writing it, so a kill at any moment leaves the earlier
 steps intact and a half-written step is never listed; the manager deletes such
-leftovers when it starts.
+leftovers when it starts. Older steps are deleted (``max_to_keep``) only once a
+newer one is committed. A save that fails (disk full) raises at the latest on
+the manager's next call, and its temporary directory is removed. A pending
+asynchronous save is finished when the interpreter exits; if it cannot be, the
+exit status is 1 and stderr says which checkpoint was lost.
+
+Integrity: every array is verified against its checksum after reading, before
+anything is set in place. :meth:`CheckpointManager.restore_latest` moves a
+damaged step aside (``<step>.damaged``), warns, and restores the newest intact one.
+
+Collective calls (the constructor, ``save`` when it writes, ``restore``,
+``restore_latest``, ``wait_until_finished``, ``close``) first meet the other
+processes through :func:`fleet._agree.agree`: a process that does not make the
+call ends them within ``FLEET_AGREE_TIMEOUT`` seconds (60) with an error naming
+the call and the missing ranks, instead of a hang in orbax's barriers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+import weakref
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers as policies
 
+from fleet import _agree
+from fleet._errors import FleetError, FleetWarning
 from fleet._world import world
-from fleet.checkpoint import _state, _tree
+from fleet.checkpoint import _integrity, _state, _tree
 from fleet.checkpoint._errors import FleetCheckpointError
+from fleet.checkpoint._io import is_disk_full
 
 _META = "meta"
 
@@ -43,6 +67,10 @@ _REGISTRY = ocp.type_handlers.create_type_handler_registry(
 )
 _FORMAT = "fleet-checkpoint"
 _VERSION = 1
+
+
+class _Damaged(FleetCheckpointError):
+    """A step that cannot be read as it was written (``restore_latest`` skips it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,26 +108,46 @@ def _step_number(step: Any) -> int:
     return int(step)
 
 
-def _save_policy(every_steps: int | None, every_seconds: int | None):
-    chosen = []
-    if every_steps is not None:
-        chosen.append(policies.FixedIntervalPolicy(every_steps))
-    if every_seconds is not None:
-        # Decided on process 0 and shared, so every process saves the same steps.
-        chosen.append(policies.ContinuousCheckpointingPolicy(minimum_interval_secs=every_seconds))
-    return policies.AnySavePolicy(chosen or [policies.FixedIntervalPolicy(1)])
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:400] if text else ''}"
+
+
+# --------------------------------------------------------------------------- interpreter exit
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_HOOKED: list[bool] = []
+
+
+def _finish_pending_saves() -> None:
+    """Runs when the main thread ends (before ``concurrent.futures`` stops taking
+    work, which would kill orbax's background save): finishes every pending save."""
+    for manager in list(_LIVE):
+        manager._finish_at_exit()
+
+
+def _hook_exit() -> None:
+    if not _HOOKED:
+        threading._register_atexit(_finish_pending_saves)  # runs before atexit's hooks
+        _HOOKED.append(True)
 
 
 class CheckpointManager:
     """Saves and restores whole training states; keeps the last ``max_to_keep``.
 
-    Every process of the job calls every method with the same arguments (save and
-    restore are collective). All processes must see ``directory``: one machine's
-    disk, or a file system shared by the machines.
+    Collective: every process of the job must create the manager and call
+    :meth:`save`, :meth:`restore`, :meth:`restore_latest`,
+    :meth:`wait_until_finished` and :meth:`close` with the same arguments (never
+    under ``if fleet.is_first_worker():``). Each of these first meets the other
+    processes and waits at most ``FLEET_AGREE_TIMEOUT`` seconds (60): a process
+    that does not make the call ends the others with a
+    :class:`fleet._agree.FleetTimeoutError` naming the call and its rank. All
+    processes must see ``directory``: one machine's disk, or a shared file system.
 
     Args:
-        directory: where the steps are written (created if missing).
-        max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: all).
+        directory: where the steps are written (created if missing; not a file).
+        max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: all);
+            older ones are deleted once a newer one is committed.
         save_interval_steps: :meth:`save` writes only steps that are a multiple of
             this (``None``: every step it is called with).
         save_interval_seconds: :meth:`save` writes a step only if this many seconds
@@ -107,8 +155,12 @@ class CheckpointManager:
             ``save_interval_steps`` too, either condition saves.
         async_save: :meth:`save` returns once the arrays are copied to host memory
             and writes them in a background thread; training goes on meanwhile.
-            The checkpoint holds the values at the call either way. Call
-            :meth:`close` (or use ``with``) before the script ends.
+            The checkpoint holds the values at the call either way. A pending save
+            is finished at :meth:`close`, or at the latest when the interpreter
+            exits (if it cannot be, the exit status is 1 and stderr says so).
+
+    Raises:
+        FleetCheckpointError: ``directory`` is a file, or a bad option.
 
     Example:
         >>> manager = fleet.CheckpointManager("ckpt", max_to_keep=3,  # doctest: +SKIP
@@ -135,21 +187,52 @@ class CheckpointManager:
         self.save_interval_steps = _positive("save_interval_steps", save_interval_steps)
         self.save_interval_seconds = _positive("save_interval_seconds", save_interval_seconds)
         self.async_save = bool(async_save)
+        if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+            raise FleetCheckpointError(
+                f"CheckpointManager: {self.directory} is a file, not a directory; a "
+                "checkpoint manager writes one directory per step into a directory: "
+                "give another path"
+            )
+        self._meet("__init__", repr(self))
         handlers = {name: ocp.PyTreeCheckpointHandler(type_handler_registry=_REGISTRY)
                     for name in _state.ARRAY_PARTS}
         handlers[_META] = ocp.JsonCheckpointHandler()
+        # fleet decides which steps to write and deletes old ones itself (only
+        # once a newer step is committed), so orbax gets neither option.
         self._orbax = ocp.CheckpointManager(
             self.directory,
             item_handlers=handlers,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=self.max_to_keep,
                 enable_async_checkpointing=self.async_save,
                 cleanup_tmp_directories=True,
-                save_decision_policy=_save_policy(
-                    self.save_interval_steps, self.save_interval_seconds
-                ),
             ),
         )
+        self._pending: int | None = None  # the step an asynchronous save is writing
+        self._closed = False
+        latest = self.latest_step()
+        self._last_save = (None if latest is None else
+                           os.path.getmtime(os.path.join(self.directory, str(latest))))
+        _LIVE.add(self)
+        _hook_exit()
+
+    # -- meeting the other processes -----------------------------------------------------
+
+    def _meet(self, call: str, value: Any, sums: dict | None = None) -> dict | None:
+        """Every process makes ``call`` with the same ``value`` (bounded wait); returns
+        the checksum tables ``sums`` of every process merged."""
+        if jax.process_count() == 1:
+            return sums
+        name = f"fleet.CheckpointManager.{call}" if call != "__init__" else "fleet.CheckpointManager()"
+        got = [json.loads(v) for v in _agree.agree(name, json.dumps({"value": value, "sums": sums}))]
+        if any(g["value"] != got[0]["value"] for g in got):
+            raise FleetCheckpointError(
+                f"{name}: the processes made this call with different arguments ("
+                + "; ".join(f"rank {r}: {g['value']}" for r, g in enumerate(got))
+                + "); every process must make the same calls"
+            )
+        if sums is None:
+            return None
+        return {part: _integrity.merge([g["sums"][part] for g in got]) for part in sums}
 
     # -- what is there ------------------------------------------------------------
 
@@ -162,9 +245,22 @@ class CheckpointManager:
         return self._orbax.latest_step()
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would write ``step`` now (same answer on every process)."""
+        """Whether :meth:`save` would write ``step`` now (same answer on every process;
+        with ``save_interval_seconds`` a collective call)."""
         step = _step_number(step)
-        return step not in self._orbax.all_steps() and self._orbax.should_save(step)
+        return step not in self.all_steps() and self._wants(step, force=False)
+
+    def _wants(self, step: int, force: bool) -> bool:
+        if force or (self.save_interval_steps is None and self.save_interval_seconds is None):
+            return True
+        if self.save_interval_steps is not None and step % self.save_interval_steps == 0:
+            return True
+        if self.save_interval_seconds is None:
+            return False
+        due = self._last_save is None or time.time() - self._last_save >= self.save_interval_seconds
+        if jax.process_count() > 1:  # decided on process 0, so every process saves the same steps
+            due = _agree.agree("fleet.CheckpointManager.save(interval)", str(int(due)))[0] == "1"
+        return due
 
     # -- save -----------------------------------------------------------------------
 
@@ -183,6 +279,9 @@ class CheckpointManager:
     ) -> bool:
         """Writes the training state as ``step``, if the save interval says so.
 
+        Collective: every process calls it, with the same ``step``. With
+        ``async_save``, a failure of the previous save is raised here.
+
         Args:
             step: the number of the step just taken.
             model: an NNX model (``fleet.DataParallel`` or plain): every variable,
@@ -194,18 +293,27 @@ class CheckpointManager:
             state: any pytree of arrays (a Linen ``TrainState``).
             epoch: the epoch number, given back by :meth:`restore`.
             metadata: JSON data (dicts, lists, str, numbers, bool, None).
-            force: write even if the interval says no (e.g. the last step).
+            force: write even if the interval says no (e.g. the last step), and
+                overwrite ``step`` if it is already saved (the old copy is deleted
+                first: until the new one is committed, the step is not listed).
 
         Returns:
             Whether a checkpoint was written (or started, with ``async_save``).
+
+        Raises:
+            FleetCheckpointError: ``step`` is already saved (and not ``force``);
+                a save failed ("disk full at DIR" when the disk is full; the
+                steps saved before are intact and listed).
         """
         step = _step_number(step)
-        if step in self._orbax.all_steps():
-            return False
-        if not force and not self._orbax.should_save(step):
+        self._raise_if_failed()
+        if not self._wants(step, force):
             return False
         world()  # a clear error before orbax's if fleet.init was not called
         parts = _state.parts(model=model, optimizer=optimizer, state=state, rng=rng)
+        stored = {name: p.to_save() for name, p in parts.items()}
+        sums = self._meet("save", {"step": step, "force": bool(force)},
+                          {name: _integrity.checksums(v) for name, v in stored.items()})
         meta = {
             "format": _FORMAT,
             "version": _VERSION,
@@ -217,20 +325,116 @@ class CheckpointManager:
             "key_impls": {name: p.impls() for name, p in parts.items()},
             "processes": jax.process_count(),
             "replicas": world().num_replicas,
+            "checksums": sums,
+            "checksum": _integrity.ALGORITHM,
         }
-        items = {name: ocp.args.PyTreeSave(p.to_save()) for name, p in parts.items() if p.leaves}
+        self._settle()
+        if step in self.all_steps():
+            if not force:
+                raise FleetCheckpointError(
+                    f"step {step} is already saved in {self.directory}; pass force=True to "
+                    "overwrite it, or save under another step number"
+                )
+            self._orbax.delete(step)
+        items = {name: ocp.args.PyTreeSave(stored[name]) for name, p in parts.items() if p.leaves}
         items[_META] = ocp.args.JsonSave(meta)
-        self._orbax.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self._orbax.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # noqa: BLE001 (tensorstore's and orbax's own errors)
+            self._failed(step, e)
+        self._last_save = time.time()
+        if self.async_save:
+            self._pending = step
+        else:
+            self._prune()
         return True
+
+    def _raise_if_failed(self) -> None:
+        """Raises now if the pending asynchronous save ended with an error (no wait)."""
+        if self._pending is not None and not self._orbax.is_saving_in_progress():
+            self._settle(prune=False)
+
+    def _settle(self, prune: bool = True) -> None:
+        """Waits for the pending save: raises if it failed, else deletes old steps."""
+        step, self._pending = self._pending, None
+        if step is not None:
+            try:
+                self._orbax.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                self._failed(step, e)
+        if prune:
+            self._prune()
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        """A save of ``step`` failed: removes what it left, raises a clear error."""
+        if jax.process_index() == 0:
+            for leftover in glob.glob(os.path.join(glob.escape(self.directory),
+                                                   f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(leftover, ignore_errors=True)
+        self._orbax.reload()
+        kept = f"the steps saved before are intact: {self.all_steps()}"
+        if is_disk_full(e):
+            raise FleetCheckpointError(
+                f"disk full at {self.directory}: the checkpoint of step {step} was not "
+                f"written (its temporary files are removed; {kept}); free space, or "
+                "lower max_to_keep, and save again"
+            ) from None
+        raise FleetCheckpointError(
+            f"the checkpoint of step {step} in {self.directory} was not written "
+            f"({_first_line(e)}); its temporary files are removed; {kept}"
+        ) from e
+
+    def _prune(self) -> None:
+        if self.max_to_keep is not None:
+            for step in self.all_steps()[:-self.max_to_keep]:
+                self._orbax.delete(step)
 
     # -- restore -------------------------------------------------------------------
 
     def restore_latest(self, **objects: Any) -> Restored | None:
-        """:meth:`restore` of the newest step; ``None`` (nothing changed) if there is none."""
-        self._orbax.wait_until_finished()
+        """:meth:`restore` of the newest intact step; ``None`` (nothing changed) if
+        there is none.
+
+        Collective. A damaged step (an array that does not match its checksum, a
+        file missing or cut short) is moved aside to ``<step>.damaged`` with a
+        :class:`fleet.FleetWarning` naming it, and the next older one is tried.
+
+        Raises:
+            FleetCheckpointError: every saved step is damaged (nothing changed), or
+                the newest intact step does not fit ``objects``.
+        """
+        self._meet("restore_latest", None)
+        self._settle()
         self._orbax.reload()
-        step = self.latest_step()
-        return None if step is None else self.restore(step, **objects)
+        steps = self.all_steps()
+        damaged = []
+        for step in reversed(steps):
+            try:
+                return self._restore(step, **objects)
+            except _Damaged as e:
+                moved = self._set_aside(step)
+                damaged.append(step)
+                warnings.warn(f"{e}; skipped it (moved to {moved}) and trying the step before",
+                              FleetWarning, stacklevel=2)
+        if damaged:
+            raise FleetCheckpointError(
+                f"every checkpoint in {self.directory} is damaged (steps {damaged}, moved to "
+                "<step>.damaged); nothing was restored"
+            )
+        return None
+
+    def _set_aside(self, step: int) -> str:
+        """Renames the damaged ``step`` so it is no longer listed (nor overwritten)."""
+        source = os.path.join(self.directory, str(step))
+        target, n = f"{source}.damaged", 1
+        while os.path.lexists(target):
+            n += 1
+            target = f"{source}.damaged-{n}"
+        if jax.process_index() == 0:
+            os.rename(source, target)
+        self._meet("restore_latest(set aside)", step)
+        self._orbax.reload()
+        return target
 
     def restore(
         self,
@@ -244,22 +448,33 @@ class CheckpointManager:
     ) -> Restored:
         """Reads ``step`` into the objects given; ``state`` and ``rng`` come back new.
 
-        Only the parts asked for are read (``model=`` alone to evaluate). Every
-        part is checked first (keys, shapes, dtypes, PRNG implementations, the
-        loader's dataset and batch size): if anything differs, the error lists
-        every difference and nothing is changed.
+        Collective. Only the parts asked for are read (``model=`` alone to
+        evaluate). Every part is checked first (keys, shapes, dtypes, PRNG
+        implementations, the loader's dataset and batch size): if anything
+        differs, the error lists every difference and nothing is changed. Every
+        array read is verified against its checksum before anything is set.
 
         Returns:
             :class:`Restored`: step, epoch, metadata, and the new ``state`` / ``rng``.
+
+        Raises:
+            FleetCheckpointError: no such step, it does not fit, or it is damaged
+                (the message names the arrays that do not match their checksums).
         """
         step = _step_number(step)
-        self._orbax.wait_until_finished()
+        self._meet("restore", step)
+        self._settle()
         steps = self.all_steps()
         if step not in steps:
             raise FleetCheckpointError(
                 f"there is no complete checkpoint of step {step} in {self.directory}; "
                 f"saved steps: {steps}"
             )
+        return self._restore(step, model=model, optimizer=optimizer, loader=loader, rng=rng,
+                             state=state)
+
+    def _restore(self, step: int, *, model: Any = None, optimizer: Any = None,
+                 loader: Any = None, rng: Any = None, state: Any = None) -> Restored:
         world()  # a clear error before orbax's if fleet.init was not called
         parts = _state.parts(model=model, optimizer=optimizer, state=state, rng=rng)
         meta = self._read_meta(step)
@@ -277,7 +492,24 @@ class CheckpointManager:
             if part.leaves:  # (an empty part has no orbax item)
                 items, restore_args = part.targets()
                 args[name] = ocp.args.PyTreeRestore(items, restore_args=restore_args)
-        values = self._orbax.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        values, verdict = {}, ""
+        try:
+            values = self._orbax.restore(step, args=ocp.args.Composite(**args)) if args else {}
+            sums = meta.get("checksums") or {}
+            bad = [f"{name} {b}" for name in args
+                   for b in _integrity.mismatches(sums.get(name, {}), dict(values[name]))]
+            if bad:
+                verdict = (f"{len(bad)} array{'s do' if len(bad) > 1 else ' does'} not match the "
+                           "checksum written with them:\n  " + "\n  ".join(bad))
+        except FleetError:
+            raise
+        except Exception as e:  # noqa: BLE001 (tensorstore's errors on damaged files)
+            verdict = f"it cannot be read ({_first_line(e)})"
+        if jax.process_count() > 1:  # damaged for one process means damaged for all
+            verdicts = _agree.agree("fleet.CheckpointManager.restore(verify)", verdict)
+            verdict = next((f"{v} (found by rank {r})" for r, v in enumerate(verdicts) if v), "")
+        if verdict:
+            raise _Damaged(f"checkpoint {self.directory}/{step} is damaged: {verdict}")
         new = {name: p.put(values[name] if p.leaves else {}) for name, p in parts.items()}
         if loader is not None:
             loader.set_state_dict(meta["loader"])
@@ -288,10 +520,10 @@ class CheckpointManager:
         try:
             meta = self._orbax.restore(step, args=ocp.args.Composite(
                 **{_META: ocp.args.JsonRestore()}))[_META]
-        except (ValueError, OSError) as e:  # JSON that does not parse, a missing file
-            raise FleetCheckpointError(
-                f"{self.directory}/{step}: its {_META!r} item is not readable JSON ({e!r}); "
-                "the checkpoint is damaged, restore another step"
+        except Exception as e:  # noqa: BLE001 (JSON that does not parse, a missing file)
+            raise _Damaged(
+                f"checkpoint {self.directory}/{step} is damaged: its {_META!r} item is not "
+                f"readable JSON ({_first_line(e)}); restore another step"
             ) from None
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
             raise FleetCheckpointError(
@@ -306,7 +538,11 @@ class CheckpointManager:
         return meta
 
     def _problems(self, step: int, meta: dict, parts: dict[str, _state.Part]) -> list[str]:
-        items = self._orbax.metadata(step).item_metadata
+        try:
+            items = self._orbax.metadata(step).item_metadata
+        except Exception as e:  # noqa: BLE001 (a deleted or cut-short metadata file)
+            raise _Damaged(f"checkpoint {self.directory}/{step} is damaged: its metadata "
+                           f"cannot be read ({_first_line(e)})") from None
         problems = []
         for name, part in parts.items():
             if name not in meta["parts"]:
@@ -316,6 +552,9 @@ class CheckpointManager:
                 continue
             item = items[name] if name in items else None
             tree = {} if item is None else getattr(item, "tree", item)
+            if part.leaves and not tree:
+                raise _Damaged(f"checkpoint {self.directory}/{step} is damaged: the metadata "
+                               f"of its {name!r} item is missing")
             saved = {k: (tuple(m.shape), np.dtype(m.dtype).name) for k, m in tree.items()}
             problems += [f"{name}: {p}" for p in _tree.differences(
                 saved, part.signatures(), meta["key_impls"].get(name, {}), part.impls())]
@@ -328,12 +567,55 @@ class CheckpointManager:
         return self._orbax.is_saving_in_progress()
 
     def wait_until_finished(self) -> None:
-        """Blocks until an asynchronous save is written and committed."""
-        self._orbax.wait_until_finished()
+        """Blocks until an asynchronous save is written and committed. Collective.
+
+        Raises:
+            FleetCheckpointError: the save failed (see :meth:`save`).
+        """
+        self._meet("wait_until_finished", None)
+        self._settle()
 
     def close(self) -> None:
-        """Finishes the pending save and releases the manager's threads."""
+        """Finishes the pending save and releases the manager's threads. Collective.
+
+        Raises:
+            FleetCheckpointError: the pending save failed (see :meth:`save`).
+        """
+        if self._closed:
+            return
+        self._meet("close", None)
+        try:
+            self._settle()
+        except BaseException:
+            self._closed = True
+            _LIVE.discard(self)
+            try:
+                self._orbax.close()
+            except Exception:  # noqa: BLE001 (the same failure, raised already)
+                pass
+            raise
+        self._closed = True
+        _LIVE.discard(self)
         self._orbax.close()
+
+    def _finish_at_exit(self) -> None:
+        """At interpreter exit: finishes the pending save, or says it is lost (exit status 1)."""
+        if self._closed or self._pending is None:
+            return
+        step = self._pending
+        try:
+            self._orbax.wait_until_finished()
+            self._pending = None
+            if jax.process_count() == 1:
+                self._prune()
+        except BaseException as e:  # noqa: BLE001
+            self._closed = True
+            sys.stdout.flush()
+            print(f"fleet.CheckpointManager: the checkpoint of step {step} in {self.directory} "
+                  f"was LOST at interpreter exit ({'disk full' if is_disk_full(e) else _first_line(e)}); "
+                  f"the steps saved before are intact. Exiting with status 1.",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -345,4 +627,3 @@ class CheckpointManager:
         return (f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep}, "
                 f"save_interval_steps={self.save_interval_steps}, "
                 f"save_interval_seconds={self.save_interval_seconds}, async_save={self.async_save})")
-
