@@ -37,10 +37,11 @@ def heartbeat() -> None:
     The launcher gives every worker a file, ``FLEET_HEARTBEAT_FILE``; this touches
     it (one ``utime`` system call, a few microseconds). ``fleet.distributed_step``
     beats when a step starts and when it returns; a script with its own loop can
-    call it too. Once a worker has sent one heartbeat, the launcher's watchdog
-    expects the next within ``--progress_timeout`` seconds, so a worker that
-    deadlocks, or waits forever on a dead peer, ends the job instead of hanging
-    it. Outside a launcher it does nothing.
+    call it too. The launcher's watchdog expects the first beat within
+    ``--progress_timeout`` seconds of the worker's start (30 s at least) and each
+    next one within ``--progress_timeout`` seconds, so a worker that deadlocks, or
+    waits forever on a dead peer, ends the job instead of hanging it. Outside a
+    launcher it does nothing.
 
     Example:
         >>> from fleet.launch import heartbeat
@@ -62,14 +63,51 @@ def heartbeat() -> None:
         pass
 
 
+# The heartbeat file also holds the worker's step counts, so that the launcher can
+# tell processes that ran different numbers of steps (one waits in a step its peer
+# never runs) from a deadlock: ``BEGUN ENDED STATE`` (STATE: ``run`` or ``done``,
+# written when the script ended with exit status 0), padded to a fixed width and
+# rewritten in place with one ``pwrite`` (which also updates the time of the beat).
+PROGRESS_WIDTH = 48
+_progress = {"fd": None, "begun": 0, "ended": 0, "path": None}
+
+
+def _write_progress(state: str = "run") -> None:
+    path = os.environ.get("FLEET_HEARTBEAT_FILE")
+    if not path:
+        return
+    try:
+        if _progress["fd"] is None or _progress["path"] != path:
+            _progress["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            _progress["path"] = path
+        line = f"{_progress['begun']} {_progress['ended']} {state}"
+        os.pwrite(_progress["fd"], line.ljust(PROGRESS_WIDTH).encode() + b"\n", 0)
+    except OSError:
+        pass
+
+
 def step_begin() -> None:
-    """Called by ``fleet.distributed_step`` when a step starts (before any collective)."""
-    heartbeat()
+    """Called by ``fleet.distributed_step`` when a step starts (before any collective):
+    counts the step and beats."""
+    _progress["begun"] += 1
+    _write_progress()
 
 
 def step_end() -> None:
-    """Called by ``fleet.distributed_step`` when a step has returned."""
-    heartbeat()
+    """Called by ``fleet.distributed_step`` when a step has returned: counts and beats."""
+    _progress["ended"] += 1
+    _write_progress()
+
+
+def steps() -> tuple[int, int]:
+    """``(begun, ended)``: the steps this process started and finished so far."""
+    return _progress["begun"], _progress["ended"]
+
+
+def mark_finished() -> None:
+    """Tells the launcher this worker's program ended well (exit status 0), before it
+    waits for its peers in JAX's shutdown barrier; the watchdog never blames it."""
+    _write_progress("done")
 
 
 # -- fail fast ---------------------------------------------------------------------
@@ -107,13 +145,15 @@ def _at_exit() -> None:
         code = 1
     if isinstance(last, KeyboardInterrupt):
         code = 130
-    if code:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 (a closed stream)
-                pass
-        os._exit(code)
+    if not code:
+        mark_finished()
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 (a closed stream)
+            pass
+    os._exit(code)
 
 
 def install_fail_fast() -> None:

@@ -311,3 +311,45 @@ def test_tables(script):
     assert "Distributed Envs" in table and "PADDLE_TRAINER_ID" in table
     assert "..." + "x" * 42 in table
     assert len({len(line) for line in table.splitlines()}) == 1  # a straight box
+
+
+def _progress(path, begun, ended, state, at):
+    path.write_text(f"{begun} {ended} {state}".ljust(48) + "\n")
+    os.utime(path, (at, at))
+
+
+def test_watchdog_uneven_steps(tmp_path):
+    now = [1000.0]
+    dog = Watchdog(timeout=600, clock=lambda: now[0])
+    me = os.getpid()
+    w = [Watched(r, me, str(tmp_path / f"hb{r}"), started=900.0) for r in range(2)]
+    _progress(tmp_path / "hb0", 6, 6, "run", now[0] - 1)  # dispatched a 6th step
+    _progress(tmp_path / "hb1", 5, 5, "done", now[0] - 1)  # ended after 5 steps
+    assert dog.check(w) is None  # rank 1 finished just now: not yet
+    now[0] += 9.9
+    assert dog.check(w) is None
+    now[0] += 0.2
+    stuck = dog.check(w)
+    assert stuck.rank == 0
+    assert stuck.reason.startswith("uneven steps: rank 0 ran more steps (6) than rank 1 (5)")
+    # Equal counts: rank 0 is saving alone after the last step; nothing to say for 600 s.
+    _progress(tmp_path / "hb0", 5, 5, "run", now[0])
+    now[0] += 599
+    assert dog.check(w) is None
+    now[0] += 2
+    stuck = dog.check(w)
+    assert stuck.rank == 0 and "no progress for 601.0 s" in stuck.reason  # never rank 1
+    assert "rank 1: finished" in stuck.reason
+
+
+def test_watchdog_covers_the_time_before_the_first_step(tmp_path):
+    now = [1000.0]
+    dog = Watchdog(timeout=3, clock=lambda: now[0])
+    me = os.getpid()
+    w = [Watched(r, me, str(tmp_path / f"hb{r}"), started=now[0]) for r in range(2)]
+    now[0] += 29.9  # the first step gets at least 30 s (imports, compilation)
+    assert dog.check(w) is None
+    now[0] += 0.2
+    stuck = dog.check(w)
+    assert stuck.rank == 0 and "no step started within 30 s of the start" in stuck.reason
+    assert Watchdog(timeout=100, clock=lambda: now[0]).check(w) is None  # 100 s > 30 s

@@ -116,6 +116,7 @@ class LogFollower:
 class _Worker:
     def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, log_path: str, offset: int):
         self.spec, self.proc, self.log_path, self.log_offset = spec, proc, log_path, offset
+        self.started = time.time()
         self.returncode: int | None = None
         self.exited = threading.Event()
 
@@ -127,6 +128,11 @@ class _Worker:
         self.returncode = self.proc.wait()
         self.exited.set()
         events.put(self)
+
+    def watched(self) -> Watched:
+        return Watched(self.rank, self.proc.pid, self.spec.environ["FLEET_HEARTBEAT_FILE"],
+                       started=self.started,
+                       finished=self.exited.is_set() and self.returncode == 0)
 
     def failure(self, stuck: str | None = None) -> Failure:
         return Failure(rank=self.rank, pid=self.proc.pid, returncode=self.returncode,
@@ -201,10 +207,7 @@ class WorkerGroup:
                     continue
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + _CHECK_EVERY
-                    stuck = watchdog.check(
-                        Watched(w.rank, w.proc.pid, w.spec.environ["FLEET_HEARTBEAT_FILE"])
-                        for w in self.workers if not w.exited.is_set()
-                    )
+                    stuck = watchdog.check(w.watched() for w in self.workers)
                     if stuck is not None:
                         worker = next(w for w in self.workers if w.rank == stuck.rank)
                         return Outcome(failure=worker.failure(stuck=stuck.reason))

@@ -15,6 +15,7 @@ import difflib
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -25,7 +26,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleet._errors import FleetConfigError
+from fleet import _worker
+from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.launch import _tables
 from fleet.launch._agent import TERMINATE_GRACE, die_with_parent, signal_group
 from fleet.launch._config import (
@@ -78,6 +80,7 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         >>> fleet.spawn(train, args=(10,), nprocs=2, cpu_devices=2).return_values  # doctest: +SKIP
         [0, 10]
     """
+    _check_picklable(func, args)
     config = resolve(_config_from_options(nprocs, options))
     if options.get("print_config"):
         print(_tables.config_table(config.table()), flush=True)
@@ -104,6 +107,31 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         while not context.join():
             pass
     return context
+
+
+def _check_picklable(func: Callable[..., Any], args: Sequence[Any]) -> None:
+    """The children get ``func`` and ``args`` by pickle: refuse what will not pickle."""
+    if not callable(func):
+        raise FleetTypeError(f"fleet.spawn needs a function, got {type(func).__name__} {func!r}")
+    name = getattr(func, "__qualname__", repr(func))
+    try:
+        pickle.dumps(func)
+    except Exception as e:  # noqa: BLE001 (PicklingError, AttributeError, TypeError...)
+        kind = ("a lambda" if "<lambda>" in name else
+                "a local function" if "<locals>" in name else "not picklable")
+        raise FleetTypeError(
+            f"fleet.spawn cannot send {name!r} to the new processes: it is {kind} "
+            f"(pickle: {type(e).__name__}: {e}). Give a function defined at the top level "
+            "of an importable module (not __main__ of an interactive session), e.g. "
+            "def train(lr): ... in train.py, and fleet.spawn(train, args=(0.1,))"
+        ) from None
+    try:
+        pickle.dumps(tuple(args))
+    except Exception as e:  # noqa: BLE001
+        raise FleetTypeError(
+            f"fleet.spawn cannot send args={args!r} to the new processes (pickle: "
+            f"{type(e).__name__}: {e}); pass values that pickle (numbers, strings, arrays)"
+        ) from None
 
 
 def _config_from_options(nprocs: int, options: dict[str, Any]) -> LaunchConfig:
@@ -153,6 +181,7 @@ def _child_main(func: Callable[..., Any], args: tuple, conn: Any, parent_pid: in
     die_with_parent(parent_pid)
     try:
         result = func(*args)
+        _worker.mark_finished()
     except SystemExit as e:
         if e.code not in (None, 0):
             _send_error(conn, traceback.format_exc(), e.code if isinstance(e.code, int) else 1)
@@ -192,6 +221,7 @@ class SpawnContext:
         self._errors: dict[int, str] = {}
         self._done: set[int] = set()
         self._watchdog = Watchdog(config.progress_timeout)
+        self._started = time.time()
 
     def _add(self, process: Any, reader: Any) -> None:
         self.processes.append(process)
@@ -255,8 +285,9 @@ class SpawnContext:
 
     def _check_stuck(self) -> None:
         stuck = self._watchdog.check(
-            Watched(r, p.pid, self.specs[r].environ["FLEET_HEARTBEAT_FILE"])
-            for r, p in enumerate(self.processes) if r not in self._done
+            Watched(r, p.pid, self.specs[r].environ["FLEET_HEARTBEAT_FILE"],
+                    started=self._started, finished=r in self._done and p.exitcode == 0)
+            for r, p in enumerate(self.processes)
         )
         if stuck is not None:
             self._fail(stuck.rank, stuck=stuck.reason)

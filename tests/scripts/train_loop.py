@@ -2,7 +2,9 @@
 the failure tests: it can hang (a simulated deadlock) or raise on one rank.
 
     train_loop.py [--steps N] [--hang_rank R --hang_step S] [--raise_rank R --raise_step S]
-                  [--no_heartbeat]
+                  [--no_heartbeat] [--extra_step_rank R]
+
+``--extra_step_rank R``: rank R runs one step more than the others (uneven data).
 """
 
 import argparse
@@ -20,6 +22,7 @@ parser.add_argument("--hang_rank", type=int, default=-1)
 parser.add_argument("--hang_step", type=int, default=-1)
 parser.add_argument("--raise_rank", type=int, default=-1)
 parser.add_argument("--raise_step", type=int, default=-1)
+parser.add_argument("--extra_step_rank", type=int, default=-1)
 parser.add_argument("--no_heartbeat", action="store_true",
                     help="rely on distributed_step's own heartbeats")
 args = parser.parse_args()
@@ -42,7 +45,7 @@ def train_step(model, optimizer, x, y):
 
 
 rows = GLOBAL_BATCH // count
-for step in range(args.steps):
+for step in range(args.steps + (rank == args.extra_step_rank)):
     if rank == args.hang_rank and step == args.hang_step:
         print(f"rank {rank} hangs at step {step}", flush=True)
         while True:
@@ -58,3 +61,8 @@ for step in range(args.steps):
         heartbeat()
     print(f"step:{step}\tloss:{loss:.6f}", flush=True)
     time.sleep(0.02)
+print(f"rank {rank} ran {step + 1} steps", flush=True)
+if rank == args.hang_rank and args.hang_step == args.steps:  # after the last step
+    print(f"rank {rank} hangs after its last step", flush=True)
+    while True:
+        time.sleep(1)

@@ -1,0 +1,89 @@
+"""Bad input and faults at the launcher, as one table (issue 10).
+
+Every multi-process case is a real ``fleetrun`` job on loopback that must end by
+itself within 60 s, with the message checked. Each row: what the user does, the
+exit code, the message (a regular expression over the launcher's output), and the
+time limit.
+"""
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import spawn_targets  # noqa: E402
+from tests.test_launch_run import jobs  # noqa: E402,F401 (the fixture)
+
+import fleet  # noqa: E402
+from fleet.launch import spawn  # noqa: E402
+
+LOOP = str(SCRIPTS / "train_loop.py")
+ONE_RANK_COLLECTIVE = str(SCRIPTS / "collective_on_one_rank.py")
+TWO = ("--nproc_per_node", "2", "--cpu_devices", "1")
+
+# name: (fleetrun arguments, exit code, message, seconds)
+JOBS = {
+    # Uneven data: rank 0 runs 6 steps, rank 1 runs 5 and exits 0. Default settings.
+    "uneven steps, rank 0 one more": (
+        (*TWO, LOOP, "--steps", "5", "--extra_step_rank", "0", "--no_heartbeat"), 124,
+        r"rank 0 \(pid \d+\) is stuck: uneven steps: rank 0 ran more steps \(6\) than "
+        r"rank 1 \(5\)\. Rank 1 finished after 5 steps", 60),
+    "uneven steps, rank 1 one more": (
+        (*TWO, LOOP, "--steps", "4", "--extra_step_rank", "1", "--no_heartbeat"), 124,
+        r"rank 1 \(pid \d+\) is stuck: uneven steps: rank 1 ran more steps \(5\) than "
+        r"rank 0 \(4\)", 60),
+    # Rank 1 finished cleanly; rank 0 hangs after its last step: rank 0 is the one stuck.
+    "a rank that exited 0 is never blamed": (
+        (*TWO, "--progress_timeout", "5", LOOP, "--steps", "3", "--hang_rank", "0",
+         "--hang_step", "3"), 124,
+        r"rank 0 \(pid \d+\) is stuck: no progress for .*rank 1: finished", 60),
+    # A collective call on rank 0 only, before any step: no heartbeat from anyone.
+    "stuck before the first step": (
+        (*TWO, "--progress_timeout", "3", ONE_RANK_COLLECTIVE), 124,
+        r"is stuck: no step started within 30 s of the start .* stuck before the first "
+        r"step", 60),
+}
+
+
+@pytest.mark.parametrize("case", list(JOBS))
+def test_job_ends_by_itself(jobs, case):  # noqa: F811 (the fixture)
+    args, code, message, seconds = JOBS[case]
+    job = jobs(*args)
+    assert job.wait(timeout=seconds + 30) == code, job.output
+    elapsed = time.monotonic() - job.started
+    assert re.search(message, job.output), job.output
+    assert elapsed < seconds, f"{case}: the job ended after {elapsed:.1f} s"
+    print(f"{case}: ended after {elapsed:.1f} s")
+
+
+# name: (call, error, message)
+CALLS = {
+    "spawn a lambda": (lambda: spawn(lambda: 1, nprocs=2), fleet.FleetTypeError,
+                       r"fleet.spawn cannot send '.*<lambda>' to the new processes: it is a "
+                       r"lambda .*defined at the top level"),
+    "spawn a local function": (lambda: spawn(_local(), nprocs=2), fleet.FleetTypeError,
+                               r"'_local.<locals>.f'.* it is a local function"),
+    "spawn an argument that does not pickle": (
+        lambda: spawn(spawn_targets.rank, args=(lambda: 0,), nprocs=2), fleet.FleetTypeError,
+        r"cannot send args=.*pass values that pickle"),
+    "spawn something not callable": (lambda: spawn("train.py", nprocs=2),
+                                     fleet.FleetTypeError, r"needs a function, got str"),
+}
+
+
+def _local():
+    def f():
+        return 1
+    return f
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_call_raises(case):
+    call, error, message = CALLS[case]
+    with pytest.raises(error, match=message):
+        call()
