@@ -12,6 +12,7 @@ The public API is this module; everything else is private.
 """
 
 from fleet import _world, io
+from fleet._agree import FleetTimeoutError
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
 from fleet._context import BucketConfig
 from fleet._env import WorkerEnv
@@ -27,6 +28,7 @@ from fleet._errors import (
 from fleet._model import DataParallel, LinenDataParallel, distributed_model
 from fleet._optimizer import DistributedOptimizer, distributed_optimizer
 from fleet._reduce import fused_allreduce_gradients
+from fleet._replicas import check_replicas
 from fleet._step import DistributedStep, distributed_step
 from fleet._world import (
     DATA_AXIS,
@@ -63,6 +65,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "callbacks",
+    "check_replicas",
     "distributed_model",
     "distributed_optimizer",
     "distributed_step",
@@ -73,6 +76,7 @@ __all__ = [
     "FleetConfigError",
     "FleetError",
     "FleetNotInitializedError",
+    "FleetTimeoutError",
     "FleetTypeError",
     "FleetUnsupportedError",
     "FleetWarning",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fleet import _context
+from fleet import _sync
 from fleet._errors import FleetConfigError
 from fleet._world import DATA_AXIS
 
@@ -22,7 +22,7 @@ _OPS = ("sum", "max", "min", "avg", "prod")
 
 
 def _in_step() -> bool:
-    return _context.current() is not None
+    return _sync.current() is not None
 
 
 def all_reduce(x: Any, op: str = "sum") -> Any:
@@ -38,8 +38,13 @@ def all_reduce(x: Any, op: str = "sum") -> Any:
             return jax.tree.map(
                 lambda v: jnp.prod(jax.lax.all_gather(v, DATA_AXIS), axis=0), x
             )
-        fn = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
-              "avg": jax.lax.pmean}[op]
+        if op in ("sum", "avg"):
+            leaves, treedef = jax.tree_util.tree_flatten(x)
+            out = _sync.psum(leaves)
+            if op == "avg":
+                out = [v / jax.lax.axis_size(DATA_AXIS) for v in out]
+            return jax.tree_util.tree_unflatten(treedef, out)
+        fn = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op]
         return fn(x, DATA_AXIS)
     if jax.process_count() == 1:
         return x
@@ -52,7 +57,7 @@ def broadcast(x: Any, src: int = 0) -> Any:
     if _in_step():
         def pick(v):
             mask = jax.lax.axis_index(DATA_AXIS) == src
-            return jax.lax.psum(jnp.where(mask, v, jnp.zeros_like(v)), DATA_AXIS)
+            return _sync.psum([jnp.where(mask, v, jnp.zeros_like(v))])[0]
 
         return jax.tree.map(pick, x)
     if jax.process_count() == 1:

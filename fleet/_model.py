@@ -18,132 +18,76 @@ that every process has the same shapes and dtypes.
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from fleet import _context
+from fleet import _context, _sync
 from fleet._context import BucketConfig
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._reduce import reduce_gradients
+from fleet._tree import dotted, like, module_variables, replicate, replicate_in_place, to_host
 from fleet._world import world
 
-
-def _first_replica_value(x: Any) -> np.ndarray:
-    if isinstance(x, jax.Array) and x.is_fully_replicated:
-        return np.asarray(x.addressable_shards[0].data)
-    return np.asarray(x)
+# Older names, used by fleet.hapi and fleet.checkpoint.
+_dotted, _like, _to_host = dotted, like, to_host
+from fleet._tree import set_replicated  # noqa: E402,F401
 
 
-def _dotted(path: tuple) -> str:
-    """``"layers.0.kernel"`` for a key path (dict keys, indices, attributes)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return ".".join(parts)
+def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:
+    """The buckets: given sizes, else the strategy's (one default: 32 MB and 1 MB)."""
+    from fleet._world import is_initialized
 
-
-def _check_same_across_processes(paths: list[str], leaves: list[np.ndarray]) -> None:
-    from jax.experimental import multihost_utils
-
-    desc = [zlib.crc32(f"{p}:{x.shape}:{x.dtype}".encode()) for p, x in zip(paths, leaves)]
-    counts = multihost_utils.process_allgather(np.array([len(desc)], np.int64))
-    if len(set(counts.ravel().tolist())) != 1:
-        raise FleetError(
-            f"processes hold models of different sizes (parameter counts per process: "
-            f"{counts.ravel().tolist()}); every process must build the same model"
-        )
-    table = multihost_utils.process_allgather(np.array(desc, np.int64))
-    for i, path in enumerate(paths):
-        column = table.reshape(-1, len(desc))[:, i]
-        if (column != column[0]).any():
-            bad = int(np.nonzero(column != column[0])[0][0])
-            raise FleetError(
-                f"parameter {path!r} differs in shape or dtype between process 0 and "
-                f"process {bad} (here: shape {leaves[i].shape}, dtype {leaves[i].dtype}); "
-                "every process must build the same model"
+    strategy = world().strategy if is_initialized() else None
+    fuse = strategy.fuse_all_reduce_ops if strategy is not None else True
+    sizes = []
+    for name, size, field in (
+        ("comm_buffer_size", comm_buffer_size, "fuse_grad_size_in_MB"),
+        ("last_comm_buffer_size", last_comm_buffer_size, "last_comm_group_size_MB"),
+    ):
+        if size is None:
+            size = getattr(strategy, field) if strategy is not None else getattr(BucketConfig(), name)
+        if (isinstance(size, bool) or not isinstance(size, (int, float)) or not np.isfinite(size)
+                or size <= 0):
+            raise FleetConfigError(
+                f"{name} must be a positive, finite number of MB, got {size!r}"
             )
-
-
-def replicate(tree: Any) -> Any:
-    """Places every array leaf of ``tree`` replicated on the mesh, equal everywhere.
-
-    Values come from the first device of process 0 (broadcast to the others).
-    PRNG key arrays travel as their key data and are wrapped again.
-    """
-    w = world()
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [_dotted(p) for p, _ in paths_leaves]
-    impls = [jax.random.key_impl(x) if _is_key(x) else None for _, x in paths_leaves]
-    host = [
-        _first_replica_value(jax.random.key_data(x) if impl else x)
-        for (_, x), impl in zip(paths_leaves, impls)
-    ]
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        _check_same_across_processes(paths, host)
-        host = list(multihost_utils.broadcast_one_to_all(host))
-    placed = []
-    for h, impl in zip(host, impls):
-        x = jax.make_array_from_callback(h.shape, w.replicated, lambda idx, h=h: h[idx])
-        placed.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
-    return jax.tree_util.tree_unflatten(treedef, placed)
-
-
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
-
-
-def _to_host(x: Any) -> np.ndarray:
-    return np.asarray(jax.random.key_data(x) if _is_key(x) else x)
-
-
-def _like(current: Any, host: np.ndarray) -> Any:
-    """``host`` as a value for a variable holding ``current`` (wraps PRNG key data)."""
-    return jax.random.wrap_key_data(host, impl=jax.random.key_impl(current)) if _is_key(current) else host
-
-
-def module_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
-    """The module's variables by dotted path (``"linear1.kernel"``)."""
-    flat = nnx.to_flat_state(nnx.state(module))
-    return {".".join(map(str, path)): var for path, var in flat}
-
-
-def set_replicated(variables: dict[str, nnx.Variable], values: dict[str, Any]) -> None:
-    placed = replicate(values)
-    for key, var in variables.items():
-        var.set_value(placed[key])
-
-
-def replicate_in_place(obj: nnx.Pytree) -> None:
-    """Makes every variable of ``obj`` replicated on the mesh, equal everywhere."""
-    variables = module_variables(obj)
-    set_replicated(variables, {k: v.get_value() for k, v in variables.items()})
+        sizes.append(float(size))
+    return BucketConfig(sizes[0], sizes[1], fuse)
 
 
 _SUBCLASSES: dict[type, type] = {}
 
 
+def _install_hooks(module: nnx.Module, buckets: BucketConfig) -> None:
+    """Makes every parameter read through fleet's gradient sync (see fleet._sync)."""
+    for key, var in module_variables(module).items():
+        if isinstance(var, nnx.Param):
+            _sync.make_synced(var, _sync.SyncSpec(key, buckets))
+
+
 class DataParallel(nnx.Module):
     """Runs a model data-parallel (Paddle's ``paddle.DataParallel``).
+
+    Wrapping is what makes gradients synchronised, as with Paddle and torch DDP:
+    the gradient any code in a :func:`fleet.distributed_step` computes for this
+    model's parameters is averaged over the replicas in the backward pass (one
+    all-reduce per bucket), so a plain ``nnx.Optimizer``, a plain optax
+    transformation or a hand-written update all see the global-batch gradient.
 
     Args:
         layers: a Flax NNX module (its variables are replicated in place) or a
             Flax Linen module (use ``init`` / ``apply``).
         strategy: deprecated in Paddle; ignored.
-        comm_buffer_size: gradient bucket size in MB.
-        last_comm_buffer_size: size cap in MB of the bucket holding the first layers.
-        find_unused_parameters: accepted for Paddle scripts; JAX gives parameters
-            that do not reach the loss a zero gradient, so nothing more is needed.
+        comm_buffer_size: gradient bucket size in MB (default: the strategy's
+            ``fuse_grad_size_in_MB``, 32).
+        last_comm_buffer_size: size cap in MB of the bucket holding the first
+            layers (default: the strategy's ``last_comm_group_size_MB``, 1).
+        find_unused_parameters: accepted for Paddle scripts and not used: JAX
+            gives a parameter that does not reach the loss a zero gradient.
 
     Example:
         >>> model = fleet.DataParallel(MyNet(nnx.Rngs(0)))  # doctest: +SKIP
@@ -175,24 +119,34 @@ class DataParallel(nnx.Module):
         self,
         layers: Any,
         strategy: Any = None,
-        comm_buffer_size: float = 25,
-        last_comm_buffer_size: float = 1,
+        comm_buffer_size: float | None = None,
+        last_comm_buffer_size: float | None = None,
         find_unused_parameters: bool = False,
     ):
         del strategy
-        for name, size in (("comm_buffer_size", comm_buffer_size),
-                           ("last_comm_buffer_size", last_comm_buffer_size)):
-            if isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0:
-                raise FleetConfigError(f"{name} must be a positive number of MB, got {size!r}")
+        if not isinstance(find_unused_parameters, bool):
+            raise FleetTypeError(
+                f"find_unused_parameters must be a bool, got {find_unused_parameters!r}"
+            )
+        self._fleet_buckets = _bucket_config(comm_buffer_size, last_comm_buffer_size)
         self._adopt(layers)
-        self._fleet_buckets = BucketConfig(float(comm_buffer_size), float(last_comm_buffer_size))
-        self._fleet_find_unused_parameters = bool(find_unused_parameters)
 
     def _adopt(self, layers: nnx.Module) -> None:
         for name, value in vars(layers).items():
             if name != "_pytree__state":
                 object.__setattr__(self, name, value)
         replicate_in_place(layers)
+        _install_hooks(self, self._fleet_buckets)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``__call__``; inside a step its parameters are synced
+        in buckets for the backward pass."""
+        call = super().__call__  # the wrapped model's class comes next in the MRO
+        if _sync.current() is None:
+            return call(*args, **kwargs)
+        params = {k: v for k, v in module_variables(self).items() if isinstance(v, nnx.Param)}
+        with _sync.bucketed_call(params, self._fleet_buckets):
+            return call(*args, **kwargs)
 
     # -- Paddle's methods --------------------------------------------------------
 
@@ -200,9 +154,11 @@ class DataParallel(nnx.Module):
     def no_sync(self) -> Iterator[None]:
         """Steps called inside accumulate gradients locally, with no communication.
 
-        The optimizer does not step inside; the first step after the block
-        averages the accumulated gradients with its own over all replicas and
-        steps once: the same update as one step on the union of the batches.
+        As in Paddle and torch DDP, the gradients are *added*: the first step
+        after the block averages (over replicas) the sum of the accumulated local
+        gradients and its own. For the update of one step on the union of the
+        ``k + 1`` batches, divide the loss by ``k + 1``. Inside the block, update
+        with a :func:`fleet.distributed_optimizer`, which does not step there.
         """
         with _context.no_sync():
             yield
@@ -213,48 +169,72 @@ class DataParallel(nnx.Module):
         return loss
 
     def apply_collective_grads(self, grads: Any) -> Any:
-        """Paddle 2.0 API: averages ``grads`` over the replicas and returns them
-        (JAX gradients are values, not fields of the parameters). The distributed
-        optimizer does not reduce them again."""
+        """Paddle 2.0 API: returns ``grads`` averaged over the replicas. Gradients
+        of this model's parameters are averaged already by the backward pass, so
+        they come back unchanged; per-replica (varying) ones are averaged."""
         return reduce_gradients(grads, self._fleet_buckets)
 
-    def state_dict(self) -> dict[str, np.ndarray]:
+    def state_dict(
+        self, destination: dict | None = None, include_sublayers: bool = True,
+        structured_name_prefix: str = "",
+    ) -> dict[str, np.ndarray]:
         """Parameters and other variables, keyed as in the unwrapped model
-        (``"linear1.kernel"``), as host numpy arrays (PRNG keys as their key data)."""
-        return {k: _to_host(v.get_value()) for k, v in module_variables(self).items()}
+        (``"linear1.kernel"``), as host numpy arrays (PRNG keys as their key data).
 
-    def set_state_dict(self, state_dict: dict[str, Any]) -> None:
+        Args (Paddle's): ``destination``: a dict to fill and return;
+        ``include_sublayers=False`` keeps only this layer's own variables (no
+        dot in their name); ``structured_name_prefix`` is put before every key.
+        """
+        out = {} if destination is None else destination
+        for key, var in module_variables(self).items():
+            if include_sublayers or "." not in key:
+                out[structured_name_prefix + key] = to_host(var.get_value())
+        return out
+
+    def set_state_dict(self, state_dict: dict[str, Any], use_structured_name: bool = True) -> None:
         """Loads values saved by ``state_dict`` (of this or the unwrapped model).
 
         Every key must be known and every shape and dtype equal; otherwise nothing
-        changes and the error lists the differences.
+        changes and the error lists the differences. With
+        ``use_structured_name=False`` (Paddle's other key style) the keys are
+        matched in order against the model's variables instead of by name.
         """
         current = module_variables(self)
+        if not use_structured_name:
+            if len(state_dict) != len(current):
+                raise FleetError(
+                    f"state_dict has {len(state_dict)} entries, the model {len(current)} "
+                    "variables; with use_structured_name=False they are matched in order"
+                )
+            state_dict = dict(zip(current, state_dict.values()))
         problems = [f"missing {k!r}" for k in current if k not in state_dict]
         problems += [f"unexpected {k!r}" for k in state_dict if k not in current]
         for key, value in state_dict.items():
             if key in current:
-                old, new = _to_host(current[key].get_value()), np.asarray(value)
+                old, new = to_host(current[key].get_value()), np.asarray(value)
                 if old.shape != new.shape or old.dtype != new.dtype:
                     problems.append(
                         f"{key!r}: model has {old.shape} {old.dtype}, given {new.shape} {new.dtype}"
                     )
         if problems:
             raise FleetError("state_dict does not fit the model: " + "; ".join(problems))
-        set_replicated(current, {
-            k: _like(current[k].get_value(), np.asarray(state_dict[k])) for k in current
+        placed = replicate({
+            k: like(current[k].get_value(), np.asarray(state_dict[k])) for k in current
         })
+        for key, var in current.items():
+            var.set_raw_value(placed[key])
 
 
 class LinenDataParallel(DataParallel):
-    """``DataParallel`` over a Linen module: ``init`` replicates, ``apply`` runs it."""
+    """``DataParallel`` over a Linen module: ``init`` replicates, ``apply`` runs it
+    and, inside a step, syncs the gradients of its ``params`` in buckets."""
 
     def __init__(
         self,
         layers: linen.Module,
         strategy: Any = None,
-        comm_buffer_size: float = 25,
-        last_comm_buffer_size: float = 1,
+        comm_buffer_size: float | None = None,
+        last_comm_buffer_size: float | None = None,
         find_unused_parameters: bool = False,
     ):
         self.module = layers
@@ -270,10 +250,22 @@ class LinenDataParallel(DataParallel):
         return replicate(self.module.init(*args, **kwargs))
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.apply``; inside a step, the ``params`` collection's gradients
+        are averaged over the replicas in the backward pass."""
+        if _sync.current() is not None:
+            flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+            keys = [dotted(p) for p, _ in flat]
+            leaves = [x for _, x in flat]
+            todo = [i for i, k in enumerate(keys) if k == "params" or k.startswith("params.")]
+            synced = _sync.sync_leaves([keys[i] for i in todo], [leaves[i] for i in todo],
+                                       self._fleet_buckets)
+            for i, y in zip(todo, synced):
+                leaves[i] = y
+            variables = jax.tree_util.tree_unflatten(treedef, leaves)
         return self.module.apply(variables, *args, **kwargs)
 
     def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.module.apply(variables, *args, **kwargs)
+        return self.apply(variables, *args, **kwargs)
 
     def state_dict(self, variables: Any = None) -> dict[str, np.ndarray]:  # type: ignore[override]
         """Flat ``{"params.Dense_0.kernel": array}`` of ``variables`` (Linen keeps
@@ -281,14 +273,14 @@ class LinenDataParallel(DataParallel):
         if variables is None:
             raise FleetError("a Linen model holds no variables: call state_dict(variables)")
         flat = jax.tree_util.tree_flatten_with_path(variables)[0]
-        return {_dotted(path): np.asarray(v) for path, v in flat}
+        return {dotted(path): np.asarray(v) for path, v in flat}
 
     def set_state_dict(self, state_dict: dict[str, Any], variables: Any = None) -> Any:  # type: ignore[override]
         """Returns ``variables`` with the values of ``state_dict``, replicated."""
         if variables is None:
             raise FleetError("a Linen model holds no variables: pass the current variables")
         flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
-        keys = [_dotted(path) for path, _ in flat]
+        keys = [dotted(path) for path, _ in flat]
         missing = [k for k in keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if missing or unexpected:
@@ -299,16 +291,10 @@ class LinenDataParallel(DataParallel):
 def distributed_model(model: Any) -> DataParallel:
     """Wraps ``model`` in :class:`DataParallel` with the buckets of the strategy
     given to ``fleet.init`` (``fuse_grad_size_in_MB``, ``last_comm_group_size_MB``,
-    ``find_unused_parameters``)."""
-    strategy = world().strategy
-    dp = DataParallel(
-        model,
-        comm_buffer_size=strategy.fuse_grad_size_in_MB,
-        last_comm_buffer_size=strategy.last_comm_group_size_MB,
-        find_unused_parameters=strategy.find_unused_parameters,
-    )
-    dp._fleet_buckets = BucketConfig(
-        strategy.fuse_grad_size_in_MB, strategy.last_comm_group_size_MB,
-        strategy.fuse_all_reduce_ops,
-    )
-    return dp
+    ``fuse_all_reduce_ops``).
+
+    Example:
+        >>> model = fleet.distributed_model(MyNet(nnx.Rngs(0)))  # doctest: +SKIP
+    """
+    world()  # fleet.init first
+    return DataParallel(model)

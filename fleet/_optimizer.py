@@ -1,8 +1,22 @@
-"""``fleet.distributed_optimizer``: average the gradients over replicas, then update.
+"""``fleet.distributed_optimizer``: Paddle's step 3, and where strategy features live.
 
-The reduction is an optax transformation placed before the user's: its state is
-exactly the inner optimizer's state, so checkpoints move freely between
-single-device and distributed runs.
+Gradient synchronisation belongs to the wrapped model (:mod:`fleet._sync`): its
+gradients reach the optimizer averaged already, so the distributed optimizer
+does not reduce them again. What it adds:
+
+* gradients that still differ across replicas (their vma type is varying) are
+  averaged, in the strategy's buckets;
+* under ``no_sync`` it does not step: parameters, optimizer state and ``step``
+  stay as they are while the wrapped model accumulates the local gradients;
+* with no wrapped model (an optax transformation on raw parameters, the
+  functional style), JAX sums the parameters' gradients over the replicas (the
+  transpose of using a replicated value with per-replica data); the step sees
+  it in the program it traced, and this optimizer divides them by the replica
+  count: the global-batch gradient again (one all-reduce per leaf, merged by
+  XLA, instead of fleet's buckets).
+
+Its state is exactly the inner optimizer's state, so checkpoints move freely
+between single-device and distributed runs.
 """
 
 from __future__ import annotations
@@ -14,36 +28,62 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from fleet import _context
-from fleet._errors import FleetTypeError
-from fleet._model import replicate_in_place
+from fleet import _sync
+from fleet._context import BucketConfig
+from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients
+from fleet._tree import replicate_in_place
 
 
 class _AllReduceThen(optax.GradientTransformationExtraArgs):
     """Marks a transformation that fleet already made distributed."""
 
 
+def _strategy_buckets() -> BucketConfig:
+    from fleet._world import is_initialized, world
+
+    if not is_initialized():
+        return BucketConfig()
+    s = world().strategy
+    return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops)
+
+
+def _under_no_sync() -> bool:
+    trace = _sync.current()
+    return trace is not None and trace.no_sync
+
+
 def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     if isinstance(inner, _AllReduceThen):
         return inner
     inner = optax.with_extra_args_support(inner)
+    buckets = _strategy_buckets()
 
     def update(grads, state, params=None, **extra):
-        reduced = reduce_gradients(grads)
-        if reduced is None:  # no_sync: accumulated; the optimizer does not step
-            return jax.tree.map(jnp.zeros_like, grads), state
-        return inner.update(reduced, state, params, **extra)
+        if _under_no_sync():
+            raise FleetUnsupportedError(
+                "no_sync with an optax transformation (Linen / TrainState) is not supported: "
+                "the parameters' gradients cannot stay local there. Use an NNX model with "
+                "fleet.distributed_optimizer(nnx.Optimizer(...)), or accumulate inside the "
+                "step with optax.MultiSteps"
+            )
+        trace = _sync.current()
+        if trace is not None:
+            trace.tx_calls += 1
+            trace.tx_grads.update(id(g) for g in jax.tree.leaves(grads))
+            if trace.auto_sum:  # raw parameters: JAX summed their gradients over replicas
+                n = trace.num_replicas
+                grads = jax.tree.map(
+                    lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
+                    else g / n, grads)
+        return inner.update(reduce_gradients(grads, buckets), state, params, **extra)
 
     return _AllReduceThen(inner.init, update)
 
 
 class DistributedOptimizer(nnx.Optimizer):
-    """An ``nnx.Optimizer`` whose update first averages gradients over replicas.
-
-    Under ``no_sync`` its update adds the gradients to the local accumulator and
-    leaves parameters, optimizer state and ``step`` unchanged.
-    """
+    """An ``nnx.Optimizer`` that averages gradients still differing across
+    replicas and does not step under ``no_sync`` (see the module docstring)."""
 
     def __init__(self, optimizer: nnx.Optimizer):  # pylint: disable=super-init-not-called
         # Share the wrapped optimizer's state; only the transformation changes.
@@ -57,11 +97,9 @@ class DistributedOptimizer(nnx.Optimizer):
         replicate_in_place(self)
 
     def update(self, model, grads, /, **kwargs):
-        trace = _context.current()
-        if trace is not None and trace.no_sync:
-            grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-            reduce_gradients(grad_arrays)
-            return jax.tree.map(jnp.zeros_like, grad_arrays)
+        if _under_no_sync():  # add to the accumulator; nothing steps
+            _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
+            return None
         return super().update(model, grads, **kwargs)
 
 
@@ -72,13 +110,13 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         optimizer: an optax ``GradientTransformation`` or an ``nnx.Optimizer``
             (built on the model before or after ``fleet.distributed_model``).
         strategy: accepted for Paddle compatibility; the strategy given to
-            ``fleet.init`` (or the ``DataParallel`` in the step) sets the buckets.
+            ``fleet.init`` sets the buckets.
 
     Returns:
-        The same kind of optimizer. Its update averages the gradients (one
-        ``psum`` per bucket) inside a :func:`fleet.distributed_step`, then runs the
-        original update. Gradients averaged already by
-        ``fleet.fused_allreduce_gradients`` are not reduced again.
+        The same kind of optimizer. Inside a :func:`fleet.distributed_step` its
+        update averages the gradients that still differ across replicas (a wrapped
+        model's gradients are averaged already and are not reduced again), then
+        runs the original update; under ``no_sync`` it does not step.
 
     Example:
         >>> tx = fleet.distributed_optimizer(optax.adam(1e-3))  # doctest: +SKIP

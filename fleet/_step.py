@@ -1,42 +1,67 @@
 """``fleet.distributed_step``: the decorator that replaces ``jax.jit`` on a step.
 
 The step runs once per replica (``jax.shard_map`` over the ``data`` axis, the
-engine under today's ``jax.pmap``), inside one ``jax.jit``.
+engine under today's ``jax.pmap``) inside one ``jax.jit``, with
+``check_vma=True``: JAX types every value as *invariant* (the same on every
+replica) or *varying*, and fleet reads those types to combine the outputs.
 
-How arguments are told apart (``batch_argnums=None``):
+The contract: for every step fleet accepts, every result -- parameters,
+optimizer state, buffers, every returned value -- equals what the
+single-device step returns on the same global batch (within float rounding);
+otherwise the first call raises a :class:`fleet.FleetError` that names the
+argument or output and says what to write instead. The one assumption, as in
+DDP and Paddle: the loss is a mean over the examples of the batch (gradients
+are averaged over replicas, so a loss *summed* over the batch gets gradients N
+times smaller than on one device).
+
+Arguments (``batch_argnums=None``):
 
 * **state**, replicated on every device: NNX objects (modules, optimizers,
-  ``fleet.DataParallel``) and dataclass pytrees such as Flax's ``TrainState``;
+  ``fleet.DataParallel``), updated in place, and dataclass pytrees such as
+  Flax's ``TrainState``;
 * **batch**, split along the leading axis: arrays (numpy or jax) and tuples,
   lists and dicts of them. In a multi-process job a numpy batch is this
-  process's part (its rows of the global batch, in process order); a
-  ``jax.Array`` is taken as the global batch;
+  process's rows of the global batch; a ``jax.Array`` is the global batch;
 * **replicated values**: Python and numpy scalars (traced: no recompiles);
 * **static**: anything else hashable (strings, ``None``, functions).
 
-Pass ``batch_argnums=(2, 3)`` to say which positional arguments are the batch;
-then every other array argument is replicated state (raw parameter pytrees).
+``batch_argnums=(2, 3)`` says which positional arguments are the batch; every
+other array argument is then replicated state (raw parameter pytrees).
 
-What comes back:
+Gradients: a wrapped model's parameters (``fleet.distributed_model`` /
+``fleet.DataParallel``) are averaged over the replicas in their backward pass
+(:mod:`fleet._sync`), so any optimizer sees the global-batch gradient. A
+gradient of other state (an unwrapped model) would be *summed* over replicas
+by JAX; fleet refuses such a step and says to wrap the model.
 
-* NNX objects are updated in place;
-* an output with the structure of a state argument (a new ``TrainState``, new
-  parameters) is state, replicated;
-* a floating-point scalar is the mean over the replicas: the global-batch value
-  a single-device step prints; an integer scalar (a count) is the sum;
-* an array with a leading axis is per example: gathered along that axis in
-  global batch order.
+Outputs, leaf by leaf:
 
-Gradients are not reduced by the transpose of ``shard_map``: the body runs with
-``check_vma=False``, so the bucketed ``psum`` of the distributed optimizer is the
-only reduction. The step compiles once per input shape (and once more for the
-first steps under ``no_sync``).
+* a value that is the same on every replica (invariant: a new ``TrainState``,
+  new parameters, averaged gradients) comes back as it is;
+* a value that differs across replicas is combined: a floating-point scalar by
+  its mean over replicas (the global-batch value, when it is a per-example
+  mean such as a loss or an accuracy), an integer or boolean scalar by its sum
+  (a count), and an array whose leading axis is the replica's batch rows is
+  per example, gathered in global batch order;
+* anything else raises, unless declared: ``distributed_step(fn,
+  out_reduce=...)`` takes a pytree prefix of the output with ``"mean"``,
+  ``"sum"``, ``"gather"`` or ``None`` (the rule above) at each position, e.g.
+  ``out_reduce=(None, "sum")`` for ``return loss, float_count``.
+
+Buffers a step changes from its replica's rows (batch-norm statistics) are
+averaged over the replicas, so replicated state stays equal everywhere.
+
+The step compiles once per input shape (and once more for the steps under
+``no_sync``). In a multi-process job, before a newly compiled step runs, the
+processes compare what they traced (shapes, strategy, buckets) and a mismatch
+raises on every process, naming the ranks and the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,15 +71,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _context
-from fleet._context import BucketConfig
+from fleet import _context, _sync, _worker
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
-from fleet._model import DataParallel
-from fleet._reduce import allreduce_mean
+from fleet._replicas import check_replicas
+from fleet._tree import dotted
 from fleet._world import DATA_AXIS, World, world
-from fleet.launch._heartbeat import heartbeat
 
 _NNX, _TREE, _BATCH, _REPL, _STATIC = "nnx", "state", "batch", "replicated", "static"
+_REDUCES = ("mean", "sum", "gather", None)
 
 
 def _is_array(x: Any) -> bool:
@@ -103,8 +127,7 @@ class _Plan:
     graphdef: Any
     state_treedef: Any
     no_sync: bool
-    has_accum: bool
-    buckets: BucketConfig
+    accum_keys: tuple[str, ...]
     mesh: Any
 
     def _key(self) -> tuple:
@@ -123,14 +146,13 @@ class _Plan:
 
 
 def _plain_array_variable(v: nnx.Variable) -> bool:
-    """Whether ``v`` holds one jax.Array and has no get/set hooks: then the step reads
-    and writes its raw value directly (Flax's private fields; any other Flax layout
-    falls back to ``get_value`` / ``set_value``)."""
+    """Whether ``v`` holds one jax.Array and no hooks but fleet's read hook: then
+    the step reads and writes its raw value directly (Flax's private fields; any
+    other layout falls back to ``get_raw_value`` / ``set_raw_value``)."""
     metadata = getattr(v, "_var_metadata", None)
     return (
         isinstance(getattr(v, "_raw_value", None), jax.Array)
         and isinstance(metadata, dict)
-        and not metadata.get("on_get_value")
         and not metadata.get("on_set_value")
     )
 
@@ -138,12 +160,20 @@ def _plain_array_variable(v: nnx.Variable) -> bool:
 class _GraphCache:
     """The NNX objects' graph, split once and reused while their structure holds."""
 
-    def __init__(self, objs: tuple):
+    def __init__(self, objs: tuple, positions: list[int]):
         self.objs = objs
         self.tree_vars, self.treedef = self._tree_view(objs)
         self.graphdef, state = nnx.split(objs)
-        self.variables = jax.tree_util.tree_leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        with_path = jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+        self.variables = [v for _, v in with_path]
+        index = [int(dotted(p[:1])) for p, _ in with_path]
+        self.names = [
+            f"argument {positions[i]} ({type(objs[i]).__name__}) variable {dotted(p[1:])!r}"
+            for i, (p, _) in zip(index, with_path)
+        ]
         self.state_treedef = jax.tree_util.tree_structure(state)
+        self.synced = [isinstance(v, _sync.SyncedRead) for v in self.variables]
         self.fast = all(map(_plain_array_variable, self.variables)) and (
             self.state_treedef.num_leaves == len(self.variables)
         )
@@ -161,7 +191,7 @@ class _GraphCache:
     def read(self) -> list:
         if self.fast:
             return [v._raw_value for v in self.variables]
-        return [v.get_value() for v in self.variables]
+        return [v.get_raw_value() for v in self.variables]
 
     def write(self, values: Sequence) -> None:
         if self.fast:  # outside any trace: skip Variable.__setattr__'s trace checks
@@ -169,7 +199,7 @@ class _GraphCache:
                 object.__setattr__(v, "_raw_value", x)
         else:
             for v, x in zip(self.variables, values):
-                v.set_value(x)
+                v.set_raw_value(x)
 
 
 def _is_buffer(v: nnx.Variable) -> bool:
@@ -177,85 +207,85 @@ def _is_buffer(v: nnx.Variable) -> bool:
     statistics): each replica updates it from its own rows."""
     from flax.nnx.training.optimizer import OptState
 
-    return not isinstance(v, (nnx.Param, OptState))
+    return not isinstance(v, (nnx.Param, OptState)) and jnp.issubdtype(
+        jnp.result_type(v.get_raw_value()), jnp.inexact)
 
 
-def _average_buffers(new: Any, old: list, new_leaves: list, buckets: BucketConfig) -> list:
-    """Averages, over the replicas, the floating-point buffers the step changed.
+def _foreign_psums(jaxpr: Any) -> int:
+    """psums in ``jaxpr`` outside fleet's own collectives (``_sync.FLEET_CALLS``)."""
+    from jax.extend.core import jaxprs_in_params
 
-    Parameters and optimizer state come out equal on every replica (the gradients
-    were averaged); buffers such as batch-norm running statistics were updated from
-    each replica's own rows and would differ while marked replicated. The average
-    of the replicas' running means is the running mean of the global batch, as on
-    one device (running variances average the per-replica variances). A step under
-    ``no_sync`` leaves them local: the next synchronised step averages them.
-    """
-    variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    changed = [
-        i for i, (v, x) in enumerate(zip(variables, new_leaves))
-        if x is not old[i] and _is_buffer(v) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
-    ]
-    if not changed:
-        return new_leaves
-    averaged = allreduce_mean([new_leaves[i] for i in changed], buckets)
-    new_leaves = list(new_leaves)
-    for i, x in zip(changed, averaged):
-        new_leaves[i] = x
-    return new_leaves
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("name") in _sync.FLEET_CALLS:
+            continue
+        if eqn.primitive.name in ("psum", "psum_invariant"):
+            total += len(eqn.invars)
+        for sub in jaxprs_in_params(eqn.params):
+            total += _foreign_psums(sub)
+    return total
 
 
-def _signature(x: Any) -> tuple:
-    leaves, treedef = jax.tree_util.tree_flatten(x)
-    return treedef, tuple((jnp.shape(v), jnp.result_type(v)) for v in leaves)
+_IMPLICIT_SUM = (
+    "the step differentiates state that is not a wrapped model's parameters: JAX sums "
+    "such gradients over the {n} replicas (N times the single-device gradient) instead of "
+    "averaging them. Wrap the model: `model = fleet.distributed_model(model)` (NNX: "
+    "compute the loss by calling the wrapped model; Linen: use the wrapped model's "
+    "`apply`, e.g. TrainState.create(apply_fn=model.apply, ...)). If the step calls "
+    "jax.lax.psum / pmean itself, use fleet.all_reduce instead."
+)
 
 
 class DistributedStep:
     """A step function run data-parallel; see :func:`distributed_step`."""
 
-    def __init__(self, fn: Callable, batch_argnums: Sequence[int] | None):
+    def __init__(self, fn: Callable, batch_argnums: Sequence[int] | None, out_reduce: Any):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self._out_reduce = out_reduce
         self._jitted: dict[Any, Callable] = {}
         self._graph: _GraphCache | None = None
         self._last_plan: _Plan | None = None
-        self._accum: list | None = None  # gradients accumulated under no_sync
-        self._accum_count = 0
+        self._records: dict[_Plan, dict] = {}
+        self._agreed: set = set()
+        self._accum: dict[str, jax.Array] = {}  # per-replica gradients accumulated under no_sync
+        self._calls = 0
         self.trace_count = 0  # how often the body was traced for real (tests read it)
 
     # -- the call, on the host ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        heartbeat()  # tells fleetrun's watchdog this worker reached the step
+        _worker.step_begin()
         plan, call_args = self._prepare(args, kwargs)
         compiled = self._compiled(plan)
-        try:
-            new_state, out, new_accum = compiled(*call_args)
-        except ValueError as e:
-            if "sharding" not in str(e).lower() and "device" not in str(e).lower():
-                raise
-            # Arrays committed elsewhere (a new TrainState's step counter, arrays made
-            # on one device): place them on the mesh and go on.
-            w = world()
-            state, trees, batch, *rest = call_args
-            state, trees = jax.device_put((state, trees), w.replicated)
-            batch = jax.device_put(batch, w.batch)
-            new_state, out, new_accum = compiled(state, trees, batch, *rest)
+        new_state, out, accum = compiled(*call_args)
         self._graph.write(new_state)
-        if plan.no_sync:
-            self._accum = new_accum
-            self._accum_count += new_accum is not None
-        elif plan.has_accum:
-            self._accum, self._accum_count = None, 0
-        heartbeat()
+        self._accum = accum
+        self._calls += 1
+        every = world().strategy.check_replicas_every_n_steps
+        if every and self._calls % every == 0:
+            self._check_replicas(out)
+        _worker.step_end()
         return out
 
     def make_jaxpr(self, *args: Any, **kwargs: Any) -> Any:
         """The jaxpr of the program a call with these arguments runs (nothing runs,
-        nothing is updated). Its ``shard_map`` body shows the gradient buckets: one
-        ``psum`` each."""
+        nothing is updated). Its ``shard_map`` body shows the gradient buckets."""
         plan, call_args = self._prepare(args, kwargs)
         return jax.make_jaxpr(self._global, static_argnums=0)(plan, *call_args)
+
+    def _check_replicas(self, out: Any) -> None:
+        state = dict(zip(self._graph.names, (v.get_raw_value() for v in self._graph.variables)))
+        bad = check_replicas(state) + [f"output {b}" for b in check_replicas(out)]
+        if bad:
+            raise FleetError(
+                f"replicated values differ across replicas after call {self._calls}: "
+                f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                + ". Something outside fleet changed one replica's copy; fleet.check_replicas "
+                "lists them all"
+            )
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[_Plan, tuple]:
         w = world()
@@ -266,20 +296,24 @@ class DistributedStep:
             _kind(v, None if batch_argnums is None else i in batch_argnums)
             for i, v in enumerate(values)
         )
-        objs = tuple(v for v, k in zip(values, kinds) if k == _NNX)
+        positions = [i for i, k in enumerate(kinds) if k == _NNX]
+        objs = tuple(values[i] for i in positions)
         if self._graph is None or not self._graph.holds(objs):
-            self._graph = _GraphCache(objs)
+            self._graph = _GraphCache(objs, positions)
+        no_sync = _context.no_sync_active()
         plan = self._plan(
             kinds=kinds,
             kw_names=names,
             statics=tuple(v for v, k in zip(values, kinds) if k == _STATIC),
             graphdef=self._graph.graphdef,
             state_treedef=self._graph.state_treedef,
-            no_sync=_context.no_sync_active(),
-            has_accum=self._accum is not None,
-            buckets=self._buckets(values, w),
+            no_sync=no_sync,
+            accum_keys=tuple(sorted(self._accum)),
             mesh=w.mesh,
         )
+        batch = [v for v, k in zip(values, kinds) if k == _BATCH]
+        if jax.process_count() > 1 and plan not in self._agreed:
+            self._agree(plan, batch, w)
         call_args = (
             self._graph.read(),
             [v for v, k in zip(values, kinds) if k == _TREE],
@@ -287,9 +321,39 @@ class DistributedStep:
              if k == _BATCH],
             [v for v, k in zip(values, kinds) if k == _REPL],
             self._accum,
-            np.float32(self._accum_count),
         )
         return plan, call_args
+
+    def _agree(self, plan: _Plan, batch: list, w: World) -> None:
+        """The cross-process program guard (see the module docstring)."""
+        from fleet._agree import agree
+
+        fields = {
+            "step function": getattr(self._fn, "__qualname__", repr(self._fn)),
+            "argument kinds": list(plan.kinds),
+            "batch shapes (per process)": [
+                [list(np.shape(x)) + [str(np.result_type(x))] for x in jax.tree.leaves(b)]
+                for b in batch],
+            "state": [[list(np.shape(x)), str(x.dtype)] for x in self._graph.read()],
+            "strategy": repr(w.strategy),
+            "no_sync": plan.no_sync,
+            "replicas": w.num_replicas,
+        }
+        mine = json.dumps(fields, sort_keys=True, default=str)
+        everyone = agree(f"step/{fields['step function']}", mine)
+        rank = jax.process_index()
+        for other, text in enumerate(everyone):
+            if text == mine:
+                continue
+            theirs = json.loads(text)
+            field = next(k for k in fields if json.loads(mine)[k] != theirs.get(k))
+            raise FleetError(
+                f"the processes compiled different steps: rank {rank} and rank {other} differ "
+                f"in {field!r} (rank {rank}: {json.loads(mine)[field]}, rank {other}: "
+                f"{theirs.get(field)}). Every process must run the same step with the same "
+                "strategy and batch shapes"
+            )
+        self._agreed.add(plan)
 
     def _plan(self, **fields: Any) -> _Plan:
         last = self._last_plan
@@ -309,13 +373,6 @@ class DistributedStep:
         self._last_plan = _Plan(**fields)
         return self._last_plan
 
-    def _buckets(self, values: list, w: World) -> BucketConfig:
-        for v in values:
-            if isinstance(v, DataParallel):
-                return v._fleet_buckets
-        s = w.strategy
-        return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops)
-
     def _check_batch(self, position: int, value: Any, w: World) -> Any:
         multiprocess = jax.process_count() > 1
 
@@ -333,6 +390,8 @@ class DistributedStep:
                 )
             if is_local:
                 return jax.make_array_from_process_local_data(w.batch, np.asarray(x))
+            if isinstance(x, jax.Array) and x.sharding != w.batch:
+                return jax.device_put(x, w.batch)
             return x
 
         return jax.tree.map(check, value)
@@ -345,119 +404,220 @@ class DistributedStep:
             jitted = jax.jit(
                 self._global,
                 static_argnums=0,
-                in_shardings=(repl, repl, batch, repl, batch, repl),
+                in_shardings=(repl, repl, batch, repl, batch),
             )
             self._jitted[plan.mesh] = jitted
-        return functools.partial(jitted, plan)
+
+        def run(state, trees, batch, repl, accum):
+            try:
+                return jitted(plan, state, trees, batch, repl, accum)
+            except ValueError as e:
+                if "sharding" not in str(e).lower() and "device" not in str(e).lower():
+                    raise
+                # Arrays committed elsewhere (a new TrainState's step counter, arrays
+                # made on one device): place them on the mesh and go on.
+                w = world()
+                state, trees, repl = jax.device_put((state, trees, repl), w.replicated)
+                return jitted(plan, state, trees, batch, repl, accum)
+
+        return run
 
     # -- the traced program ------------------------------------------------------------
 
-    def _global(self, plan: _Plan, state, trees, batch, repl, accum, count):
-        specs = (P(), P(), P(DATA_AXIS), P(), P(DATA_AXIS), P())
-        args = (state, trees, batch, repl, accum, count)
-        out_kinds: list[str] = []
-        probe = jax.shard_map(
-            functools.partial(self._body, plan, probe=True, out_kinds=out_kinds),
-            mesh=plan.mesh, in_specs=specs, out_specs=P(DATA_AXIS), check_vma=False,
-        )
-        jax.eval_shape(probe, *args)
-        out_specs = (P(), [P() if k == "state" else P(DATA_AXIS) for k in out_kinds],
-                     P(DATA_AXIS))
+    def _global(self, plan: _Plan, state, trees, batch, repl, accum):
+        specs = (P(), P(), P(DATA_AXIS), P(), P(DATA_AXIS))
+        args = (state, trees, batch, repl, accum)
+        record = self._records.get(plan)
+        if record is None:
+            record = {}
+            probe = jax.shard_map(
+                functools.partial(self._body, plan, record=record, probe=True),
+                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
+            )
+            jaxpr = jax.make_jaxpr(probe)(*args)
+            if _foreign_psums(jaxpr):
+                # Gradients of replicated state that no wrapped model synced: JAX summed
+                # them. A distributed optimizer that got them, with no wrapped model in
+                # the step, divides them by N (raw parameters, functional optax style).
+                if record["wrapped_syncs"] or not record["tx_calls"]:
+                    raise FleetError(_IMPLICIT_SUM.format(n=plan.mesh.devices.size))
+                record["auto_sum"] = True
+            self._records[plan] = record
+        out_specs = (P(), [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
+                     {k: P(DATA_AXIS) for k in record["accum"]})
         self.trace_count += 1
         run = jax.shard_map(
-            functools.partial(self._body, plan, probe=False, out_kinds=[]),
-            mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=False,
+            functools.partial(self._body, plan, record=record, probe=False),
+            mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
         )
         new_state, out_leaves, new_accum = run(*args)
-        # Scalars come out as one value per replica; their mean (or, for counts,
-        # sum) is taken here, outside the per-device body, so the body's only
-        # psums are the gradient buckets (and a no_sync step has none).
+        # Stacked per-replica values are combined here, outside the per-device body,
+        # so the body's only collectives are the gradient buckets and buffer means.
         out_leaves = [
-            (x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)) if k == "scalar" else x
-            for x, k in zip(out_leaves, out_kinds)
+            x.mean(0) if r == "mean" else x.sum(0) if r == "sum" else x
+            for x, r in zip(out_leaves, record["out"])
         ]
-        return new_state, jax.tree_util.tree_unflatten(self._out_treedef, out_leaves), new_accum
+        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), new_accum
 
-    def _body(self, plan: _Plan, state, trees, batch, repl, accum, count, *, probe, out_kinds):
+    def _body(self, plan: _Plan, state, trees, batch, repl, accum, *, record, probe):
+        original = state
+        if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
+            state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x
+                     for x, synced in zip(state, self._graph.synced)]
         objs = nnx.merge(plan.graphdef, jax.tree_util.tree_unflatten(plan.state_treedef, state))
+        entered = {id(x): i for i, (x, synced) in enumerate(zip(state, self._graph.synced))
+                   if synced and plan.no_sync}
         sources = {_NNX: iter(objs), _TREE: iter(trees), _BATCH: iter(batch),
                    _REPL: iter(repl), _STATIC: iter(plan.statics)}
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
-        trace = _context.StepTrace(
-            num_replicas=plan.mesh.devices.size,
-            buckets=plan.buckets,
-            no_sync=plan.no_sync,
-            accum=None if accum is None else [a[0] for a in accum],
-            accum_count=count,
-        )
-        with _context.tracing(trace):
+        trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
+                                auto_sum=record.get("auto_sum", False))
+        trace.accum_in = {k: a[0] for k, a in accum.items()}
+        with _sync.tracing(trace):
             out = self._fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
-        if plan.has_accum and not plan.no_sync and not trace.accum_consumed:
+            graphdef, new = nnx.split(objs)
+            if graphdef != plan.graphdef:
+                raise FleetError(
+                    "the step changed the structure of an NNX object (added or removed a "
+                    "variable or sub-module); build the whole model before training"
+                )
+            new_state = self._replicated_state(new, plan, entered, original)
+            leaves, reduces, treedef = self._outputs(out, batch)
+        if trace.auto_sum and any(id(x) in trace.tx_grads for x in jax.tree.leaves(out)):
             raise FleetError(
-                "this step follows steps run under no_sync, but it did not update the "
-                "optimizer; the accumulated gradients would be lost. Call "
-                "optimizer.update (of a fleet.distributed_optimizer) in the step"
+                "the step returns gradients of raw parameters, which JAX summed over the "
+                f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
+                "get averaged gradients back from a step"
             )
-        graphdef, new = nnx.split(objs)
-        if graphdef != plan.graphdef:
-            raise FleetError(
-                "the step changed the structure of an NNX object (added or removed a "
-                "variable or sub-module); build the whole model before training"
-            )
-        new_state = jax.tree_util.tree_leaves(new)
-        if not plan.no_sync:
-            new_state = _average_buffers(new, state, new_state, plan.buckets)
-        leaves, kinds = self._outputs(out, [v for v, k in zip(values, plan.kinds) if k == _TREE])
-        new_accum = None if trace.new_accum is None else [a[None] for a in trace.new_accum]
+        new_accum = self._new_accum(trace, accum, plan)
         if probe:
-            out_kinds.extend(kinds)
-            expand = functools.partial(jax.tree.map, lambda x: jnp.expand_dims(x, 0))
-            return expand(new_state), expand(leaves), new_accum
-        return new_state, leaves, new_accum
+            record.update(out=reduces, treedef=treedef, accum=sorted(new_accum),
+                          wrapped_syncs=trace.wrapped_syncs,
+                          tx_calls=trace.tx_calls)
+            return ()
+        out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum") else x)
+                      for x, r in zip(leaves, reduces)]
+        return new_state, out_leaves, {k: v[None] for k, v in new_accum.items()}
 
-    def _outputs(self, out: Any, state_args: list) -> tuple[list, list[str]]:
-        signatures = {_signature(s) for s in state_args}
+    def _replicated_state(self, new: Any, plan: _Plan, entered: dict, original: list) -> list:
+        """The NNX state the step leaves: buffers averaged, anything else varying refused."""
+        variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        leaves = [v.get_raw_value() for v in variables]
+        # Under no_sync the wrapped parameters entered as varying; unchanged, they
+        # leave as the invariant values they were.
+        leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
+        buffers = [i for i, x in enumerate(leaves) if _sync.is_varying(x)]
+        for i in buffers:
+            if not _is_buffer(variables[i]):
+                hint = (
+                    " Under no_sync the gradients are local: update with a "
+                    "fleet.distributed_optimizer, which does not step inside no_sync."
+                    if plan.no_sync else
+                    " Compute its gradient through a wrapped model (fleet.distributed_model), "
+                    "or do not write values computed from the batch into it."
+                )
+                raise FleetError(
+                    f"{self._graph.names[i]} would hold different values on different "
+                    f"replicas after this step (it was set from per-replica values).{hint}"
+                )
+        if buffers:
+            for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
+                leaves[i] = x
+        return leaves
 
-        def is_state(x: Any) -> bool:
+    def _new_accum(self, trace: _sync.SyncTrace, accum: dict, plan: _Plan) -> dict:
+        new = {}
+        for key, value in trace.accum_out.items():
+            if value is not None:
+                new[key] = value
+        lost = [k for k in accum if k not in trace.accum_out]
+        if lost and not plan.no_sync:
+            raise FleetError(
+                "this step follows steps run under no_sync, but it did not differentiate the "
+                f"wrapped model's parameters {lost[:3]}; the accumulated gradients would be "
+                "lost. Compute the gradients of the same wrapped model in this step"
+            )
+        for k in lost:
+            new[k] = trace.accum_in[k]
+        return new
+
+    def _outputs(self, out: Any, batch: list) -> tuple[list, list[str], Any]:
+        rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+        declared = self._declared_reduces(out)
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(
+            out, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+        leaves, reduces = [], []
+        for (path, x), reduce in zip(with_path, declared):
+            name = dotted(path) or "the output"
             if isinstance(x, nnx.Pytree):
                 raise FleetTypeError(
-                    "a distributed step returned an NNX object; NNX objects passed to the "
+                    f"the step returned an NNX object at {name}; NNX objects passed to the "
                     "step are updated in place, so return only arrays (loss, metrics)"
                 )
-            return bool(signatures) and jax.tree_util.tree_leaves(x) != [] and (
-                _signature(x) in signatures
-            )
+            x = jnp.asarray(x)
+            if not _sync.is_varying(x):
+                reduce = "replicated"
+            elif reduce is None:
+                if x.ndim == 0:
+                    reduce = "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "sum"
+                elif x.shape[0] in rows:
+                    reduce = "gather"
+                else:
+                    raise FleetError(
+                        f"output {name} (shape {x.shape} per replica) differs across replicas "
+                        "and is neither a scalar nor per example (leading axis = the "
+                        f"replica's {sorted(rows)} batch rows), so fleet cannot combine it on "
+                        "its own. Declare it: fleet.distributed_step(fn, out_reduce=...) "
+                        "with 'mean', 'sum' or 'gather' at its position"
+                    )
+            elif reduce == "gather" and x.ndim == 0:
+                raise FleetConfigError(f"out_reduce asks to gather output {name}, a scalar; "
+                                       "use 'mean' or 'sum'")
+            leaves.append(x)
+            reduces.append(reduce)
+        return leaves, reduces, treedef
 
-        parts, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_state)
-        leaves, kinds = [], []
-        for part in parts:
-            if is_state(part):
-                leaves.append(part)
-                kinds.append("state")
-                continue
-            x = jnp.asarray(part)
-            if x.ndim == 0:
-                leaves.append(x[None])
-                kinds.append("scalar")
-            else:
-                leaves.append(x)
-                kinds.append("example")
-        self._out_treedef = treedef
-        return leaves, kinds
+    def _declared_reduces(self, out: Any) -> list:
+        spec = self._out_reduce
+        n = len(jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, nnx.Pytree)))
+        if spec is None:
+            return [None] * n
+        if isinstance(spec, str):
+            spec = jax.tree.map(lambda _: spec, out)
+        try:
+            full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, out,
+                                is_leaf=lambda s: s is None or isinstance(s, str))
+        except ValueError as e:
+            raise FleetConfigError(
+                f"out_reduce={self._out_reduce!r} does not match the structure of the step's "
+                f"output ({jax.tree_util.tree_structure(out)}); give a prefix of it, with "
+                f"one of {_REDUCES} at each position ({e})"
+            ) from None
+        leaves = jax.tree_util.tree_leaves(full, is_leaf=lambda s: s is None)
+        for s in leaves:
+            if s not in _REDUCES:
+                raise FleetConfigError(f"out_reduce value {s!r} is not one of {_REDUCES}")
+        return leaves
 
 
 def distributed_step(
-    fn: Callable | None = None, *, batch_argnums: Sequence[int] | None = None
+    fn: Callable | None = None,
+    *,
+    batch_argnums: Sequence[int] | None = None,
+    out_reduce: Any = None,
 ) -> Any:
     """Runs a train or eval step data-parallel; use it instead of ``jax.jit``.
 
-    See the module docstring (``fleet._step``) for how arguments and outputs are
-    told apart. Call it after ``fleet.init``.
+    See the module docstring (``fleet._step``) for the contract and for how
+    arguments and outputs are told apart. Call it after ``fleet.init``.
 
     Args:
         fn: the step, written as for one device.
         batch_argnums: positions of the batch arguments (default: inferred).
+        out_reduce: how to combine outputs that differ across replicas: ``"mean"``,
+            ``"sum"``, ``"gather"`` or ``None`` (the default rule), as one string
+            or a pytree prefix of the output.
 
     Example:
         >>> @fleet.distributed_step  # doctest: +SKIP
@@ -466,8 +626,17 @@ def distributed_step(
         ...     optimizer.update(model, grads)
         ...     return loss
     """
+    if batch_argnums is not None:
+        if isinstance(batch_argnums, int):
+            batch_argnums = (batch_argnums,)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                   for i in batch_argnums):
+            raise FleetConfigError(
+                f"batch_argnums={batch_argnums!r} must be non-negative ints (positions of "
+                "the batch arguments), e.g. batch_argnums=(2, 3)"
+            )
     if fn is None:
-        return lambda f: DistributedStep(f, batch_argnums)
+        return lambda f: DistributedStep(f, batch_argnums, out_reduce)
     if not callable(fn):
         raise FleetTypeError(f"distributed_step decorates a function, got {type(fn).__name__}")
-    return DistributedStep(fn, batch_argnums)
+    return DistributedStep(fn, batch_argnums, out_reduce)

@@ -10,7 +10,7 @@ import fleet
 from fleet._context import BucketConfig
 from fleet._reduce import MB, plan_buckets
 from tests import models
-from tests.jaxpr_utils import count_primitives
+from tests.jaxpr_utils import count_buckets, count_primitives
 
 
 class Deep(nnx.Module):
@@ -48,11 +48,11 @@ def test_no_fusion_is_one_bucket_per_leaf():
 
 
 @pytest.mark.parametrize(
-    "comm, last, fuse, expected_psums",
+    "comm, last, fuse, expected_buckets",
     [(25, 1, True, 2), (0.25, 0.25, True, 8), (0.6, 0.3, True, 3), (25, 1, False, 8),
      (100, 100, True, 1)],
 )
-def test_traced_step_has_one_psum_per_bucket(make_world, comm, last, fuse, expected_psums):
+def test_traced_step_has_one_psum_per_bucket(make_world, comm, last, fuse, expected_buckets):
     strategy = fleet.DistributedStrategy(
         fuse_grad_size_in_MB=comm, last_comm_group_size_MB=last, fuse_all_reduce_ops=fuse
     )
@@ -67,7 +67,9 @@ def test_traced_step_has_one_psum_per_bucket(make_world, comm, last, fuse, expec
     model = fleet.distributed_model(Deep(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     step = fleet.distributed_step(models.nnx_train_step)
-    assert count_primitives(step.make_jaxpr(model, optimizer, x, y)) == expected_psums
+    jaxpr = step.make_jaxpr(model, optimizer, x, y)
+    assert count_buckets(jaxpr) == expected_buckets
+    assert count_primitives(jaxpr) == 8  # each of Deep's 8 gradient leaves reduced once
     step(model, optimizer, x, y)
     assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-5
 
@@ -78,4 +80,5 @@ def test_data_parallel_arguments_set_the_buckets(make_world):
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     x = np.ones((4, 256), np.float32)
     jaxpr = fleet.distributed_step(models.nnx_train_step).make_jaxpr(model, optimizer, x, x)
+    assert count_buckets(jaxpr) == 8
     assert count_primitives(jaxpr) == 8

@@ -37,7 +37,7 @@ def test_mistyped_strategy_field(field, value, match):
 
 def test_strategy_values_and_configs_are_validated():
     strategy = fleet.DistributedStrategy()
-    with pytest.raises(fleet.FleetConfigError, match="must be a positive number of MB, got -1"):
+    with pytest.raises(fleet.FleetConfigError, match="must be a positive, finite number of MB, got -1"):
         strategy.last_comm_group_size_MB = -1
     with pytest.raises(AttributeError, match="did you mean 'k_steps'"):
         strategy.gradient_merge_configs = {"k_step": 4}
@@ -107,7 +107,7 @@ def test_wrong_kinds_of_model_and_optimizer(make_world):
         fleet.DataParallel(dp)
     with pytest.raises(fleet.FleetTypeError, match="optax.GradientTransformation or an nnx.Optimizer"):
         fleet.distributed_optimizer("adam")
-    with pytest.raises(fleet.FleetConfigError, match="comm_buffer_size must be a positive number"):
+    with pytest.raises(fleet.FleetConfigError, match="comm_buffer_size must be a positive, finite number"):
         fleet.DataParallel(models.LinearNet(nnx.Rngs(0)), comm_buffer_size=0)
 
 

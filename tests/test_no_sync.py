@@ -17,15 +17,48 @@ def union_reference(data, tx):
     return models.nnx_reference("linear", [(x, y)], tx=tx)[1]
 
 
+def scaled_step(scale):
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: models.loss_of(m(x), y) * scale)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_no_sync_adds_the_local_gradients(make_world, k):
+    """Paddle's and DDP's meaning: the synced step averages, over replicas, the SUM
+    of the k + 1 local-mean gradients. With SGD(lr=1) the update is that sum."""
+    data = models.batches("linear", k + 1, 8)
+    reference = models.LinearNet(nnx.Rngs(0))
+    grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference) for x, y in data]
+    expected = {key: value - sum(models.flat_params(nnx.to_pure_dict(g))[key] for g in grads)
+                for key, value in models.flat_params(reference).items()}
+
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in data[:k]:
+        with model.no_sync():
+            step(model, optimizer, x, y)
+    step(model, optimizer, *data[k])
+    diff = models.max_diff(models.flat_params(model), expected)
+    print(f"no_sync k={k}: |fleet - sum of the local-mean gradients| = {diff:.2e}")
+    assert diff < 1e-5
+
+
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("tx_name", ["sgd", "adam"])
 def test_no_sync_steps_then_one_step_equal_the_union_step(make_world, k, tx_name):
+    """With the loss divided by k + 1, the update is one step on the union batch."""
     tx = {"sgd": optax.sgd(0.5), "adam": optax.adam(models.LR)}[tx_name]
     data = models.batches("linear", k + 1, 8)
     make_world(4)
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
-    step = fleet.distributed_step(models.nnx_train_step)
+    step = fleet.distributed_step(scaled_step(1.0 / (k + 1)))
     before = models.flat_params(model)
     for x, y in data[:k]:
         with model.no_sync():
@@ -35,16 +68,30 @@ def test_no_sync_steps_then_one_step_equal_the_union_step(make_world, k, tx_name
     step(model, optimizer, *data[k])
     assert models.max_diff(models.flat_params(model), union_reference(data, tx)) < 1e-5
     assert int(optimizer.step.get_value()) == 1
+    assert fleet.check_replicas(model) == []
 
-    # The accumulator is consumed: the next normal step is an ordinary step.
+    # The accumulator is consumed: the next call is an ordinary (scaled) step.
     x, y = data[0]
     ref = models.NNX_MODELS["linear"](nnx.Rngs(0))
-    nnx.update(ref, nnx.state(model))
+    nnx.update(ref, nnx.to_pure_dict(nnx.state(model)))
     ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-    nnx.update(ref_opt, nnx.state(optimizer))
-    nnx.jit(models.nnx_train_step)(ref, ref_opt, x, y)
+    nnx.update(ref_opt, nnx.to_pure_dict(nnx.state(optimizer)))
+    nnx.jit(scaled_step(1.0 / (k + 1)))(ref, ref_opt, x, y)
     step(model, optimizer, x, y)
     assert models.max_diff(models.flat_params(model), models.flat_params(ref)) < 1e-5
+
+
+def test_a_plain_optimizer_under_no_sync_is_refused(make_world):
+    """A plain nnx.Optimizer would step on the local gradients inside no_sync and
+    leave the replicas different: the step refuses, naming the parameter."""
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fleet.distributed_step(models.nnx_train_step)
+    x, y = models.batches("linear", 1, 8)[0]
+    with model.no_sync():
+        with pytest.raises(fleet.FleetError, match=r"_linear1.*would hold different values.*no_sync"):
+            step(model, optimizer, x, y)
 
 
 def test_no_psum_is_traced_inside_no_sync(make_world):
@@ -53,34 +100,29 @@ def test_no_psum_is_traced_inside_no_sync(make_world):
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     step = fleet.distributed_step(models.nnx_train_step)
     x, y = models.batches("linear", 1, 8)[0]
-    assert count_primitives(step.make_jaxpr(model, optimizer, x, y)) == 1  # one 1-MB bucket
+    assert count_primitives(step.make_jaxpr(model, optimizer, x, y)) == 4  # 4 leaves, once each
     with model.no_sync():
         assert count_primitives(step.make_jaxpr(model, optimizer, x, y)) == 0
         step(model, optimizer, x, y)
         assert count_primitives(step.make_jaxpr(model, optimizer, x, y)) == 0
 
 
-def test_no_sync_with_an_optax_train_state(make_world):
-    """The optax path (Linen + TrainState) accumulates the same way."""
+def test_no_sync_with_an_optax_train_state_is_refused(make_world):
+    """Spec change (issue 9): the optax path cannot keep a Linen model's gradients
+    local (its parameters are plain replicated state), so no_sync there raises
+    instead of averaging."""
     import jax
     from flax.training.train_state import TrainState
 
-    data = models.batches("linear", 3, 8)
-    x_all = np.concatenate([x for x, _ in data])
-    y_all = np.concatenate([y for _, y in data])
-    _, ref_params = models.linen_reference("linear", [(x_all, y_all)])
-
+    data = models.batches("linear", 1, 8)
     make_world(2)
     model = fleet.distributed_model(models.LinenLinearNet())
     params = model.init(jax.random.key(0), data[0][0][:1])["params"]
     state = TrainState.create(apply_fn=model.apply, params=params,
                               tx=fleet.distributed_optimizer(optax.adam(models.LR)))
     step = fleet.distributed_step(models.linen_train_step)
-    for x, y in data[:2]:
-        with model.no_sync():
-            state, _ = step(state, x, y)
-    state, _ = step(state, *data[2])
-    assert models.max_diff(models.flat_params(state.params), ref_params) < 1e-5
+    with model.no_sync(), pytest.raises(fleet.FleetUnsupportedError, match="no_sync with an optax"):
+        step(state, *data[0])
 
 
 def test_no_sync_cannot_be_entered_inside_a_step(make_world):

@@ -138,8 +138,12 @@ class DistributedStrategy:
         fuse_grad_size_in_MB: bucket size in MB (``DataParallel.comm_buffer_size``).
         last_comm_group_size_MB: size cap in MB of the bucket holding the model's
             first layers (``DataParallel.last_comm_buffer_size``).
-        find_unused_parameters: accepted for Paddle scripts; in JAX a parameter that
-            does not reach the loss simply gets a zero gradient, so nothing is needed.
+        find_unused_parameters: accepted for Paddle scripts and not used: in JAX a
+            parameter that does not reach the loss simply gets a zero gradient.
+        check_replicas_every_n_steps: every this many calls, a distributed step
+            checks that every replica's copy of its state and outputs agree
+            (:func:`fleet.check_replicas`) and raises, naming the first leaf that
+            differs (0, the default: never).
         amp, gradient_merge, recompute, lars, lamb, sharding (+ ``*_configs``):
             Paddle's feature sections; configurable, not run yet (``fleet.init``
             refuses a strategy that turns one on).
@@ -149,6 +153,7 @@ class DistributedStrategy:
     fuse_grad_size_in_MB: float = 32.0
     last_comm_group_size_MB: float = 1.0
     find_unused_parameters: bool = False
+    check_replicas_every_n_steps: int = 0
 
     _POSITIVE: ClassVar[tuple[str, ...]] = ("fuse_grad_size_in_MB", "last_comm_group_size_MB")
 
@@ -178,9 +183,15 @@ class DistributedStrategy:
             if name not in {f.name for f in dataclasses.fields(self)}:
                 raise _unknown("DistributedStrategy", name, self.field_names())
             value = _check_type("DistributedStrategy", name, value, hints[name])
-            if name in self._POSITIVE and value <= 0:
+            if name in self._POSITIVE and not (0 < value < float("inf")):
                 raise FleetConfigError(
-                    f"DistributedStrategy.{name} must be a positive number of MB, got {value}"
+                    f"DistributedStrategy.{name} must be a positive, finite number of MB, "
+                    f"got {value}"
+                )
+            if name == "check_replicas_every_n_steps" and value < 0:
+                raise FleetConfigError(
+                    f"DistributedStrategy.{name} must be 0 (off) or a positive number of "
+                    f"steps, got {value}"
                 )
         object.__setattr__(self, name, value)
 

@@ -1,0 +1,256 @@
+"""The wrapped model's gradient synchronisation: DDP's reducer hooks, in JAX.
+
+Inside :func:`fleet.distributed_step` every piece of state enters the
+per-device body *invariant* (``shard_map`` with ``check_vma=True``): the same
+value on every replica, typed so. Wrapping a model attaches the reduction to
+its parameters. When differentiated code reads a parameter of a wrapped model,
+it reads it through an identity with a custom VJP: forward, the value is cast
+to *varying*; backward, the local cotangent is averaged over the replicas
+(``psum / N``) and comes back invariant. So the gradient any code computes for
+a wrapped model's parameters -- ``nnx.grad``, ``jax.grad`` of a Linen
+``apply``, a hand-written SGD -- is the global-batch gradient, the same on
+every replica, and a plain ``nnx.Optimizer`` or optax transformation can use it.
+
+The read goes through the parameter's type: wrapping turns each ``nnx.Param``
+into a subclass whose ``get_value`` does the above (``isinstance(p, nnx.Param)``
+still holds).
+
+Buckets: the wrapped model's ``__call__`` (Linen: ``apply``) syncs all its
+parameters at once, one custom-VJP call per bucket (:func:`fleet._reduce.plan_buckets`),
+so each bucket's all-reduce can start as soon as its gradients exist. A read
+outside ``__call__`` (another method, a sub-module) syncs that one leaf.
+
+Under ``no_sync`` the wrapped parameters enter the step varying, so their
+gradients are local, with no communication: an optimizer that stepped on them
+would give replicas different parameters, which the step refuses; the
+distributed optimizer adds them to the accumulator instead of stepping. The
+first synced step after it adds the accumulated gradient to its own local one
+before the average: the sum of the local-mean gradients, averaged over
+replicas, as in Paddle and torch DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.typing import MISSING, Missing
+from jax._src.interpreters import ad
+
+from fleet._context import BucketConfig
+from fleet._world import DATA_AXIS
+
+_DIFF_TRACERS = (ad.JVPTracer, ad.LinearizeTracer)
+
+
+def is_varying(x: Any) -> bool:
+    """Whether ``x`` (inside a step) may differ across replicas (its vma type)."""
+    try:
+        return DATA_AXIS in jax.typeof(x).mat.varying
+    except AttributeError:  # outside shard_map: no vma
+        return False
+
+
+def is_differentiated(x: Any) -> bool:
+    return isinstance(x, _DIFF_TRACERS)
+
+
+@dataclasses.dataclass
+class SyncTrace:
+    """Bookkeeping of one trace of the step body (not settings: those come from
+    the objects passed to the step)."""
+
+    num_replicas: int
+    no_sync: bool = False
+    synced: dict = dataclasses.field(default_factory=dict)  # id(variable) -> synced value
+    accum_in: dict = dataclasses.field(default_factory=dict)  # key -> accumulated local grad
+    accum_out: dict = dataclasses.field(default_factory=dict)  # key -> what the step leaves
+    wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced in this trace
+    tx_calls: int = 0  # distributed optimizer updates in this trace
+    tx_grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
+    auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
+
+
+_local = threading.local()
+
+
+def current() -> SyncTrace | None:
+    stack = getattr(_local, "traces", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def tracing(trace: SyncTrace) -> Iterator[SyncTrace]:
+    stack = _local.__dict__.setdefault("traces", [])
+    stack.append(trace)
+    try:
+        yield trace
+    finally:
+        stack.pop()
+
+
+#: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
+#: knows every other psum in a step is not fleet's (see fleet._step).
+FLEET_CALLS = ("fleet_bucket", "fleet_psum")
+
+
+@jax.jit
+def fleet_psum(*leaves: Any) -> list:
+    """``jax.lax.psum`` over ``data`` (fleet.all_reduce, broadcast), marked as fleet's."""
+    return jax.lax.psum(list(leaves), DATA_AXIS)
+
+
+def psum(leaves: list) -> list:
+    return list(fleet_psum(*leaves))
+
+
+@jax.jit
+def fleet_bucket(*leaves: Any) -> list:
+    """One bucket's average over the replicas: a ``jit`` named ``fleet_bucket`` in
+    the jaxpr (so the buckets can be counted), inlined by XLA."""
+    n = jax.lax.axis_size(DATA_AXIS)
+    out = jax.lax.psum(list(leaves), DATA_AXIS)
+    return [s / n if jnp.issubdtype(s.dtype, jnp.inexact) else s // n for s in out]
+
+
+def mean_over_replicas(leaves: list) -> list:
+    """Average of varying leaves over the replicas: one bucket."""
+    return list(fleet_bucket(*leaves))
+
+
+def _make_bucket_sync(keys: tuple):
+    """A custom-VJP identity over one bucket of leaves (see the module docstring)."""
+
+    @jax.custom_vjp
+    def sync(*leaves):
+        return tuple(jax.lax.pcast(x, DATA_AXIS, to="varying") for x in leaves)
+
+    def fwd(*leaves):
+        return sync(*leaves), None
+
+    def bwd(_, cts):
+        trace = current()
+        cts = [ct if is_varying(ct) else jax.lax.pcast(ct, DATA_AXIS, to="varying") for ct in cts]
+        if trace is not None:
+            cts = [ct + trace.accum_in[k] if k in trace.accum_in else ct for k, ct in zip(keys, cts)]
+        if trace is not None:
+            for k in keys:
+                if k in trace.accum_in:
+                    trace.accum_out[k] = None  # consumed
+        return tuple(mean_over_replicas(list(cts)))
+
+    sync.defvjp(fwd, bwd)
+    return sync
+
+
+def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list:
+    """The leaves, each through its bucket's custom-VJP sync (differentiated leaves
+    only; others pass through). ``keys`` name the leaves for the accumulator."""
+    from fleet._reduce import plan_buckets
+
+    trace = current()
+    out = list(leaves)
+    todo = [i for i, x in enumerate(leaves) if is_differentiated(x) and not is_varying(x)
+            and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if trace is None or not todo:
+        return out
+    nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
+    for bucket in plan_buckets(nbytes, buckets):
+        idx = [todo[j] for j in bucket]
+        sync = _make_bucket_sync(tuple(keys[i] for i in idx))
+        trace.wrapped_syncs += 1
+        for i, y in zip(idx, sync(*[leaves[i] for i in idx])):
+            out[i] = y
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSpec:
+    """What a wrapped NNX model's parameter carries (variable metadata
+    ``fleet_sync``): its name for the accumulator, and its model's buckets."""
+
+    key: str
+    buckets: BucketConfig
+
+
+class SyncedRead:
+    """Mixin of a wrapped NNX model's parameter types (``SyncedParam``).
+
+    Outside a step, or where the value is not being differentiated (the
+    optimizer's update, a hand-written SGD), a read returns the value itself.
+    Under differentiation it returns the bucket-synced value that the model's
+    ``__call__`` prepared, or syncs this one leaf.
+    """
+
+    __slots__ = ()
+
+    def get_value(self, *, index: Any = MISSING) -> Any:
+        trace = current()
+        if trace is not None:
+            raw = self.get_raw_value()
+            if is_differentiated(raw) and not is_varying(raw):
+                synced = trace.synced.get(id(self))
+                if synced is not None and synced[0] is raw:
+                    value = synced[1]
+                else:
+                    spec = self.get_metadata("fleet_sync")
+                    value = sync_leaves([spec.key], [raw], spec.buckets)[0]
+                return value if isinstance(index, Missing) or index is ... else value[index]
+        return super().get_value(index=index)
+
+
+_SYNCED_TYPES: dict[type, type] = {}
+
+
+def make_synced(variable: Any, spec: SyncSpec) -> None:
+    """Turns a parameter into its synced type, in place (see :class:`SyncedRead`)."""
+    cls = type(variable)
+    if not issubclass(cls, SyncedRead):
+        synced = _SYNCED_TYPES.get(cls)
+        if synced is None:
+            synced = type(f"Synced{cls.__name__}", (SyncedRead, cls), {"__slots__": ()})
+            _SYNCED_TYPES[cls] = synced
+        variable.__class__ = synced
+    variable.set_metadata("fleet_sync", spec)
+
+
+@contextlib.contextmanager
+def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
+    """Around a wrapped NNX model's ``__call__``: syncs every differentiated
+    parameter at once, in buckets, for the reads inside the call."""
+    trace = current()
+    if trace is None:
+        yield
+        return
+    keys = list(variables)
+    raw = [variables[k].get_raw_value() for k in keys]
+    synced = sync_leaves(keys, raw, buckets)
+    added = []
+    for k, r, s in zip(keys, raw, synced):
+        if s is not r and id(variables[k]) not in trace.synced:
+            trace.synced[id(variables[k])] = (r, s)
+            added.append(id(variables[k]))
+    try:
+        yield
+    finally:
+        for i in added:
+            trace.synced.pop(i, None)
+
+
+def accumulate(grads: Any) -> None:
+    """Under ``no_sync``: adds the local gradients (varying) to the accumulator,
+    keyed by parameter path (the distributed optimizer calls it instead of
+    stepping)."""
+    from fleet._tree import dotted
+
+    trace = current()
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        key = dotted(path)
+        if not is_varying(g):
+            continue
+        trace.accum_out[key] = g + trace.accum_in[key] if key in trace.accum_in else g

@@ -1,0 +1,122 @@
+"""State as flat, named host arrays, and state placed replicated on the mesh.
+
+One home for what the model, the optimizer, ``fleet.Model`` saving and the
+checkpoints all need: dotted names for a pytree's leaves, a leaf brought to the
+host (PRNG keys as their key data), and a tree placed replicated on the mesh
+with every replica holding process 0's values.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fleet._errors import FleetError
+
+
+def dotted(path: tuple) -> str:
+    """``"layers.0.kernel"`` for a key path (dict keys, indices, attributes)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array."""
+    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def first_replica(x: Any) -> np.ndarray:
+    """``x`` on the host: a replicated array's first local copy, else the whole array."""
+    if isinstance(x, jax.Array) and x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(x)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """``x`` as a host numpy array (PRNG keys as their key data)."""
+    return np.asarray(jax.random.key_data(x) if is_key(x) else x)
+
+
+def like(current: Any, host: np.ndarray) -> Any:
+    """``host`` as a value for a variable holding ``current`` (wraps PRNG key data)."""
+    return jax.random.wrap_key_data(host, impl=jax.random.key_impl(current)) if is_key(current) else host
+
+
+def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:
+    """The object's variables by dotted path (``"linear1.kernel"``)."""
+    flat = nnx.to_flat_state(nnx.state(module))
+    return {".".join(map(str, path)): var for path, var in flat}
+
+
+def _check_same_across_processes(paths: list[str], leaves: list[np.ndarray]) -> None:
+    from jax.experimental import multihost_utils
+
+    desc = [zlib.crc32(f"{p}:{x.shape}:{x.dtype}".encode()) for p, x in zip(paths, leaves)]
+    counts = multihost_utils.process_allgather(np.array([len(desc)], np.int64))
+    if len(set(counts.ravel().tolist())) != 1:
+        raise FleetError(
+            f"processes hold models of different sizes (parameter counts per process: "
+            f"{counts.ravel().tolist()}); every process must build the same model"
+        )
+    table = multihost_utils.process_allgather(np.array(desc, np.int64))
+    for i, path in enumerate(paths):
+        column = table.reshape(-1, len(desc))[:, i]
+        if (column != column[0]).any():
+            bad = int(np.nonzero(column != column[0])[0][0])
+            raise FleetError(
+                f"parameter {path!r} differs in shape or dtype between process 0 and "
+                f"process {bad} (here: shape {leaves[i].shape}, dtype {leaves[i].dtype}); "
+                "every process must build the same model"
+            )
+
+
+def replicate(tree: Any) -> Any:
+    """Places every array leaf of ``tree`` replicated on the mesh, equal everywhere.
+
+    Values come from the first device of process 0 (broadcast to the others),
+    after checking that every process has the same shapes and dtypes. PRNG key
+    arrays travel as their key data and are wrapped again.
+    """
+    from fleet._world import world
+
+    w = world()
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [dotted(p) for p, _ in paths_leaves]
+    impls = [jax.random.key_impl(x) if is_key(x) else None for _, x in paths_leaves]
+    host = [
+        first_replica(jax.random.key_data(x) if impl else x)
+        for (_, x), impl in zip(paths_leaves, impls)
+    ]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        _check_same_across_processes(paths, host)
+        host = list(multihost_utils.broadcast_one_to_all(host))
+    placed = []
+    for h, impl in zip(host, impls):
+        x = jax.make_array_from_callback(h.shape, w.replicated, lambda idx, h=h: h[idx])
+        placed.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def set_replicated(variables: dict[str, nnx.Variable], values: dict[str, Any]) -> None:
+    """Sets each variable to its value, replicated (see :func:`replicate`)."""
+    placed = replicate(values)
+    for key, var in variables.items():
+        var.set_value(placed[key])
+
+
+def replicate_in_place(obj: nnx.Pytree) -> None:
+    """Makes every variable of ``obj`` replicated on the mesh, equal everywhere."""
+    variables = module_variables(obj)
+    set_replicated(variables, {k: v.get_raw_value() for k, v in variables.items()})
