@@ -71,11 +71,30 @@ def sampler(n, bs, replicas, rank, shuffle=False, drop_last=False, **kw):
                                    shuffle=shuffle, drop_last=drop_last, **kw)
 
 
+def no_batch(n, bs, replicas, drop_last):
+    """Where the reference gives no batch at all (drop_last, batch_size > a replica's
+    share), the samplers refuse to be built (issue 10), on every rank; and so does the
+    single-device BatchSampler over the padded order."""
+    if reference_batches(n, bs, replicas, 0, False, drop_last, 0):
+        return False
+    assert drop_last
+    for rank in range(replicas):
+        with pytest.raises(fleet.FleetConfigError, match=rf"batch_size={bs}, drop_last=True\) over "
+                                                   rf"{n} samples.* gives no batch"):
+            sampler(n, bs, replicas, rank, drop_last=drop_last)
+    with pytest.raises(fleet.FleetConfigError, match="gives no batch"):
+        BatchSampler(sampler=reference_order(n, replicas, False, 0), batch_size=bs * replicas,
+                     drop_last=True)
+    return True
+
+
 # ------------------------------------------------------------------- acceptance 1
 
 
 @pytest.mark.parametrize("n,replicas,bs,shuffle,drop_last", CASES)
 def test_index_lists_equal_reference(no_world, n, replicas, bs, shuffle, drop_last):
+    if no_batch(n, bs, replicas, drop_last):
+        return
     for rank in range(replicas):
         s = sampler(n, bs, replicas, rank, shuffle, drop_last)
         for epoch in range(3):  # epoch advances by itself each time iteration starts
@@ -103,6 +122,8 @@ def test_several_local_replicas_concatenate_their_batches(no_world, first, count
 @pytest.mark.parametrize("n,replicas,bs,shuffle,drop_last", CASES)
 def test_union_of_replicas_is_the_single_device_global_batch(no_world, n, replicas, bs,
                                                              shuffle, drop_last):
+    if no_batch(n, bs, replicas, drop_last):
+        return
     samplers = [sampler(n, bs, replicas, r, shuffle, drop_last) for r in range(replicas)]
     for epoch in range(2):
         order = reference_order(n, replicas, shuffle, epoch)

@@ -54,6 +54,9 @@ def default_collate_fn(samples: list[Any]) -> Any:
 
 
 def _collate(samples: list[Any], indices: list[int], path: str) -> Any:
+    for j, sample in enumerate(samples):
+        if sample is None:
+            raise FleetDataError(_not_data(None, indices[j], path))
     first = samples[0]
     if isinstance(first, Mapping):
         keys = list(first.keys())
@@ -81,6 +84,9 @@ def _collate(samples: list[Any], indices: list[int], path: str) -> Any:
     if isinstance(first, (str, bytes)):
         return list(samples)
     arrays = [np.asarray(s) for s in samples]
+    for j, a in enumerate(arrays):
+        if a.dtype == object:
+            raise FleetDataError(_not_data(samples[j], indices[j], path))
     shape = arrays[0].shape
     for j, a in enumerate(arrays):
         if a.shape != shape:
@@ -90,6 +96,23 @@ def _collate(samples: list[Any], indices: list[int], path: str) -> Any:
                 f"{shape}; {_SHAPES_HINT}"
             )
     return np.stack(arrays)
+
+
+def _not_data(value: Any, index: int, path: str) -> str:
+    if value is None:
+        what, advice = "None", ("make __getitem__ return the sample on every path (a missing "
+                                "`return` gives None)")
+    else:
+        what = f"a {type(value).__name__} object ({_short(value)})"
+        advice = ("numpy cannot batch it: convert it to an array or a number in __getitem__, "
+                  "or pass a collate_fn that batches such objects")
+    return (f"sample at dataset index {index}{_at(path)} is {what}; {advice}. A sample is an "
+            "array, a number, a string, or a tuple / list / dict of them")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _at(path: str) -> str:

@@ -372,7 +372,7 @@ def _check_sampler_fits_world(sampler: Any, world: _world.World) -> None:
     if isinstance(sampler, DistributedBatchSampler):
         per_device = (sampler.num_replicas == world.num_replicas
                       and sampler.num_local_replicas == world.num_local_replicas
-                      and sampler.rank == _first_local_replica(world))
+                      and sampler.rank == _world.first_local_replica(world))
         per_process = (sampler.num_replicas == jax.process_count()
                        and sampler.num_local_replicas == 1
                        and sampler.rank == jax.process_index())
@@ -380,8 +380,8 @@ def _check_sampler_fits_world(sampler: Any, world: _world.World) -> None:
             raise FleetConfigError(
                 f"the DistributedBatchSampler covers replicas [{sampler.rank}, "
                 f"{sampler.rank + sampler.num_local_replicas}) of {sampler.num_replicas}, "
-                f"but this process feeds devices [{_first_local_replica(world)}, "
-                f"{_first_local_replica(world) + world.num_local_replicas}) of "
+                f"but this process feeds devices [{_world.first_local_replica(world)}, "
+                f"{_world.first_local_replica(world) + world.num_local_replicas}) of "
                 f"{world.num_replicas}; build the sampler after fleet.init with "
                 "num_replicas=None and rank=None, or use return_numpy=True"
             )
@@ -391,8 +391,3 @@ def _check_sampler_fits_world(sampler: Any, world: _world.World) -> None:
             "the same batches, so the global batch would repeat them; use "
             "DistributedBatchSampler"
         )
-
-
-def _first_local_replica(world: _world.World) -> int:
-    me = jax.process_index()
-    return next(i for i, d in enumerate(world.mesh.devices.flat) if d.process_index == me)

@@ -141,6 +141,21 @@ class BatchSampler:
         self.epoch = 0
         self._resume: tuple[int, int] | None = None
         self._progress: _Progress | None = None
+        if not isinstance(self, DistributedBatchSampler):  # it checks once it knows its split
+            self._check_not_empty()
+
+    def _check_not_empty(self) -> None:
+        """``drop_last`` with a batch larger than the data would give no batch at all."""
+        if self.drop_last and self._size and len(self) == 0:
+            share = self._total_size() // getattr(self, "num_replicas", 1)
+            where = (f"{self._size} samples" if share == self._size else
+                     f"{self._size} samples split over {self.num_replicas} replicas ({share} "
+                     "each)")
+            raise FleetConfigError(
+                f"{type(self).__name__}(batch_size={self.batch_size}, drop_last=True) over "
+                f"{where} gives no batch: the only batch is partial and drop_last drops it; "
+                f"use batch_size <= {share}, or drop_last=False"
+            )
 
     # Subclasses change these two.
     def _order(self, epoch: int) -> np.ndarray:
@@ -299,6 +314,8 @@ class DistributedBatchSampler(BatchSampler):
         )
         self.num_samples = -(-self._size // self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
+        self._check_not_empty()
+        self._agreed = False
 
     def _order(self, epoch: int) -> np.ndarray:
         return padded_order(self._size, self.num_replicas, epoch, self.shuffle)[0]
@@ -309,6 +326,41 @@ class DistributedBatchSampler(BatchSampler):
 
     def _total_size(self) -> int:
         return self.total_size
+
+    def _iter(self, as_lists: bool):
+        if not self._agreed:
+            self._agree_on_length()
+            self._agreed = True
+        return super()._iter(as_lists)
+
+    def _agree_on_length(self) -> None:
+        """Every process must split the same index list; a dataset of another length on
+        one process would give it another number of batches, and the job would hang in
+        the step after the shorter process's last batch."""
+        from fleet import _world
+
+        if not _world.is_initialized() or self.num_local_replicas == self.num_replicas:
+            return  # this process feeds every replica: nobody to agree with
+        import jax
+
+        from fleet._agree import agree
+
+        if jax.process_count() == 1:
+            return
+        name = "fleet.io.DistributedBatchSampler.dataset_length"
+        lengths = [int(v) for v in agree(name, str(self._size))]
+        if len(set(lengths)) > 1:
+            _coordinator_last(name)
+            by_length: dict[int, list[int]] = {}
+            for process, n in enumerate(lengths):
+                by_length.setdefault(n, []).append(process)
+            told = "; ".join(f"len(dataset) = {n} on process(es) {ps}"
+                             for n, ps in by_length.items())
+            raise FleetConfigError(
+                f"DistributedBatchSampler: the processes' datasets differ in length ({told}); "
+                "every process must build the same dataset (the sampler splits it by index), "
+                "or the processes get different numbers of batches and the job hangs"
+            )
 
     def padding_mask(self, step: int, epoch: int | None = None) -> np.ndarray:
         """Which rows of step ``step``'s *global* batch are padding duplicates.
@@ -346,6 +398,26 @@ class DistributedBatchSampler(BatchSampler):
 # --------------------------------------------------------------------------- helpers
 
 
+def _coordinator_last(name: str, timeout_s: float = 10.0) -> None:
+    """Before every process raises the same error: process 0, whose exit takes JAX's
+    key-value service down with it, waits until every other process has read what
+    it needs (each sets a key once done), so each raises its own error instead of
+    dying in a read when the service goes away."""
+    import jax
+
+    from fleet._agree import _client
+
+    client, rank = _client(), jax.process_index()
+    prefix = f"fleet/agree/{name}/raising/"
+    try:
+        client.key_value_set(prefix + str(rank), "1")
+        if rank == 0:
+            for other in range(1, jax.process_count()):
+                client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001 (best effort: the error is raised either way)
+        pass
+
+
 class _Progress:
     """The running epoch and how many of its batches were yielded."""
 
@@ -378,6 +450,11 @@ def _dataset_size(dataset: Any) -> int:
             f"{type(dataset).__name__} has no len(); a sampler needs a map-style dataset "
             "(define __len__ and __getitem__) or a sized sampler"
         ) from None
+    except (ValueError, OverflowError):  # __len__ returned a negative (or huge) number
+        raise FleetConfigError(
+            f"len() of the {type(dataset).__name__} is {type(dataset).__len__(dataset)!r}; "
+            "__len__ must return the number of samples, an int >= 0"
+        ) from None
 
 
 def _resolve_replicas(
@@ -395,7 +472,7 @@ def _resolve_replicas(
     num_local_replicas = _positive_int("num_local_replicas", num_local_replicas)
     if rank is None:
         if per_device:
-            rank = _first_local_replica(world)
+            rank = _world.first_local_replica(world)
         elif world is not None:
             import jax
 
@@ -412,10 +489,3 @@ def _resolve_replicas(
             "num_replicas as None to take them from fleet.init"
         )
     return num_replicas, int(rank), num_local_replicas
-
-
-def _first_local_replica(world) -> int:
-    import jax
-
-    me = jax.process_index()
-    return next(i for i, d in enumerate(world.mesh.devices.flat) if d.process_index == me)
