@@ -84,11 +84,11 @@ def merge(all_sums: list[Sums]) -> Sums:
     return out
 
 
-def mismatches(stored: Sums, values: dict[str, Any]) -> list[str]:
+def mismatches(stored: Sums, values: dict[str, Any], quote: bool = True) -> list[str]:
     """Every shard of ``values`` (as read) whose checksum differs from ``stored``.
 
     Keys or shards without a stored checksum are not checked (checkpoints written
-    before fleet stored checksums).
+    before fleet stored checksums). Keys are shown with ``repr`` if ``quote``.
     """
     pieces = [p for p in _pieces(values, written=False) if p[1] in stored.get(p[0], {})]
     got = _sum_all(pieces)
@@ -97,6 +97,7 @@ def mismatches(stored: Sums, values: dict[str, Any]) -> list[str]:
         want = stored[key][index]
         if got[key][index] != want:
             where = "" if index == _whole(np.shape(values[key])) else f" (shard [{index}])"
-            problems.append(f"{key!r}{where}: {ALGORITHM} {got[key][index]:#010x} as read, "
+            name = repr(key) if quote else key
+            problems.append(f"{name}{where}: {ALGORITHM} {got[key][index]:#010x} as read, "
                             f"{want:#010x} when written")
     return problems

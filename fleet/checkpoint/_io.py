@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import glob
 import json
 import os
 import shutil
@@ -228,7 +229,8 @@ def save(obj: Any, path: str | os.PathLike) -> None:
             os.fsync(f.fileno())
         _put_in_place(fresh, final, tag)
     except Exception as e:
-        shutil.rmtree(fresh, ignore_errors=True)
+        for leftover in glob.glob(glob.escape(fresh) + "*"):  # (and orbax's own temporary name)
+            shutil.rmtree(leftover, ignore_errors=True)
         if is_disk_full(e):
             raise FleetCheckpointError(
                 f"fleet.save: disk full at {parent}: {final} was not written "
@@ -329,9 +331,10 @@ def _verify(path: str, value: Any) -> None:
     stored = {k: {_integrity.index_key((slice(None),) * np.ndim(arrays[k]), np.shape(arrays[k]))
                   if i is None else i: crc for i, crc in v.items()}
               for k, v in sums.items() if k in arrays}
-    bad = _integrity.mismatches(stored, arrays)
+    bad = _integrity.mismatches(stored, arrays, quote=False)
     if bad:
         raise FleetCheckpointError(
-            f"fleet.load: {path} is damaged: {len(bad)} array(s) do not match the checksum "
-            "written with them:\n  " + "\n  ".join(bad)
+            f"fleet.load: {path} is damaged: {len(bad)} array{'s do' if len(bad) > 1 else ' does'} "
+            f"not match the checksum written with {'them' if len(bad) > 1 else 'it'}:\n  "
+            + "\n  ".join(bad)
         )

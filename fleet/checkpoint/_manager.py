@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 import warnings
-import weakref
 from typing import Any
 
 import jax
@@ -115,14 +114,16 @@ def _first_line(e: BaseException) -> str:
 
 # --------------------------------------------------------------------------- interpreter exit
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+# Managers with a save in flight, held (strongly) until it is settled: a manager
+# the script dropped still finishes its save at exit.
+_PENDING: set = set()
 _HOOKED: list[bool] = []
 
 
 def _finish_pending_saves() -> None:
     """Runs when the main thread ends (before ``concurrent.futures`` stops taking
     work, which would kill orbax's background save): finishes every pending save."""
-    for manager in list(_LIVE):
+    for manager in list(_PENDING):
         manager._finish_at_exit()
 
 
@@ -212,7 +213,6 @@ class CheckpointManager:
         latest = self.latest_step()
         self._last_save = (None if latest is None else
                            os.path.getmtime(os.path.join(self.directory, str(latest))))
-        _LIVE.add(self)
         _hook_exit()
 
     # -- meeting the other processes -----------------------------------------------------
@@ -345,6 +345,7 @@ class CheckpointManager:
         self._last_save = time.time()
         if self.async_save:
             self._pending = step
+            _PENDING.add(self)
         else:
             self._prune()
         return True
@@ -357,6 +358,7 @@ class CheckpointManager:
     def _settle(self, prune: bool = True) -> None:
         """Waits for the pending save: raises if it failed, else deletes old steps."""
         step, self._pending = self._pending, None
+        _PENDING.discard(self)
         if step is not None:
             try:
                 self._orbax.wait_until_finished()
@@ -499,8 +501,9 @@ class CheckpointManager:
             bad = [f"{name} {b}" for name in args
                    for b in _integrity.mismatches(sums.get(name, {}), dict(values[name]))]
             if bad:
-                verdict = (f"{len(bad)} array{'s do' if len(bad) > 1 else ' does'} not match the "
-                           "checksum written with them:\n  " + "\n  ".join(bad))
+                many = len(bad) > 1
+                verdict = (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
+                           f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
         except FleetError:
             raise
         except Exception as e:  # noqa: BLE001 (tensorstore's errors on damaged files)
@@ -588,14 +591,12 @@ class CheckpointManager:
             self._settle()
         except BaseException:
             self._closed = True
-            _LIVE.discard(self)
             try:
                 self._orbax.close()
             except Exception:  # noqa: BLE001 (the same failure, raised already)
                 pass
             raise
         self._closed = True
-        _LIVE.discard(self)
         self._orbax.close()
 
     def _finish_at_exit(self) -> None:
@@ -606,6 +607,7 @@ class CheckpointManager:
         try:
             self._orbax.wait_until_finished()
             self._pending = None
+            _PENDING.discard(self)
             if jax.process_count() == 1:
                 self._prune()
         except BaseException as e:  # noqa: BLE001
