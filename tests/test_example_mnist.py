@@ -87,6 +87,29 @@ def test_script_without_data_says_what_to_pass(tmp_path):
     assert "--data-dir DIR" in proc.stderr
 
 
+def test_defaults_are_the_seeds_settings(monkeypatch):
+    """Seed 003: batch 32, 5 epochs, Adam, Flatten-Linear(784, 512)-ReLU-Dropout(0.2)-
+    Linear(512, 10). (The other tests pass smaller settings, to stay fast.)"""
+    monkeypatch.setitem(sys.modules, "data", data)  # what train.py imports as `data`
+    spec = importlib.util.spec_from_file_location("mnist_example_train", EXAMPLE / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    args = train.parse_args([])
+    assert (args.batch_size, args.epochs, args.lr) == (32, 5, 1e-3)
+    from flax import nnx
+
+    net = train.MLP(nnx.Rngs(0))
+    assert net.linear1.kernel.shape == (784, 512) and net.linear2.kernel.shape == (512, 10)
+    assert net.dropout.rate == 0.2
+    x = np.ones((3, 28, 28), np.float32)
+    want = nnx.relu(x.reshape(3, 784) @ net.linear1.kernel[...] + net.linear1.bias[...])
+    want = want @ net.linear2.kernel[...] + net.linear2.bias[...]
+    net.eval()  # dropout off: Linear-ReLU-Linear
+    np.testing.assert_allclose(net(x), want, rtol=1e-5, atol=1e-5)
+    source = (EXAMPLE / "train.py").read_text()
+    assert "optax.adam(args.lr)" in source
+
+
 # -- acceptance 1: one process and fleetrun --------------------------------------------------
 
 def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):

@@ -267,6 +267,73 @@ def test_accuracy_rejects_too_few_classes_and_bad_prediction_shapes():
         metric.Accuracy().compute(np.zeros((2, 3, 1)), np.zeros(2))
 
 
+def paddle_accuracy(input, label, k):
+    """Paddle's accuracy op, transcribed (paddle.topk, then the CPU kernel's loop):
+    a row counts once when any of its k top indices equals its label."""
+    indices = np.argsort(-np.asarray(input), axis=1, kind="stable")[:, :k]
+    label = np.asarray(label).reshape(-1)
+    num_correct = 0
+    for i in range(len(indices)):
+        for j in range(k):
+            if indices[i, j] == label[i]:
+                num_correct += 1
+                break
+    return np.float32(num_correct / len(indices))
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("label_shape", ["(N, 1)", "(N,)"])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_accuracy_function_is_paddles(k, label_shape, dtype):
+    rng = np.random.RandomState(k)
+    logits = rng.randn(64, 10).astype(np.float32)
+    label = rng.randint(0, 10, 64).astype(dtype)
+    label = label[:, None] if label_shape == "(N, 1)" else label
+    got = metric.accuracy(logits, label, k=k)
+    assert got.shape == () and got.dtype == np.float32
+    assert float(got) == paddle_accuracy(logits, label, k)
+    assert float(metric.accuracy(jax.nn.softmax(logits), label, k)) == float(got)  # probs
+    acc = metric.Accuracy(topk=k)  # the class form agrees
+    assert float(got) == pytest.approx(acc.update(np.asarray(acc.compute(logits, label))))
+
+
+def test_accuracy_function_in_a_distributed_step_is_the_global_batch_value(make_world):
+    """Seed 003's loop: acc = paddle.metric.accuracy(predicts, y_data) inside the step.
+    On 8 replicas the step returns the mean of the replicas' values: the global
+    batch's accuracy (equal rows per replica)."""
+    world = make_world(8)
+    rng = np.random.RandomState(0)
+    logits = rng.randn(64, 10).astype(np.float32)
+    label = rng.randint(0, 10, (64, 1))
+    logits[::3, 3] = 10.0  # some rows right, some wrong, unevenly spread over replicas
+    label[::3] = 3
+    step = fleet.distributed_step(lambda p, y: metric.accuracy(p, y), batch_argnums=(0, 1))
+    assert world.num_replicas == 8
+    assert float(step(logits, label)) == pytest.approx(paddle_accuracy(logits, label, 1),
+                                                       abs=1e-6)
+
+
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    ((np.zeros((4, 3)), np.zeros(4, int)), {"k": 4}, fleet.FleetConfigError,
+     r"accuracy\(k=4\) needs at least 4 classes, but input has 3"),
+    ((np.zeros((4, 3)), np.zeros(4, int)), {"k": 0}, fleet.FleetConfigError,
+     r"k=0\): k must be a positive int"),
+    ((np.zeros((4, 3, 1)), np.zeros(4, int)), {}, fleet.FleetConfigError,
+     r"input of shape \(batch, num_classes\), got \(4, 3, 1\)"),
+    ((np.zeros((4, 3)), np.zeros(5, int)), {}, fleet.FleetConfigError,
+     r"label of shape \(4,\) or \(4, 1\) .*got \(5,\)"),
+    ((np.zeros((4, 3)), np.zeros((4, 3))), {}, fleet.FleetConfigError,
+     r"got \(4, 3\)"),
+    ((np.zeros((4, 3)), np.zeros(4)), {}, fleet.FleetTypeError,
+     r"integer class indices as label, got dtype float"),
+    ((np.zeros((4, 3)), np.zeros(4, int)), {"correct": np.zeros(1)}, fleet.FleetError,
+     r"correct=..., total=...\): Paddle fills those tensors in place"),
+])
+def test_accuracy_function_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        metric.accuracy(*args, **kwargs)
+
+
 # -- callbacks ----------------------------------------------------------------------------
 
 def test_callback_hooks_run_in_order(make_world, train_set, eval_set):

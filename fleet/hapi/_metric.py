@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fleet._errors import FleetConfigError, FleetTypeError
+from fleet._errors import FleetConfigError, FleetTypeError, FleetUnsupportedError
 
 
 class Metric(abc.ABC):
@@ -161,3 +161,62 @@ class Accuracy(Metric):
 
     def name(self) -> list[str]:
         return list(self._names)
+
+
+def accuracy(input: Any, label: Any, k: int = 1, correct: Any = None, total: Any = None,
+             name: str | None = None) -> jax.Array:
+    """Top-``k`` accuracy of one batch (Paddle's ``paddle.metric.accuracy``).
+
+    The fraction of rows whose label is among the ``k`` highest scores of
+    ``input``, as a float32 scalar. It works on the host and inside a step; in a
+    ``fleet.distributed_step`` each replica computes it on its rows and the step
+    returns the mean over replicas, which is the global batch's accuracy when
+    every replica has the same number of rows (``drop_last=True``, or no padding).
+    For exact accuracy over a whole data set, use :class:`Accuracy`.
+
+    Args:
+        input: scores (logits or probabilities) of shape ``(N, num_classes)``.
+        label: class indices of shape ``(N,)`` or ``(N, 1)`` (Paddle's layout).
+        k: how many of the best classes count as a hit.
+        correct, total: Paddle's output tensors; not supported (JAX arrays are
+            immutable): use :class:`Accuracy` to accumulate counts.
+        name: ignored (Paddle's op name).
+
+    Example:
+        >>> import numpy as np
+        >>> pred = np.array([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3]])
+        >>> float(accuracy(pred, np.array([[1], [2]]))), float(accuracy(pred, [1, 2], k=2))
+        (0.5, 1.0)
+    """
+    del name
+    if correct is not None or total is not None:
+        raise FleetUnsupportedError(
+            "accuracy(correct=..., total=...): Paddle fills those tensors in place, which JAX "
+            "arrays cannot do; use fleet.metric.Accuracy() to accumulate counts over batches"
+        )
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+        raise FleetConfigError(f"accuracy(k={k!r}): k must be a positive int")
+    input, label = jnp.asarray(input), jnp.asarray(label)
+    if input.ndim != 2:
+        raise FleetConfigError(
+            f"accuracy expects input of shape (batch, num_classes), got {input.shape}; "
+            "flatten extra axes in the network's output"
+        )
+    if input.shape[1] < k:
+        raise FleetConfigError(
+            f"accuracy(k={k}) needs at least {k} classes, but input has {input.shape[1]}; "
+            "use a smaller k"
+        )
+    if label.shape not in ((input.shape[0],), (input.shape[0], 1)):
+        raise FleetConfigError(
+            f"accuracy expects label of shape ({input.shape[0]},) or ({input.shape[0]}, 1) "
+            f"(class indices for the {input.shape[0]} rows of input), got {label.shape}"
+        )
+    if not jnp.issubdtype(label.dtype, jnp.integer):
+        raise FleetTypeError(
+            f"accuracy expects integer class indices as label, got dtype {label.dtype}; "
+            "for one-hot labels pass label.argmax(-1)"
+        )
+    _, top = jax.lax.top_k(input, k)
+    hits = jnp.any(top == label.reshape(-1, 1), axis=1)
+    return jnp.mean(hits.astype(jnp.float32))
