@@ -4,7 +4,8 @@
 
 CASE:
   save-rank1       rank 1 alone calls fleet.save; then every rank loads it.
-  save-all         every rank calls fleet.save to one path, three times over.
+  save-all         every rank calls fleet.save to one path, three times over; then
+                   rank 0 and, after it, rank 1.
   manager-rank0    ``CheckpointManager(d) if fleet.is_first_worker() else None``.
   save-rank0       every rank makes the manager; rank 0 alone calls save.
   restore-damaged  a 2-process job restores the latest of DIR/ckpt, whose newest
@@ -52,9 +53,15 @@ def main() -> None:
             np.savez(os.path.join(directory, "expected.npz"), **flat(values))
         for _ in range(3 if case == "save-all" else 1):
             if case == "save-all" or rank == 1:
-                save(values, path)
+                save(values, path)  # save-all: every rank at once
             fleet.barrier_worker()
+        if case == "save-all":  # then rank 0, and rank 1 last (over a good checkpoint)
+            for saver in (0, 1):
+                if rank == saver:
+                    save(values, path)
+                fleet.barrier_worker()
         np.savez(os.path.join(directory, f"loaded-{rank}.npz"), **flat(load(path)))
+        fleet.barrier_worker()
         print("leftovers:", sorted(os.listdir(directory)), flush=True)
     elif case == "manager-rank0":
         start = time.monotonic()

@@ -1,0 +1,109 @@
+"""Issue 10: bad input to fleet.checkpoint, one case a line. Each gets a
+FleetCheckpointError that says what was given and what to do, and changes
+nothing on disk (checked bitwise where something was there).
+
+Multi-process cases (a collective call on one rank only) are in
+test_checkpoint_collective.py; faults (damaged files, disk full, exit without
+close) in test_checkpoint_faults.py.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
+
+
+def a_file(tmp_path):
+    path = tmp_path / "afile"
+    path.write_bytes(b"precious bytes")
+    return path
+
+
+def a_directory_of_other_things(tmp_path):
+    path = tmp_path / "photos"
+    path.mkdir()
+    (path / "cat.jpg").write_bytes(b"meow")
+    return path
+
+
+def existing_step(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=False)
+    manager.save(1, state={"w": np.arange(3.0)})
+    try:
+        manager.save(1, state={"w": np.zeros(3)})
+    finally:
+        manager.close()
+
+
+CASES = [
+    # (what, call, message)
+    ("fleet.save onto a regular file",
+     lambda p: save({"w": np.ones(2)}, a_file(p)),
+     r"fleet.save: .*afile is a file, not a checkpoint; fleet.save writes a directory and "
+     r"never replaces a file: choose another path or remove the file"),
+    ("fleet.save onto a directory of other things",
+     lambda p: save({"w": np.ones(2)}, a_directory_of_other_things(p)),
+     r"fleet.save: .*photos is a directory that is not a checkpoint \(it holds \['cat.jpg'\]\); "
+     r"fleet.save replaces only what fleet.save wrote"),
+    ("fleet.save of a function",
+     lambda p: save({"f": len}, p / "x"),
+     r"\['f'\] is a builtin_function_or_method; fleet.save takes dicts and lists of arrays"),
+    ("fleet.load of a file",
+     lambda p: load(a_file(p)),
+     r"fleet.load: .*afile is not a directory written by fleet.save \(it is a file\)"),
+    ("fleet.load of nothing",
+     lambda p: load(p / "missing"),
+     r"fleet.load: .*missing is not a directory written by fleet.save \(it does not exist\)"),
+    ("CheckpointManager on a file",
+     lambda p: CheckpointManager(a_file(p)),
+     r"CheckpointManager: .*afile is a file, not a directory; a checkpoint manager writes one "
+     r"directory per step into a directory: give another path"),
+    ("CheckpointManager with max_to_keep=0",
+     lambda p: CheckpointManager(p, max_to_keep=0),
+     r"max_to_keep must be an int >= 1 or None, got 0"),
+    ("CheckpointManager with save_interval_steps=1.5",
+     lambda p: CheckpointManager(p, save_interval_steps=1.5),
+     r"save_interval_steps must be an int >= 1 or None, got 1.5"),
+    ("save of a negative step",
+     lambda p: CheckpointManager(p).save(-1, state={}),
+     r"step must be an int >= 0, got -1"),
+    ("save of a step that is already saved",
+     existing_step,
+     r"step 1 is already saved in .*ckpt; pass force=True to overwrite it, or save under "
+     r"another step number"),
+    ("restore of a step never saved",
+     lambda p: CheckpointManager(p).restore(5, state={}),
+     r"there is no complete checkpoint of step 5 in .*; saved steps: \[\]"),
+]
+
+
+def snapshot(root):
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+@pytest.mark.parametrize("what, call, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(make_world, tmp_path, what, call, message):
+    make_world(1)
+    with pytest.raises(FleetCheckpointError, match=message):
+        call(tmp_path)
+
+
+@pytest.mark.parametrize("make", [a_file, a_directory_of_other_things])
+def test_a_refused_save_changes_nothing(tmp_path, make):
+    path = make(tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(FleetCheckpointError):
+        save({"w": np.ones(2)}, path)
+    assert snapshot(tmp_path) == before  # bitwise, and nothing hidden beside it
+
+
+def test_a_refused_overwrite_keeps_the_step(make_world, tmp_path):
+    make_world(1)
+    with pytest.raises(FleetCheckpointError, match="already saved"):
+        existing_step(tmp_path)
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        got = manager.restore(1, state={"w": np.zeros(3)}).state["w"]
+    assert got.tobytes() == np.arange(3.0).tobytes()
