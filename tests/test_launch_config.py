@@ -33,10 +33,12 @@ def script(tmp_path):
 VALUES = {"nproc_per_node": "3", "gpus": "0,1", "cpu_devices": "2", "nnodes": "2",
           "node_rank": "1", "master": "10.0.0.1:6070", "ips": "10.0.0.1,10.0.0.2",
           "log_dir": "mylogs", "max_restarts": "4", "job_id": "exp7",
-          "progress_timeout": "12.5"}
+          "progress_timeout": "12.5", "node_ip": "10.0.0.2", "started_port": "6170",
+          "verbose_env": None}  # None: an on/off flag (its variable: 1)
 PARSED = {"nproc_per_node": 3, "gpus": ("0", "1"), "cpu_devices": 2, "nnodes": 2,
           "node_rank": 1, "master": "10.0.0.1:6070", "ips": ("10.0.0.1", "10.0.0.2"),
-          "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5}
+          "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5,
+          "node_ip": "10.0.0.2", "started_port": 6170, "verbose_env": True}
 
 
 def test_every_option_is_tested():
@@ -46,11 +48,12 @@ def test_every_option_is_tested():
 @pytest.mark.parametrize("name", sorted(VALUES))
 @pytest.mark.parametrize("spelling", ["underscore", "dash", "env"])
 def test_each_option_three_ways(name, spelling):
+    value = VALUES[name]
     if spelling == "env":
-        config = parse_args(["train.py"], environ={env_name(name): VALUES[name]})
+        config = parse_args(["train.py"], environ={env_name(name): value or "1"})
     else:
         flag = name if spelling == "underscore" else name.replace("_", "-")
-        config = parse_args([f"--{flag}", VALUES[name], "train.py"], environ={})
+        config = parse_args([f"--{flag}", *([value] if value else []), "train.py"], environ={})
     assert getattr(config, name) == PARSED[name]
 
 
@@ -69,6 +72,35 @@ def test_command_line_wins_over_environment():
 @pytest.mark.parametrize("alias", ["--devices", "--selected_gpus", "--selected-gpus"])
 def test_gpu_aliases(alias):
     assert parse_args([alias, "2,3", "train.py"], environ={}).gpus == ("2", "3")
+
+
+def test_paddle_older_spellings():
+    """Seed 002's command line: --cluster_node_ips, --node_ip, --started_port."""
+    config = parse_args(["--cluster_node_ips=192.168.1.2,192.168.1.3", "--node_ip=192.168.1.3",
+                         "--started_port=6170", "--selected_gpus=0,1,2,3", "train.py"],
+                        environ={})
+    assert (config.ips, config.node_ip, config.started_port, config.gpus) == (
+        ("192.168.1.2", "192.168.1.3"), "192.168.1.3", 6170, ("0", "1", "2", "3"))
+    assert parse_args(["--verbose_env", "train.py"], environ={}).verbose_env is True
+    assert parse_args(["train.py"], environ={"FLEETRUN_VERBOSE_ENV": "0"}).verbose_env is False
+    with pytest.raises(FleetConfigError, match=r"FLEETRUN_VERBOSE_ENV='maybe' is not 1 or 0"):
+        parse_args(["train.py"], environ={"FLEETRUN_VERBOSE_ENV": "maybe"})
+
+
+def test_resolve_node_ip_and_started_port(script, tmp_path):
+    config = resolve(LaunchConfig(training_script=script, ips=("10.9.9.1", "10.9.9.2"),
+                                  node_ip="10.9.9.2", started_port=6170), NO_GPUS)
+    assert (config.nnodes, config.node_rank, config.master) == (2, 1, "10.9.9.1:6170")
+    envs = [WorkerEnv.from_environ(s.environ) for s in plan_workers(config, 0, str(tmp_path))]
+    assert [e.current_endpoint for e in envs] == ["10.9.9.2:6170"]
+    assert envs[0].trainer_endpoints == ("10.9.9.1:6170", "10.9.9.2:6170")
+    # One node: --started_port fixes the coordinator's port on loopback.
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    config = resolve(LaunchConfig(training_script=script, started_port=free), NO_GPUS)
+    assert (config.nnodes, config.master) == (1, f"127.0.0.1:{free}")
 
 
 def test_bad_environment_value_names_the_variable():
@@ -124,6 +156,15 @@ BAD = [
     (dict(cpu_devices=0), r"--cpu_devices 0 must be at least 1"),
     (dict(max_restarts=-1, cpu_devices=1), r"--max_restarts -1 must be at least 0"),
     (dict(progress_timeout=-1.0, cpu_devices=1), r"--progress_timeout -1.0 must be >= 0"),
+    (dict(ips=("10.9.9.1", "10.9.9.2"), node_ip="10.9.9.3"),
+     r"--node_ip 10.9.9.3 is not in --ips 10.9.9.1,10.9.9.2"),
+    (dict(ips=("10.9.9.1", "10.9.9.1"), node_ip="10.9.9.1"),
+     r"--node_ip 10.9.9.1 appears 2 times in --ips .*--node_rank"),
+    (dict(ips=("10.9.9.1", "10.9.9.2"), node_ip="10.9.9.2", node_rank=0),
+     r"--node_rank 0 and --node_ip 10.9.9.2 disagree"),
+    (dict(started_port=70000), r"--started_port 70000 must be a port"),
+    (dict(started_port=6170, master="127.0.0.1:6170"),
+     r"--started_port 6170 and --master 127.0.0.1:6170 both give the coordinator's port"),
 ]
 
 
@@ -227,6 +268,9 @@ def test_gpu_processes_see_one_gpu_each(tmp_path, script):
                      {"CUDA_VISIBLE_DEVICES": "3,4,5"})
     specs = plan_workers(config, 0, str(tmp_path))
     assert [s.environ["CUDA_VISIBLE_DEVICES"] for s in specs] == ["5", "3"]
+    assert [s.environ["FLAGS_selected_gpus"] for s in specs] == ["5", "3"]  # Paddle's
+    cpu = resolve(LaunchConfig(training_script=script, cpu_devices=2), NO_GPUS)
+    assert "FLAGS_selected_gpus" not in plan_workers(cpu, 0, str(tmp_path))[0].environ
 
 
 def test_inherited_worker_variables_are_dropped():
@@ -300,17 +344,49 @@ def test_watchdog_names_a_stopped_worker(tmp_path):
 
 # -- the tables ---------------------------------------------------------------------------
 
+SEED_004_TABLE = """\
+-----------  Configuration Arguments -----------
+gpus: 0,1
+ips: 127.0.0.1
+log_dir: log
+server_num: None
+servers:
+training_script: {script}
+training_script_args: []
+worker_num: None
+workers:"""
+
+
 def test_tables(script):
-    config = resolve(LaunchConfig(training_script=script, cpu_devices=2), NO_GPUS)
-    text = config_table(config.table())
+    given = LaunchConfig(training_script=script, gpus=("0", "1"))
+    config = resolve(given, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    text = config_table(config.table(given))
+    assert text.startswith(SEED_004_TABLE.format(script=script) + "\n")  # the seed's rows
     lines = text.splitlines()
-    assert lines[0] == "-----------  Configuration Arguments -----------"
-    assert "cpu_devices: 2" in lines and "log_dir: log" in lines
-    assert "training_script_args: []" in lines and lines[-1].startswith("-----")
-    table = env_table({"PADDLE_TRAINER_ID": "0", "LONG": "x" * 100})
-    assert "Distributed Envs" in table and "PADDLE_TRAINER_ID" in table
-    assert "..." + "x" * 42 in table
-    assert len({len(line) for line in table.splitlines()}) == 1  # a straight box
+    assert lines[10:] == sorted(lines[10:-1]) + [lines[-1]]  # then fleet's, by name
+    assert "nproc_per_node: 2" in lines and "progress_timeout: 600.0" in lines
+    assert lines[-1] == "------------------------------------------------"
+    # --ips given, --gpus not: Paddle shows what was given.
+    given = LaunchConfig(training_script=script, ips=("10.9.9.1", "127.0.0.1"))
+    lines = config_table(resolve(given, NO_GPUS).table(given)).splitlines()
+    assert lines[1:3] == ["gpus: None", "ips: 10.9.9.1,127.0.0.1"]
+    assert "node_rank: 1" in lines and "master: 10.9.9.1:6070" in lines
+
+    env = {"PADDLE_TRAINER_ID": "0", "FLEET_RANK": "0", "LONG": "x" * 100,
+           "PADDLE_CURRENT_ENDPOINT": "127.0.0.1:1", "FLAGS_selected_gpus": "0",
+           "PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:1,127.0.0.1:2"}
+    table = env_table(env)
+    names = [line.split()[1] for line in table.splitlines()[3:-1]]
+    assert names == ["PADDLE_CURRENT_ENDPOINT", "PADDLE_TRAINERS_NUM", "FLAGS_selected_gpus",
+                     "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINER_ID"]  # the seed's order
+    verbose = env_table(env, verbose=True)
+    names = [line.split()[1] for line in verbose.splitlines()[3:-1]]
+    assert names[:5] == ["PADDLE_CURRENT_ENDPOINT", "PADDLE_TRAINERS_NUM",
+                         "FLAGS_selected_gpus", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINER_ID"]
+    assert names[5:] == ["FLEET_RANK", "LONG"]
+    assert "Distributed Envs" in table
+    assert "..." + "x" * 42 in verbose
+    assert len({len(line) for line in verbose.splitlines()}) == 1  # a straight box
 
 
 def _progress(path, begun, ended, state, at):

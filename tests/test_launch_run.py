@@ -128,9 +128,11 @@ def test_trains_like_single_card(jobs, tmp_path, reference, nproc, devices, entr
     assert f"nproc_per_node: {nproc}" in text and f"cpu_devices: {devices}" in text
     assert f"Local start {nproc} processes" in text
     assert re.search(rf"\|\s+PADDLE_TRAINERS_NUM\s+{nproc}\s+\|", text)
-    # Worker 0 live on the console, each line saying who wrote it; every worker's log file.
-    assert re.search(r"^\[rank 0\] step:7\tloss:", text, re.M)
-    assert "[rank 1]" not in text
+    # Worker 0 live on the console as the seed shows it (one rank's lines: no prefix);
+    # every worker's log file.
+    assert "rank 0's output follows" in text
+    assert re.search(r"^step:7\tloss:", text, re.M)
+    assert "[rank" not in text
     for rank in range(nproc):
         assert re.search(r"^step:7\tloss:", job.log(rank), re.M)
 
@@ -288,5 +290,64 @@ def test_two_nodes_train_like_one(jobs, tmp_path, reference, form):
     for node in nodes:
         assert node.wait(timeout=120) == 0, node.output
     assert_same_params(out, reference)
-    assert "[rank 0] step:7" in nodes[0].output and "[rank 1] step:7" in nodes[1].output
+    for rank, node in enumerate(nodes):  # each node echoes its first worker
+        assert f"rank {rank}'s output follows" in node.output
+        assert re.search(r"^step:7\tloss:", node.output, re.M)
     assert "nnodes: 2" in nodes[1].output and "node_rank: 1" in nodes[1].output
+
+
+# -- the seeds' command lines, as written, two launchers on loopback ---------------------------
+# The two "machines" are 127.0.0.1 and 127.0.0.2 (both loopback), with two (fake) GPUs
+# each: CUDA_VISIBLE_DEVICES=0,1 lets --selected_gpus / --gpus pass; JAX, without a GPU
+# here, runs each process on one CPU device. 4 processes train the reference's steps.
+
+SEED_002 = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip={ip}",
+            "--started_port={port}", "--selected_gpus=0,1"]
+SEED_004 = ["--ips=127.0.0.1,127.0.0.2", "--gpus=0,1"]
+
+
+def seed_table(gpus, ips, log_dir, script, args):
+    return "\n".join([
+        "-----------  Configuration Arguments -----------",
+        f"gpus: {gpus}", f"ips: {ips}", f"log_dir: {log_dir}", "server_num: None", "servers:",
+        f"training_script: {script}", f"training_script_args: {args}", "worker_num: None",
+        "workers:"])
+
+
+@pytest.mark.parametrize("seed", ["002", "004"])
+def test_seed_command_lines_on_two_launchers(jobs, tmp_path, reference, seed):
+    out = tmp_path / "params.npz"
+    port = free_port()
+    job_id = f"test-{uuid.uuid4().hex[:10]}"
+    gpu_env = {"CUDA_VISIBLE_DEVICES": "0,1", "XLA_FLAGS": ""}
+    nodes = []
+    for node, ip in enumerate(("127.0.0.1", "127.0.0.2")):
+        if seed == "002":
+            args = [a.format(ip=ip, port=port) for a in SEED_002]
+            env = gpu_env
+        else:  # one machine plays both: it cannot find itself in --ips, so say which node
+            args = SEED_004
+            env = {**gpu_env, "FLEETRUN_NODE_RANK": str(node), "FLEETRUN_STARTED_PORT": str(port)}
+        nodes.append(jobs(*args, str(SCRIPTS / "train_linear.py"), str(out),
+                          name=f"node{node}", job_id=job_id, env=env))
+    for node in nodes:
+        assert node.wait(timeout=180) == 0, node.output
+    assert_same_params(out, reference)
+    for node, job in enumerate(nodes):
+        text = job.output
+        expected = seed_table("0,1", "127.0.0.1,127.0.0.2", job.log_dir,
+                              SCRIPTS / "train_linear.py", [str(out)])
+        assert text.startswith(expected + "\n"), text
+        assert f"node_rank: {node}" in text and f"master: 127.0.0.1:{port}" in text
+        # The env table: Paddle's five rows, the seed's order, rank 2 * node first here.
+        rows = re.findall(r"^\s+\|\s+(\S+)\s+(\S+)\s*\|$", text, re.M)
+        endpoints = ",".join(f"127.0.0.{n}:{port + i}" for n in (1, 2) for i in (0, 1))
+        assert rows == [
+            ("PADDLE_CURRENT_ENDPOINT", f"127.0.0.{node + 1}:{port}"),
+            ("PADDLE_TRAINERS_NUM", "4"),
+            ("FLAGS_selected_gpus", "0"),
+            ("PADDLE_TRAINER_ENDPOINTS", "..." + endpoints[-42:]),
+            ("PADDLE_TRAINER_ID", str(2 * node)),
+        ], text
+        assert re.search(r"^step:7\tloss:", text, re.M)
+        assert f"rank {2 * node + 1} of processes: 4" in job.log(2 * node + 1)

@@ -183,9 +183,10 @@ class WorkerGroup:
 
     def watch(self, signals: SignalCatcher) -> Outcome:
         """Until every worker exits 0 (``Outcome()``), one fails, or the launcher is signalled."""
-        first = self.workers[0]
-        follower = LogFollower(first.log_path, first.log_offset, f"[rank {first.rank}] ",
-                               self.out)
+        first = self.workers[0]  # echoed as it is: one rank's lines, nothing mixes
+        log.info("rank %d's output follows (every worker's: %s)", first.rank,
+                 os.path.join(self.config.log_dir, "workerlog.N"))
+        follower = LogFollower(first.log_path, first.log_offset, "", self.out)
         watchdog = Watchdog(self.config.progress_timeout)
         remaining = {w.rank for w in self.workers}
         next_check = time.monotonic() + _CHECK_EVERY
@@ -266,7 +267,7 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
                     "Local start %d processes%s. First process distributed environment "
                     "info (Only For Debug):\n%s", len(specs),
                     f" (restart {restart})" if restart else "",
-                    _tables.env_table(specs[0].environ),
+                    _tables.env_table(specs[0].environ, config.verbose_env),
                 )
                 group = WorkerGroup(config, specs, restart, out)
                 group.start()

@@ -21,6 +21,16 @@ def _ids(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _flag(text: str) -> bool:
+    """An on/off option's environment variable: 1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
 # name -> (type, default, help). The first name is the canonical one.
 OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "nproc_per_node": (int, None, "processes on this node (default: one per visible GPU, else 1)"),
@@ -34,15 +44,21 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "master": (str, None, "HOST:PORT of the coordinator on node 0 (default on one node: "
                           "127.0.0.1 and a free port)"),
     "ips": (_ids, None, "Paddle's form: every node's address, comma-separated; node 0's "
-                        "is the coordinator's host (port 6070 unless --master says)"),
+                        "is the coordinator's host (port 6070 unless --master or "
+                        "--started_port says) (alias: --cluster_node_ips)"),
+    "node_ip": (str, None, "this node's address in --ips: gives --node_rank (Paddle)"),
+    "started_port": (int, None, "the first port of each node's workers; rank 0's is the "
+                                "coordinator (Paddle; default 6070 with --ips, else free)"),
     "log_dir": (str, "log", "directory of workerlog.RANK"),
     "max_restarts": (int, 0, "restart the whole group up to N times after a failure"),
     "job_id": (str, "default", "a name for the job (FLEET_JOB_ID in every worker)"),
     "progress_timeout": (float, DEFAULT_PROGRESS_TIMEOUT,
-                         "seconds a worker may be stopped, or silent after its first "
-                         "heartbeat, before the job fails (0: never)"),
+                         "seconds a worker may be stopped, or silent after a heartbeat, "
+                         "before the job fails; the first step gets at least 30 s (0: never)"),
+    "verbose_env": (_flag, False, "print every variable of the first worker, not only "
+                                  "Paddle's five"),
 }
-ALIASES = {"gpus": ("devices", "selected_gpus")}
+ALIASES = {"gpus": ("devices", "selected_gpus"), "ips": ("cluster_node_ips",)}
 
 
 def env_name(option: str) -> str:
@@ -63,6 +79,10 @@ def build_parser(environ: Mapping[str, str] | None = None,
         variable = env_name(name)
         if environ.get(variable, "") != "":
             default = _from_env(variable, environ[variable], convert)
+        if convert is _flag:  # on/off: the flag alone turns it on
+            parser.add_argument(*flags, dest=name, action="store_true", default=default,
+                                help=f"{help_text} [env {variable}=1]")
+            continue
         parser.add_argument(
             *flags, dest=name, type=convert, default=default, metavar=name.upper(),
             help=f"{help_text} [env {variable}; default {default}]",
@@ -77,7 +97,7 @@ def _from_env(variable: str, text: str, convert: Callable[[str], object]) -> obj
     try:
         return convert(text)
     except ValueError:
-        kind = {int: "an integer", float: "a number"}.get(convert, "valid")
+        kind = {int: "an integer", float: "a number", _flag: "1 or 0"}.get(convert, "valid")
         raise FleetConfigError(
             f"environment variable {variable}={text!r} is not {kind}; fix or unset it"
         ) from None

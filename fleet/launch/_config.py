@@ -40,12 +40,19 @@ class LaunchConfig:
         node_rank: this node's index.
         master: ``host:port`` of the coordinator (process 0's node). ``None`` on a
             single node: loopback and a free port, picked again at each restart.
-        ips: Paddle's ``--ips``: every node's address, node ``i`` first at ``ips[i]``.
+        ips: Paddle's ``--ips`` (``--cluster_node_ips``): every node's address, node
+            ``i`` at ``ips[i]``.
+        node_ip: Paddle's ``--node_ip``: this node's address in ``ips`` (gives
+            ``node_rank``).
+        started_port: Paddle's ``--started_port``: the first port of each node's
+            workers; rank 0's (on ``ips[0]``) is the coordinator.
         log_dir: where ``workerlog.N`` go.
         max_restarts: how often the whole group restarts after a failure.
         job_id: a name for the job, given to every worker.
         progress_timeout: seconds a worker may stay stopped, or go without a
-            heartbeat once it has sent one, before the job fails (0: never).
+            heartbeat once it has sent one, before the job fails (0: never). The
+            first heartbeat gets at least 30 s.
+        verbose_env: print every variable of the first worker, not only Paddle's.
     """
 
     training_script: str | None = None
@@ -57,10 +64,13 @@ class LaunchConfig:
     node_rank: int | None = None
     master: str | None = None
     ips: tuple[str, ...] | None = None
+    node_ip: str | None = None
+    started_port: int | None = None
     log_dir: str = "log"
     max_restarts: int = 0
     job_id: str = "default"
     progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
+    verbose_env: bool = False
 
     @property
     def world_size(self) -> int:
@@ -71,17 +81,29 @@ class LaunchConfig:
         """Whether the coordinator address is fixed (else picked per attempt)."""
         return self.master is not None
 
-    def table(self) -> dict[str, object]:
-        """The options as the configuration table shows them."""
-        rows: dict[str, object] = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "training_script_args":
-                value = list(value)
-            elif isinstance(value, tuple):
-                value = ",".join(value)
-            rows[field.name] = value
+    def table(self, given: LaunchConfig | None = None) -> dict[str, object]:
+        """The configuration table's rows: Paddle launcher's nine first, as the user
+        ``given`` them (``gpus: None`` when not given), then fleet's own."""
+        given = self if given is None else given
+        rows: dict[str, object] = {
+            "gpus": _shown(given.gpus),
+            "ips": _shown(given.ips) or _net.LOOPBACK,
+            "log_dir": given.log_dir,
+            "server_num": None,
+            "servers": "",
+            "training_script": given.training_script,
+            "training_script_args": list(given.training_script_args),
+            "worker_num": None,
+            "workers": "",
+        }
+        for field in sorted(dataclasses.fields(self), key=lambda f: f.name):
+            if field.name not in rows:
+                rows[field.name] = _shown(getattr(self, field.name))
         return rows
+
+
+def _shown(value: object) -> object:
+    return ",".join(value) if isinstance(value, tuple) else value
 
 
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:
@@ -144,6 +166,17 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
     nproc = nproc or 1
 
     ips, nnodes, node_rank, master = config.ips, config.nnodes, config.node_rank, config.master
+    port = config.started_port
+    if port is not None:
+        if not 0 < port < 65536:
+            raise FleetConfigError(f"--started_port {port} must be a port, 1..65535")
+        if master is not None:
+            raise FleetConfigError(
+                f"--started_port {port} and --master {master} both give the coordinator's "
+                "port; give one of them"
+            )
+    if config.node_ip is not None:
+        ips, node_rank = _node_from_ip(config.node_ip, ips, node_rank)
     if ips is not None:
         if not ips or not all(ips):
             raise FleetConfigError(f"--ips {','.join(ips)!r} must list one address per node")
@@ -155,8 +188,10 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
         nnodes = len(ips)
         if node_rank is None:
             node_rank = _node_rank_from_ips(ips)
-        if master is None and nnodes > 1:
-            master = f"{ips[0]}:{DEFAULT_PORT}"
+        if master is None and (nnodes > 1 or port is not None):
+            master = f"{ips[0]}:{DEFAULT_PORT if port is None else port}"
+    elif port is not None:
+        master = f"{_net.LOOPBACK}:{port}"
     nnodes = nnodes or 1
     node_rank = 0 if node_rank is None else node_rank
     if not 0 <= node_rank < nnodes:
@@ -180,6 +215,32 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
     )
 
 
+def _node_from_ip(node_ip: str, ips: tuple[str, ...] | None,
+                  node_rank: int | None) -> tuple[tuple[str, ...], int]:
+    """``--node_ip``: this node's address; its place in ``--ips`` is the node rank."""
+    if ips is None:
+        return (node_ip,), 0 if node_rank is None else node_rank
+    places = [i for i, ip in enumerate(ips) if ip == node_ip]
+    if not places:
+        raise FleetConfigError(
+            f"--node_ip {node_ip} is not in --ips {','.join(ips)}; give this node's "
+            "address as it appears in --ips (--cluster_node_ips)"
+        )
+    if node_rank is not None:
+        if node_rank not in places:
+            raise FleetConfigError(
+                f"--node_rank {node_rank} and --node_ip {node_ip} disagree: --ips "
+                f"{','.join(ips)} has {node_ip} at node {', '.join(map(str, places))}"
+            )
+        return ips, node_rank
+    if len(places) > 1:
+        raise FleetConfigError(
+            f"--node_ip {node_ip} appears {len(places)} times in --ips {','.join(ips)} "
+            f"(nodes {', '.join(map(str, places))}); pass --node_rank I to say which"
+        )
+    return ips, places[0]
+
+
 def _node_rank_from_ips(ips: tuple[str, ...]) -> int:
     mine = _net.local_addresses()
     matches = [i for i, ip in enumerate(ips) if ip in mine]
@@ -201,7 +262,7 @@ _OWNED = frozenset(
     WorkerEnv(world_size=2, coordinator="h:1", current_endpoint="h:1",
               trainer_endpoints=("h:1",), job_id="j").to_environ()
 ) | {"FLEET_HEARTBEAT_FILE", "FLEET_PROGRESS_TIMEOUT", "FLEET_JAX_HEARTBEAT_TIMEOUT",
-     "JAX_COORDINATOR_BIND_ADDRESS"}
+     "JAX_COORDINATOR_BIND_ADDRESS", "FLAGS_selected_gpus"}
 
 
 def worker_base_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -60,8 +60,9 @@ def check_gpus(selected: Sequence[str], environ: Mapping[str, str]) -> None:
 
 
 def gpu_environ(gpu: str) -> dict[str, str]:
-    """The variables that make one process see only ``gpu``."""
-    return {"CUDA_VISIBLE_DEVICES": gpu}
+    """The variables that make one process see only ``gpu`` (its device 0), and
+    Paddle's ``FLAGS_selected_gpus`` (the physical id) for ported scripts."""
+    return {"CUDA_VISIBLE_DEVICES": gpu, "FLAGS_selected_gpus": gpu}
 
 
 def cpu_environ(count: int, environ: Mapping[str, str]) -> dict[str, str]:

@@ -150,9 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     _setup_logging()
     try:
-        config = resolve(parse_args(argv, description=__doc__))
+        given = parse_args(argv, description=__doc__)
+        config = resolve(given)
     except FleetConfigError as e:
         print(f"fleetrun: error: {e}", file=sys.stderr)
         return 2
-    print(_tables.config_table(config.table()), flush=True)
+    print(_tables.config_table(config.table(given)), flush=True)
     return launch(config)

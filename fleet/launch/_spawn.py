@@ -87,7 +87,7 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
     heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     specs = plan_workers(config, 0, heartbeat_dir)
     if options.get("print_config"):
-        print(_tables.env_table(specs[0].environ), flush=True)
+        print(_tables.env_table(specs[0].environ, config.verbose_env), flush=True)
     ctx = multiprocessing.get_context("spawn")
     base = worker_base_environ(os.environ)
     context = SpawnContext(config, specs, heartbeat_dir)
