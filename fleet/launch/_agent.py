@@ -1,19 +1,14 @@
 """Runs one node's workers: start, echo, watch, stop, restart.
 
 Each worker is ``python -u SCRIPT ARGS`` in a session (and process group) of its
-own, with its output in ``log_dir/workerlog.RANK``; it gets ``SIGKILL`` from the
-kernel if the launcher dies, even by ``SIGKILL``. One thread per worker waits for
-its exit, so the launcher learns the order in which workers died and names the
-first. Stopping a group is ``SIGTERM`` (and ``SIGCONT``, for stopped workers) to
-every process group, then ``SIGKILL`` after a short grace: JAX workers take
-``SIGTERM`` as a preemption notice and keep running, so the ``SIGKILL`` is what
-ends them.
+own, with its output in ``log_dir/workerlog.RANK``. One thread per worker waits
+for its exit, so the launcher learns the order in which workers died and names
+the first. Workers are stopped as ``fleet/launch/_stop.py`` says (shared with
+``fleet.spawn``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -28,42 +23,16 @@ import threading
 import time
 from typing import IO
 
-from fleet.launch import _tables
+from fleet.launch import _stop, _tables
 from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, worker_base_environ
 from fleet.launch._failure import Failure, signal_name
+from fleet.launch._stop import TERMINATE_GRACE, die_with_parent
 from fleet.launch._watchdog import STOPPED_STATES, Watchdog, Watched, process_state
 
 log = logging.getLogger("fleet.launch")
 
-TERMINATE_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 _POLL = 0.1  # seconds between looks at exits and at worker 0's log
 _CHECK_EVERY = 0.5  # seconds between watchdog checks
-_PR_SET_PDEATHSIG = 1
-
-
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """In a child: ask the kernel for ``SIGKILL`` when the parent dies (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # the parent died before we asked
-        os._exit(1)
-
-
-def signal_group(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signum)
 
 
 class SignalCatcher:
@@ -123,6 +92,16 @@ class _Worker:
     @property
     def rank(self) -> int:
         return self.spec.rank
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def has_exited(self) -> bool:
+        return self.exited.is_set()
+
+    def wait_exit(self, timeout: float) -> bool:
+        return self.exited.wait(timeout)
 
     def wait(self, events: queue.Queue) -> None:
         self.returncode = self.proc.wait()
@@ -220,23 +199,18 @@ class WorkerGroup:
                 if not w.exited.is_set() and process_state(w.proc.pid) in STOPPED_STATES]
 
     def stop(self, signals: SignalCatcher | None = None, grace: float = TERMINATE_GRACE) -> None:
-        """SIGTERM (+SIGCONT) to every group, SIGKILL after ``grace`` s or a second signal."""
-        alive = [w for w in self.workers if not w.exited.is_set()]
-        for w in alive:
-            signal_group(w.proc.pid, signal.SIGTERM)
-            signal_group(w.proc.pid, signal.SIGCONT)
+        """Stops every worker (``_stop.stop``); a second signal to the launcher hurries."""
         seen = len(signals.received) if signals else 0
-        deadline = time.monotonic() + grace
-        for w in alive:
-            while not w.exited.wait(0.05) and time.monotonic() < deadline:
-                if signals and len(signals.received) > seen:
-                    deadline = 0.0
-        self.reap()
+        _stop.stop(self.workers, grace,
+                   hurry=lambda: signals is not None and len(signals.received) > seen)
+        self._join_waiters()
 
     def reap(self) -> None:
         """SIGKILL to every group (leftover children too), then wait for every worker."""
-        for w in self.workers:
-            signal_group(w.proc.pid, signal.SIGKILL)
+        _stop.kill(self.workers)
+        self._join_waiters()
+
+    def _join_waiters(self) -> None:
         for t in self._threads:
             t.join(timeout=10)
 

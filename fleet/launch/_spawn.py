@@ -17,7 +17,6 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -28,8 +27,10 @@ from typing import Any
 
 from fleet import _worker
 from fleet._errors import FleetConfigError, FleetTypeError
-from fleet.launch import _tables
-from fleet.launch._agent import TERMINATE_GRACE, die_with_parent, signal_group
+from fleet.launch import _stop, _tables
+from fleet.launch._args import ALIASES
+from fleet.launch._args import OPTIONS as _CLI_OPTIONS
+from fleet.launch._stop import die_with_parent
 from fleet.launch._config import (
     DEFAULT_PROGRESS_TIMEOUT,
     LaunchConfig,
@@ -41,8 +42,12 @@ from fleet.launch._config import (
 from fleet.launch._failure import STUCK_EXIT_CODE, WorkerFailedError, describe_returncode, exit_code_of
 from fleet.launch._watchdog import Watchdog, Watched
 
-OPTIONS = ("cpu_devices", "gpus", "job_id", "master", "print_config", "progress_timeout",
-           "selected_gpus")
+# fleetrun's options that fleet.spawn takes too (fleet/launch/_args.py is their one
+# table: types, defaults, aliases), and its own ``print_config``.
+_SHARED = ("cpu_devices", "gpus", "job_id", "master", "progress_timeout", "verbose_env")
+_NAMES = {alias: name for name in _SHARED for alias in (name, *ALIASES.get(name, ()))}
+OPTIONS = tuple(sorted([*_SHARED, "print_config"]))
+_ALIASES_TEXT = "; ".join(f"{', '.join(ALIASES[n])} for {n}" for n in _SHARED if n in ALIASES)
 _CHECK_EVERY = 0.5
 _environ_lock = threading.Lock()
 
@@ -58,10 +63,11 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         nprocs: number of processes; -1: one per visible GPU, else 1.
         join: wait for the processes (else call ``join()`` on the returned context).
         daemon: make the processes daemonic.
-        **options: ``gpus`` (``selected_gpus``): GPU ids such as ``"4,5"``, one per
-            process; ``cpu_devices``: N CPU devices per process; ``master``:
+        **options: fleetrun's options of the same names (``fleet/launch/_args.py``):
+            ``gpus`` (``selected_gpus``, ``devices``): GPU ids such as ``"4,5"``, one
+            per process; ``cpu_devices``: N CPU devices per process; ``master``:
             ``"127.0.0.1:PORT"`` for the coordinator (default: a free loopback port);
-            ``job_id``; ``progress_timeout`` (seconds, as for ``fleetrun``);
+            ``job_id``; ``progress_timeout`` (seconds); ``verbose_env``; and
             ``print_config``: print the configuration and environment tables.
 
     Returns:
@@ -135,31 +141,46 @@ def _check_picklable(func: Callable[..., Any], args: Sequence[Any]) -> None:
 
 
 def _config_from_options(nprocs: int, options: dict[str, Any]) -> LaunchConfig:
-    unknown = sorted(set(options) - set(OPTIONS))
+    unknown = sorted(set(options) - set(OPTIONS) - set(_NAMES))
     if unknown:
         hints = {n: difflib.get_close_matches(n, OPTIONS, n=1) for n in unknown}
         said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
                          for n, h in hints.items())
         raise FleetConfigError(
-            f"fleet.spawn got unknown option(s) {said}; valid options: {', '.join(OPTIONS)}"
+            f"fleet.spawn got unknown option(s) {said}; valid options: {', '.join(OPTIONS)} "
+            f"(aliases: {_ALIASES_TEXT})"
         )
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
         raise FleetConfigError(
             f"nprocs={nprocs!r} must be a positive integer, or -1 for one process per "
             "visible GPU (1 without GPUs)"
         )
-    gpus = options.get("gpus", options.get("selected_gpus"))
-    if gpus is not None:
-        parts = gpus.split(",") if isinstance(gpus, str) else list(gpus)
-        gpus = tuple(str(g).strip() for g in parts if str(g).strip())
-    return LaunchConfig(
-        nproc_per_node=None if nprocs == -1 else nprocs,
-        gpus=gpus,
-        cpu_devices=options.get("cpu_devices"),
-        master=options.get("master"),
-        job_id=options.get("job_id", "default"),
-        progress_timeout=float(options.get("progress_timeout", DEFAULT_PROGRESS_TIMEOUT)),
-    )
+    values: dict[str, Any] = {}
+    for key, value in options.items():
+        if key == "print_config":
+            continue
+        name = _NAMES[key]
+        if name in values:
+            raise FleetConfigError(f"fleet.spawn got {name!r} twice (as {key!r} too)")
+        values[name] = _option_value(name, value)
+    return LaunchConfig(nproc_per_node=None if nprocs == -1 else nprocs, **values)
+
+
+def _option_value(name: str, value: Any) -> Any:
+    """A keyword option as its field: text goes through fleetrun's own converter."""
+    convert, default, _ = _CLI_OPTIONS[name]
+    if value is None:
+        return default
+    if name == "gpus" and not isinstance(value, str):
+        value = ",".join(str(g) for g in value)
+    if isinstance(value, str):
+        try:
+            return convert(value)
+        except ValueError:
+            raise FleetConfigError(f"fleet.spawn option {name}={value!r} is not valid") from None
+    if name == "progress_timeout":
+        return float(value)
+    return value
 
 
 @contextlib.contextmanager
@@ -308,22 +329,25 @@ class SpawnContext:
         raise WorkerFailedError(message, rank=rank, exitcode=exitcode, worker_traceback=tb)
 
     def _stop(self) -> None:
-        alive = [p for p in self.processes if p.exitcode is None]
-        for p in alive:  # to the group and to the process: it may not have its group yet
-            for signum in (signal.SIGTERM, signal.SIGCONT):
-                signal_group(p.pid, signum)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
-        deadline = time.monotonic() + TERMINATE_GRACE
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.pid is not None:
-                signal_group(p.pid, signal.SIGKILL)
-                if p.exitcode is None:  # it may not have made its own group yet
-                    p.kill()
-        for p in self.processes:
-            p.join(10)
+        _stop.stop([_Child(p) for p in self.processes])
         for r in range(len(self.processes)):
             self._done.add(r)
         shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
+
+
+class _Child:
+    """A ``multiprocessing`` process as ``_stop`` sees a worker."""
+
+    def __init__(self, process: Any):
+        self._process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def has_exited(self) -> bool:
+        return self._process.exitcode is not None
+
+    def wait_exit(self, timeout: float) -> bool:
+        self._process.join(timeout)
+        return self._process.exitcode is not None
