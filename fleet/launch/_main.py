@@ -27,6 +27,16 @@ or Paddle's form, where each machine finds its own index in the list::
 
     fleetrun --ips 10.0.0.1,10.0.0.2 --gpus 0,1 train.py
 
+or Paddle's older spelling of it, where each machine names itself::
+
+    python -m fleet.launch --cluster_node_ips=10.0.0.1,10.0.0.2 --node_ip=10.0.0.2 \
+        --started_port=6170 --selected_gpus=0,1 train.py
+
+A job started by a cluster's own launcher needs no fleetrun: under SLURM's
+``srun -n 4 python train.py`` (or Open MPI 4's ``mpirun``) ``fleet.init`` finds
+its place from the cluster's variables and joins through JAX's own cluster
+detection (``fleet/_cluster.py``).
+
 The script calls ``fleet.init(is_collective=True)`` (or Paddle's
 ``fleet.init_parallel_env()``) first; it reads the environment below.
 
@@ -48,12 +58,17 @@ the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
 ``--master HOST:PORT``      the coordinator, on node 0. On one node the default is
                             127.0.0.1 with a free port (chosen again at each restart), and
                             the coordinator listens on loopback only
-``--ips A,B``               every node's address; node 0's is the coordinator's host, port
-                            6070 unless ``--master`` says otherwise
+``--ips A,B``               every node's address (``--cluster_node_ips``); node 0's is the
+                            coordinator's host, port 6070 unless ``--master`` or
+                            ``--started_port`` says otherwise
+``--node_ip A``             this node's address in ``--ips``: gives ``--node_rank``
+``--started_port P``        the first port of each node's workers (Paddle); rank 0's is
+                            the coordinator
 ``--log_dir DIR``           where ``workerlog.RANK`` go (default ``log``)
 ``--max_restarts N``        after a failure restart the whole group, up to N times (0)
 ``--job_id NAME``           the job's name, ``FLEET_JOB_ID`` in every worker (``default``)
 ``--progress_timeout S``    the stuck-worker limit in seconds (600; 0 turns it off)
+``--verbose_env``           print every variable of the first worker, not only Paddle's
 ==========================  ==============================================================
 
 What each worker gets
@@ -67,9 +82,12 @@ What each worker gets
 ``--master`` on several nodes, where other nodes' addresses are unknown),
 ``FLEET_RESTART_COUNT`` (0, then 1, 2... after restarts: resume from your last
 checkpoint), ``FLEET_JOB_ID``, ``FLEET_HEARTBEAT_FILE`` (see below), and
-``PYTHONUNBUFFERED=1``. Rank 0 of a single-node job also gets
-``JAX_COORDINATOR_BIND_ADDRESS`` (the loopback address). The launcher prints this
-table for its first worker at start.
+``PYTHONUNBUFFERED=1``. GPU workers get ``CUDA_VISIBLE_DEVICES`` (their GPU only)
+and Paddle's ``FLAGS_selected_gpus`` (its physical id). Rank 0 of a single-node
+job also gets ``JAX_COORDINATOR_BIND_ADDRESS`` (the loopback address). At start
+the launcher prints its configuration (Paddle's nine rows first, as given, then
+fleet's, resolved) and its first worker's Paddle variables (every variable with
+``--verbose_env``).
 
 ``FLEET_JAX_HEARTBEAT_TIMEOUT`` (set by the launcher to at least 100 s and 30 s more
 than ``--progress_timeout``) and ``FLEET_JAX_INIT_TIMEOUT`` (yours to set; JAX's
@@ -80,8 +98,9 @@ Output
 
 Worker ``N`` writes ``LOG_DIR/workerlog.N`` (global rank; after a restart the
 file goes on after a ``----- restart K -----`` line). This node's first worker is
-echoed live on the console, each line prefixed ``[rank N]``. The launcher's own
-lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
+echoed live on the console as it wrote it (rank 0 on node 0, as Paddle does); the
+last lines of a failed worker, which mix with it, are prefixed ``[rank N]``. The
+launcher's own lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
 
 Failures
 --------
@@ -91,9 +110,17 @@ Failures
   ``SIGKILL`` 3 s later: JAX workers ignore ``SIGTERM``), prints the last lines of
   its log and exits with its exit code (128 + N for signal N).
 * A stuck worker: stopped (``SIGSTOP``) for ``--progress_timeout`` seconds, or
-  silent that long after its first heartbeat (``fleet.distributed_step`` sends one
-  per step; scripts with their own loop call ``fleet.launch.heartbeat()``). The
-  job ends naming the rank furthest behind; exit code 124.
+  silent that long after a heartbeat (``fleet.distributed_step`` sends two per
+  step; scripts with their own loop call ``fleet.launch.heartbeat()``), or with
+  no heartbeat at all ``max(--progress_timeout, 30)`` seconds after its start
+  (stuck before its first step, e.g. in a collective call one rank made alone).
+  The job ends naming the rank furthest behind; exit code 124. A worker that
+  finished (exit 0, or its script ended and it waits for its peers in JAX's
+  shutdown) is never blamed.
+* Uneven steps: a worker finished after N steps while a peer started step N + 1
+  and has been silent since for ``min(--progress_timeout, 10)`` seconds. The job
+  ends naming the rank that ran more steps and both step counts; exit code 124.
+  With the defaults this ends the job within about 15 s.
 * ``Ctrl-C`` / ``SIGTERM`` / ``SIGHUP`` to the launcher: every worker's process
   group is stopped the same way (a second signal skips the grace); exit code
   128 + N. Workers also die if the launcher is killed outright (``SIGKILL``).
