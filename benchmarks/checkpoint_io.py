@@ -1,4 +1,6 @@
-"""Benchmark: saving and restoring a 25M-parameter training state, sync vs async.
+"""Benchmark: saving and restoring a 25M-parameter training state, sync vs async,
+with and without the integrity check (a CRC-32 of every array, summed on save,
+verified on restore).
 
 An MLP of 25.3M parameters (784 -> 4096 -> 4096 -> 1024 -> 1024 -> 10) with
 Adam (three float32 copies: 289 MB of state), replicated on 4 CPU devices
@@ -14,7 +16,9 @@ disk of this machine). Each round, interleaved:
 * step time: the median step with no save running, and the median step while an
   asynchronous save is being written (training goes on meanwhile).
 
-The table shows the median over ``--rounds`` rounds.
+Every save and restore is timed twice each round, with the integrity check and
+without it (in alternating order); the table shows the medians over
+``--rounds`` rounds side by side, and their ratio (target: at most 1.10).
 
     python benchmarks/checkpoint_io.py [--rounds 3] [--devices 4] [--dir DIR]
 """
@@ -27,7 +31,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -48,7 +51,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fleet  # noqa: E402
-from fleet.checkpoint import CheckpointManager, load, save  # noqa: E402
+from fleet.checkpoint import CheckpointManager, _integrity, load, save  # noqa: E402
 
 SIZES = (784, 4096, 4096, 1024, 1024, 10)  # 25.2M parameters
 
@@ -72,13 +75,6 @@ def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
-
-
-def watch(manager, committed: list) -> None:
-    """Notes when the manager's background save is committed."""
-    while manager.is_saving():
-        time.sleep(0.002)
-    committed.append(time.perf_counter())
 
 
 def timed(fn, *args, **kwargs) -> float:
@@ -107,41 +103,54 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="fleet-ckpt-bench-")
     os.makedirs(root, exist_ok=True)
     rows: dict[str, list[float]] = {}
+    checked: dict[str, dict[bool, list[float]]] = {}
 
     def record(name, seconds):
         rows.setdefault(name, []).append(seconds)
 
+    def record_checked(name, check, seconds):
+        checked.setdefault(name, {True: [], False: []})[check].append(seconds)
+
+    def saves_and_restores(r, check):
+        """Sync save, restore, async save and fleet.save / fleet.load, with or
+        without the integrity check."""
+        _integrity.ENABLED = check
+        name = f"checked-{check}"
+        for kind in ("sync", "async"):
+            shutil.rmtree(os.path.join(root, name, kind), ignore_errors=True)
+        with CheckpointManager(os.path.join(root, name, "sync"), async_save=False) as manager:
+            record_checked("sync save (until committed)", check,
+                           timed(manager.save, r, model=model, optimizer=optimizer))
+            record_checked("restore (model + optimizer)", check,
+                           timed(manager.restore, r, model=model, optimizer=optimizer))
+        with CheckpointManager(os.path.join(root, name, "async")) as manager:
+            start = time.perf_counter()
+            manager.save(r, model=model, optimizer=optimizer)
+            record_checked("async save: blocks the loop", check, time.perf_counter() - start)
+            manager.wait_until_finished()
+            record_checked("async save: until committed", check, time.perf_counter() - start)
+        path = os.path.join(root, name, "model.pdparams")
+        record_checked("fleet.save(state_dict) 100 MB", check, timed(save, model.state_dict(), path))
+        record_checked("fleet.load", check, timed(load, path))
+        _integrity.ENABLED = True
+
     print(f"{params / 1e6:.1f}M parameters, {state_mb:.0f} MB with Adam's state, "
           f"{args.devices} CPU devices ({os.cpu_count()} cores), writing to {root}", flush=True)
     for r in range(args.rounds):
-        for name in ("sync", "async"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        with CheckpointManager(os.path.join(root, "sync"), async_save=False) as manager:
-            record("sync save (until committed)",
-                   timed(manager.save, r, model=model, optimizer=optimizer))
-            record("restore (model + optimizer)",
-                   timed(manager.restore, r, model=model, optimizer=optimizer))
+        for check in ((True, False) if r % 2 == 0 else (False, True)):
+            saves_and_restores(r, check)
+        shutil.rmtree(os.path.join(root, "async"), ignore_errors=True)
         with CheckpointManager(os.path.join(root, "async")) as manager:
             baseline = [timed(one_step) for _ in range(5)]
-            committed = []
-            watcher = threading.Thread(target=watch, args=(manager, committed))
-            start = time.perf_counter()
             manager.save(r, model=model, optimizer=optimizer)
-            record("async save: blocks the loop", time.perf_counter() - start)
-            watcher.start()
             during = []
             while manager.is_saving():
                 during.append(timed(one_step))
-            watcher.join()
             manager.wait_until_finished()
-            record("async save: until committed", committed[0] - start)
             record("step, no save running", statistics.median(baseline))
             if during:
                 record("step, async save running", statistics.median(during))
             rows.setdefault("steps taken during the async save", []).append(len(during))
-        path = os.path.join(root, "model.pdparams")
-        record("fleet.save(state_dict) 100 MB", timed(save, model.state_dict(), path))
-        record("fleet.load", timed(load, path))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
@@ -149,15 +158,23 @@ def main() -> None:
     sizes = {"sync save (until committed)": state_mb, "restore (model + optimizer)": state_mb,
              "async save: until committed": state_mb,
              "fleet.save(state_dict) 100 MB": state_mb / 3, "fleet.load": state_mb / 3}
-    print(f"\n| {'operation':40} | {'median':>10} | {'MB/s':>6} |")
-    print(f"| {'-' * 40} | {'-' * 9}: | {'-' * 5}: |")
+    print(f"\n| {'operation':40} | {'checked':>10} | {'MB/s':>6} | {'unchecked':>10} | "
+          f"{'MB/s':>6} | {'ratio':>5} |")
+    print(f"| {'-' * 40} | {'-' * 9}: | {'-' * 5}: | {'-' * 9}: | {'-' * 5}: | {'-' * 4}: |")
+    for name, both in checked.items():
+        on, off = statistics.median(both[True]), statistics.median(both[False])
+        rate = (lambda v: f"{sizes[name] / v:6.0f}") if name in sizes else (lambda v: " " * 6)
+        print(f"| {name:40} | {on * 1e3:>7.0f} ms | {rate(on)} | {off * 1e3:>7.0f} ms | "
+              f"{rate(off)} | {on / off:5.2f} |")
+    print("\nratio: time with the integrity check / time without it (medians)")
+    print(f"\n| {'operation (checked)':40} | {'median':>10} |")
+    print(f"| {'-' * 40} | {'-' * 9}: |")
     for name, values in rows.items():
         value = statistics.median(values)
         if name.startswith("steps taken"):
-            print(f"| {name:40} | {value:>10.0f} | {'':>6} |")
+            print(f"| {name:40} | {value:>10.0f} |")
             continue
-        rate = f"{sizes[name] / value:6.0f}" if name in sizes else " " * 6
-        print(f"| {name:40} | {value * 1e3:>7.0f} ms | {rate} |")
+        print(f"| {name:40} | {value * 1e3:>7.0f} ms |")
     base = statistics.median(rows["step, no save running"])
     if "step, async save running" in rows:
         slow = statistics.median(rows["step, async save running"]) / base

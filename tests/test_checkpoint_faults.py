@@ -255,6 +255,7 @@ def test_a_pending_save_that_cannot_complete_fails_the_exit(make_world, tmp_path
     assert (f"fleet.CheckpointManager: the checkpoint of step 2 in {tmp_path / 'ckpt'} was LOST "
             "at interpreter exit (disk full); the steps saved before are intact. Exiting with "
             "status 1.") in out, out
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # the half-written step removed
     make_world(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -263,4 +264,3 @@ def test_a_pending_save_that_cannot_complete_fails_the_exit(make_world, tmp_path
             want = np.load(tmp_path / "expected-1.npy")
             got = manager.restore_latest(state={"w": np.zeros_like(want)}).state["w"]
             assert got.tobytes() == want.tobytes()
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # the half-written step removed

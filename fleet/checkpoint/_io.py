@@ -222,7 +222,7 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     checkpointer, _ = _local_checkpointer()
     try:
         checkpointer.save(fresh, args=ocp.args.PyTreeSave(tree))
-        sums = {k: _integrity.crc32(v) for k, v in _arrays(tree).items()}
+        sums = {k: next(iter(v.values())) for k, v in _integrity.checksums(_arrays(tree), alone=True).items()}
         with open(os.path.join(fresh, CHECKSUMS), "w") as f:
             json.dump({"algorithm": _integrity.ALGORITHM, "arrays": sums}, f)
             f.flush()

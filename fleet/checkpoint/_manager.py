@@ -369,10 +369,7 @@ class CheckpointManager:
 
     def _failed(self, step: int, e: BaseException) -> None:
         """A save of ``step`` failed: removes what it left, raises a clear error."""
-        if jax.process_index() == 0:
-            for leftover in glob.glob(os.path.join(glob.escape(self.directory),
-                                                   f"{step}.orbax-checkpoint-tmp*")):
-                shutil.rmtree(leftover, ignore_errors=True)
+        self._remove_leftovers(step)
         self._orbax.reload()
         kept = f"the steps saved before are intact: {self.all_steps()}"
         if is_disk_full(e):
@@ -385,6 +382,13 @@ class CheckpointManager:
             f"the checkpoint of step {step} in {self.directory} was not written "
             f"({_first_line(e)}); its temporary files are removed; {kept}"
         ) from e
+
+    def _remove_leftovers(self, step: int) -> None:
+        """Removes the temporary directories of a failed save of ``step`` (process 0)."""
+        if jax.process_index() == 0:
+            for leftover in glob.glob(os.path.join(glob.escape(self.directory),
+                                                   f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def _prune(self) -> None:
         if self.max_to_keep is not None:
@@ -612,6 +616,7 @@ class CheckpointManager:
                 self._prune()
         except BaseException as e:  # noqa: BLE001
             self._closed = True
+            self._remove_leftovers(step)
             sys.stdout.flush()
             print(f"fleet.CheckpointManager: the checkpoint of step {step} in {self.directory} "
                   f"was LOST at interpreter exit ({'disk full' if is_disk_full(e) else _first_line(e)}); "
