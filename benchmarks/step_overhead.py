@@ -1,11 +1,19 @@
-"""Benchmark: fleet's step against a hand-written ``jax.pmap`` step, side by side.
+"""Benchmark: fleet's step against the best hand-written JAX steps, side by side.
 
-An MLP of about 2M parameters, Adam, global batch 256 on 4 CPU devices (or the
-local GPUs with ``--platform gpu``). Variants run interleaved, round after
-round, each timing ``--steps`` steps; the table shows median ms per step and the
-median of the per-round ratios against ``pmap``.
+Two models -- an MLP of 2.1M parameters and the seed's CIFAR-10 CNN -- with
+Adam, on 4 CPU devices (or the local GPUs with ``--platform gpu``). Baselines:
 
-    python benchmarks/step_overhead.py [--rounds 15] [--steps 20]
+* (a) jit + shard_map, hand-written: replicated parameters, gradients summed by
+  shard_map's transpose and divided by N;
+* (b) plain ``jax.jit`` of the single-device step, the batch sharded over
+  ``data`` and the parameters replicated (XLA's partitioner inserts the
+  all-reduce).
+
+Variants run interleaved, round after round, each timing ``--steps`` steps; the
+table shows the median ms per step and the median of the per-round ratios
+against each baseline and against the faster of the two.
+
+    python benchmarks/step_overhead.py [--rounds 10] [--steps 10]
 """
 
 from __future__ import annotations
@@ -18,9 +26,9 @@ import time
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 parser.add_argument("--devices", type=int, default=4, help="CPU devices to fake (CPU only)")
 parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
-parser.add_argument("--rounds", type=int, default=15)
-parser.add_argument("--steps", type=int, default=20)
-parser.add_argument("--batch", type=int, default=256, help="global batch")
+parser.add_argument("--rounds", type=int, default=10)
+parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
 args = parser.parse_args()
 
 if args.platform == "cpu":
@@ -33,9 +41,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples", "cifar10"))
 import fleet  # noqa: E402
+from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cifar10)
 
 SIZES = (784, 1024, 1024, 256, 10)  # 2.1M parameters
 
@@ -52,60 +65,25 @@ class MLP(nnx.Module):
         return self.layers[-1](x)
 
 
+MODELS = {  # name -> (constructor, input shape per example, global batch)
+    "mlp": (MLP, (SIZES[0],), 256),
+    "cnn": (CifarCNN, (32, 32, 3), 128),
+}
+
+
 def loss_of(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_pmap(x, y):
-    """The hand-written baseline: pure params, pmean of the gradient tree, optax."""
-    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+def make_shard_map(make, x, y, mesh):
+    """(a): jit + shard_map by hand."""
+    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
     tx = optax.adam(1e-3)
-    n = jax.local_device_count()
-
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            return loss_of(nnx.merge(graphdef, p)(x), y)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = jax.lax.pmean(grads, "data")
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
-
-    pstep = jax.pmap(step, axis_name="data", donate_argnums=(0, 1))
-    # Inputs in pmap's own layout (made by a pmap), so no call pays a reshard.
-    put = jax.pmap(lambda tree: tree)
-
-    def stack(tree):  # one copy per device, on a leading axis
-        return put(jax.tree.map(lambda a: np.stack([np.asarray(a)] * n), tree))
-
-    state = [stack(params), stack(tx.init(params))]
-    xs = put(x.reshape(n, -1, *x.shape[1:]))
-    ys = put(y.reshape(n, -1))
-
-    def run():
-        state[0], state[1], loss = pstep(state[0], state[1], xs, ys)
-        return loss
-
-    return run
-
-
-def make_shard_map(x, y):
-    """A second hand-written baseline: jit + shard_map (pmap's engine today). The
-    parameters are replicated (invariant), so the gradient comes back already summed
-    over devices by shard_map's transpose; one division makes it the mean."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
-    tx = optax.adam(1e-3)
-    n = jax.device_count()
+    n = mesh.devices.size
 
     def per_device(params, opt_state, x, y):
-        def loss_fn(p):
-            return loss_of(nnx.merge(graphdef, p)(x), y)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = jax.tree.map(lambda g: g / n, grads)
+        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
+        grads = jax.tree.map(lambda g: g / n, grads)  # shard_map's transpose summed them
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
 
@@ -125,9 +103,32 @@ def make_shard_map(x, y):
     return run
 
 
-def make_fleet(x, y, strategy):
+def make_plain_jit(make, x, y, mesh):
+    """(b): the single-device step under jax.jit, batch sharded, parameters replicated."""
+    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
+    tx = optax.adam(1e-3)
+
+    def single(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    replicated = NamedSharding(mesh, P())
+    step = jax.jit(single, donate_argnums=(0, 1),
+                   out_shardings=(replicated, replicated, replicated))
+    state = [jax.device_put(params, replicated), jax.device_put(tx.init(params), replicated)]
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+
+    def run():
+        state[0], state[1], loss = step(state[0], state[1], xs, ys)
+        return loss
+
+    return run
+
+
+def make_fleet(make, x, y, strategy):
     fleet.init(is_collective=True, strategy=strategy)
-    model = fleet.distributed_model(MLP(nnx.Rngs(0)))
+    model = fleet.distributed_model(make(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
 
     @fleet.distributed_step
@@ -141,47 +142,50 @@ def make_fleet(x, y, strategy):
     return lambda: step(model, optimizer, xs, ys)
 
 
-def strategy(**fields):
-    return fleet.DistributedStrategy(**fields)
-
-
-def main():
+def measure(name: str) -> None:
+    make, shape, batch = MODELS[name]
     rng = np.random.RandomState(0)
-    x = rng.randn(args.batch, SIZES[0]).astype(np.float32)
-    y = rng.randint(0, SIZES[-1], args.batch).astype(np.int32)
-    variants = {"pmap (hand-written)": make_pmap(x, y),
-                "jit+shard_map (hand-written)": make_shard_map(x, y)}
-    for name, s in [
-        ("fleet, default (32 MB buckets)", strategy()),
-        ("fleet, 1 MB buckets", strategy(fuse_grad_size_in_MB=1)),
-        ("fleet, 25 MB buckets", strategy(fuse_grad_size_in_MB=25)),
-        ("fleet, 100 MB buckets", strategy(fuse_grad_size_in_MB=100, last_comm_group_size_MB=100)),
-        ("fleet, fusion off", strategy(fuse_all_reduce_ops=False)),
-    ]:
-        variants[name] = make_fleet(x, y, s)
+    x = rng.randn(batch, *shape).astype(np.float32)
+    y = rng.randint(0, 10, batch).astype(np.int32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    variants = {
+        "(a) jit+shard_map, by hand": make_shard_map(make, x, y, mesh),
+        "(b) plain jax.jit, sharded batch": make_plain_jit(make, x, y, mesh),
+        "fleet, default": make_fleet(make, x, y, fleet.DistributedStrategy()),
+        "fleet, 1 MB buckets": make_fleet(make, x, y, fleet.DistributedStrategy(
+            fuse_grad_size_in_MB=1)),
+        "fleet, fusion off": make_fleet(make, x, y, fleet.DistributedStrategy(
+            fuse_all_reduce_ops=False)),
+    }
     for run in variants.values():  # compile and warm up
         for _ in range(3):
             run()
         jax.block_until_ready(run())
-
-    times = {name: [] for name in variants}
+    times = {v: [] for v in variants}
     for _ in range(args.rounds):
-        for name, run in variants.items():
+        for v, run in variants.items():
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 out = run()
             jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / args.steps)
-
-    base = np.array(times["pmap (hand-written)"])
-    base2 = np.array(times["jit+shard_map (hand-written)"])
+            times[v].append((time.perf_counter() - t0) / args.steps)
+    a = np.array(times["(a) jit+shard_map, by hand"])
+    b = np.array(times["(b) plain jax.jit, sharded batch"])
+    best = np.minimum(a, b)
+    nparams = sum(p.size for p in jax.tree.leaves(nnx.state(make(nnx.Rngs(0)), nnx.Param)))
     devices = f"{jax.device_count()} x {jax.devices()[0].platform}"
-    print(f"\nstep overhead: MLP {SIZES}, Adam, global batch {args.batch}, {devices}, "
+    print(f"\n{name}: {nparams / 1e6:.2f}M parameters, Adam, global batch {batch}, {devices}, "
           f"{args.rounds} rounds x {args.steps} steps (jax {jax.__version__})")
-    print(f"{'variant':34s} {'ms/step':>9s} {'ratio vs pmap':>14s} {'vs shard_map':>13s}")
-    for name, t in times.items():
-        ratio, ratio2 = np.median(np.array(t) / base), np.median(np.array(t) / base2)
-        print(f"{name:34s} {np.median(t) * 1e3:9.2f} {ratio:14.3f} {ratio2:13.3f}")
+    print(f"{'variant':34s} {'ms/step':>8s} {'vs (a)':>7s} {'vs (b)':>7s} {'vs best':>8s}")
+    for v, t in times.items():
+        t = np.array(t)
+        print(f"{v:34s} {np.median(t) * 1e3:8.2f} {np.median(t / a):7.3f} "
+              f"{np.median(t / b):7.3f} {np.median(t / best):8.3f}")
+
+
+def main():
+    for name in args.models.split(","):
+        measure(name)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -95,6 +96,25 @@ class DistributedOptimizer(nnx.Optimizer):
         # Replicate the state on the mesh now (Adam's counters and ``step`` sit on
         # one device otherwise), equal on every replica.
         replicate_in_place(self)
+
+    def ensure_accumulator(self, params: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
+        """Creates ``grad_accum`` (zeros, one local sum per replica) for the wrapped
+        parameters ``{key: (shape, dtype)}``: before the first ``no_sync`` step, or
+        before restoring a checkpoint taken between ``no_sync`` steps. Returns
+        whether it created it (the graph changed)."""
+        if getattr(self, "grad_accum", None) is not None:
+            return False
+        from fleet._world import world
+
+        w = world()
+        n = w.num_replicas
+        entries = {}
+        for key, (shape, dtype) in params.items():
+            zeros = jax.make_array_from_callback(
+                (n, *shape), w.batch, lambda idx, s=shape, d=dtype: np.zeros((n, *s), d)[idx])
+            entries[_sync.accumulator_key(key)] = _sync.GradAccumulator(zeros)
+        self.grad_accum = nnx.Dict(entries)
+        return True
 
     def update(self, model, grads, /, **kwargs):
         if _under_no_sync():  # add to the accumulator; nothing steps

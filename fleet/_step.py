@@ -21,7 +21,9 @@ Arguments (``batch_argnums=None``):
   Flax's ``TrainState``;
 * **batch**, split along the leading axis: arrays (numpy or jax) and tuples,
   lists and dicts of them. In a multi-process job a numpy batch is this
-  process's rows of the global batch; a ``jax.Array`` is the global batch;
+  process's rows of the global batch; a ``jax.Array`` is the global batch.
+  Arrays already replicated over the mesh (what a step returned: parameters,
+  averaged gradients) are state, not batch;
 * **replicated values**: Python and numpy scalars (traced: no recompiles);
 * **static**: anything else hashable (strings, ``None``, functions).
 
@@ -101,14 +103,22 @@ def _holds_arrays(x: Any) -> bool:
                                 for v in leaves)
 
 
-def _kind(x: Any, is_batch: bool | None) -> str:
+def _replicated_on(x: Any, n: int) -> bool:
+    """Whether ``x`` is a jax.Array already replicated over the ``n`` mesh devices
+    (a value a step returned: parameters, averaged gradients)."""
+    return (isinstance(x, jax.Array) and len(x.sharding.device_set) == n
+            and x.is_fully_replicated)
+
+
+def _kind(x: Any, is_batch: bool | None, n: int) -> str:
     if isinstance(x, nnx.Pytree):
         return _NNX
     if isinstance(x, (bool, int, float, complex, np.generic)) or (
         _is_array(x) and np.ndim(x) == 0
     ):
         return _REPL
-    if is_batch or (is_batch is None and _is_batch_like(x)):
+    if is_batch or (is_batch is None and _is_batch_like(x) and not all(
+            _replicated_on(v, n) for v in jax.tree.leaves(x))):
         return _BATCH
     return _TREE if _holds_arrays(x) else _STATIC
 
@@ -127,7 +137,6 @@ class _Plan:
     graphdef: Any
     state_treedef: Any
     no_sync: bool
-    accum_keys: tuple[str, ...]
     mesh: Any
 
     def _key(self) -> tuple:
@@ -174,6 +183,10 @@ class _GraphCache:
         ]
         self.state_treedef = jax.tree_util.tree_structure(state)
         self.synced = [isinstance(v, _sync.SyncedRead) for v in self.variables]
+        # Per-replica state (no_sync accumulators): sharded over data, varying inside.
+        self.per_replica = tuple(isinstance(v, _sync.GradAccumulator) for v in self.variables)
+        self.accum_keys = [p[-1].key.replace(":", ".") if pr else None
+                           for (p, _), pr in zip(with_path, self.per_replica)]
         self.fast = all(map(_plain_array_variable, self.variables)) and (
             self.state_treedef.num_leaves == len(self.variables)
         )
@@ -228,13 +241,31 @@ def _foreign_psums(jaxpr: Any) -> int:
 
 
 _IMPLICIT_SUM = (
-    "the step differentiates state that is not a wrapped model's parameters: JAX sums "
+    "the step differentiates {what}, which is not a wrapped model's parameter: JAX sums "
     "such gradients over the {n} replicas (N times the single-device gradient) instead of "
     "averaging them. Wrap the model: `model = fleet.distributed_model(model)` (NNX: "
     "compute the loss by calling the wrapped model; Linen: use the wrapped model's "
     "`apply`, e.g. TrainState.create(apply_fn=model.apply, ...)). If the step calls "
     "jax.lax.psum / pmean itself, use fleet.all_reduce instead."
 )
+
+
+def _prepare_accumulators(objs: tuple) -> bool:
+    """Before a no_sync step: gives each distributed optimizer its accumulator for
+    the wrapped parameters among ``objs``. Returns whether a graph changed."""
+    from fleet._optimizer import DistributedOptimizer
+    from fleet._tree import module_variables
+
+    optimizers = [o for o in objs if isinstance(o, DistributedOptimizer)]
+    if not optimizers:
+        return False
+    params = {}
+    for obj in objs:
+        if not isinstance(obj, DistributedOptimizer):
+            params.update({k: (v.get_raw_value().shape, v.get_raw_value().dtype)
+                           for k, v in module_variables(obj).items()
+                           if isinstance(v, _sync.SyncedRead)})
+    return any([o.ensure_accumulator(params) for o in optimizers])
 
 
 class DistributedStep:
@@ -250,7 +281,6 @@ class DistributedStep:
         self._last_plan: _Plan | None = None
         self._records: dict[_Plan, dict] = {}
         self._agreed: set = set()
-        self._accum: dict[str, jax.Array] = {}  # per-replica gradients accumulated under no_sync
         self._calls = 0
         self.trace_count = 0  # how often the body was traced for real (tests read it)
 
@@ -260,9 +290,8 @@ class DistributedStep:
         _worker.step_begin()
         plan, call_args = self._prepare(args, kwargs)
         compiled = self._compiled(plan)
-        new_state, out, accum = compiled(*call_args)
+        new_state, out = compiled(*call_args)
         self._graph.write(new_state)
-        self._accum = accum
         self._calls += 1
         every = world().strategy.check_replicas_every_n_steps
         if every and self._calls % every == 0:
@@ -293,14 +322,16 @@ class DistributedStep:
         values = list(args) + [kwargs[k] for k in names]
         batch_argnums = self._batch_argnums
         kinds = tuple(
-            _kind(v, None if batch_argnums is None else i in batch_argnums)
+            _kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
             for i, v in enumerate(values)
         )
         positions = [i for i, k in enumerate(kinds) if k == _NNX]
         objs = tuple(values[i] for i in positions)
+        no_sync = _context.no_sync_active()
+        if no_sync and _prepare_accumulators(objs):
+            self._graph = None
         if self._graph is None or not self._graph.holds(objs):
             self._graph = _GraphCache(objs, positions)
-        no_sync = _context.no_sync_active()
         plan = self._plan(
             kinds=kinds,
             kw_names=names,
@@ -308,19 +339,20 @@ class DistributedStep:
             graphdef=self._graph.graphdef,
             state_treedef=self._graph.state_treedef,
             no_sync=no_sync,
-            accum_keys=tuple(sorted(self._accum)),
             mesh=w.mesh,
         )
         batch = [v for v, k in zip(values, kinds) if k == _BATCH]
-        if jax.process_count() > 1 and plan not in self._agreed:
-            self._agree(plan, batch, w)
+        if jax.process_count() > 1:
+            shapes = (plan, tuple(np.shape(x) for x in jax.tree.leaves(batch)))
+            if shapes not in self._agreed:
+                self._agree(plan, batch, w)
+                self._agreed.add(shapes)
         call_args = (
             self._graph.read(),
             [v for v, k in zip(values, kinds) if k == _TREE],
             [self._check_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
              if k == _BATCH],
             [v for v, k in zip(values, kinds) if k == _REPL],
-            self._accum,
         )
         return plan, call_args
 
@@ -353,7 +385,6 @@ class DistributedStep:
                 f"{theirs.get(field)}). Every process must run the same step with the same "
                 "strategy and batch shapes"
             )
-        self._agreed.add(plan)
 
     def _plan(self, **fields: Any) -> _Plan:
         last = self._last_plan
@@ -404,29 +435,32 @@ class DistributedStep:
             jitted = jax.jit(
                 self._global,
                 static_argnums=0,
-                in_shardings=(repl, repl, batch, repl, batch),
+                in_shardings=(None, repl, batch, repl),
             )
             self._jitted[plan.mesh] = jitted
 
-        def run(state, trees, batch, repl, accum):
+        def run(state, trees, batch, repl):
             try:
-                return jitted(plan, state, trees, batch, repl, accum)
+                return jitted(plan, state, trees, batch, repl)
             except ValueError as e:
                 if "sharding" not in str(e).lower() and "device" not in str(e).lower():
                     raise
                 # Arrays committed elsewhere (a new TrainState's step counter, arrays
                 # made on one device): place them on the mesh and go on.
                 w = world()
-                state, trees, repl = jax.device_put((state, trees, repl), w.replicated)
-                return jitted(plan, state, trees, batch, repl, accum)
+                trees, repl = jax.device_put((trees, repl), w.replicated)
+                state = [x if pr else jax.device_put(x, w.replicated)
+                         for x, pr in zip(state, self._graph.per_replica)]
+                return jitted(plan, state, trees, batch, repl)
 
         return run
 
     # -- the traced program ------------------------------------------------------------
 
-    def _global(self, plan: _Plan, state, trees, batch, repl, accum):
-        specs = (P(), P(), P(DATA_AXIS), P(), P(DATA_AXIS))
-        args = (state, trees, batch, repl, accum)
+    def _global(self, plan: _Plan, state, trees, batch, repl):
+        state_specs = [P(DATA_AXIS) if pr else P() for pr in self._graph.per_replica]
+        specs = (state_specs, P(), P(DATA_AXIS), P())
+        args = (state, trees, batch, repl)
         record = self._records.get(plan)
         if record is None:
             record = {}
@@ -436,30 +470,57 @@ class DistributedStep:
             )
             jaxpr = jax.make_jaxpr(probe)(*args)
             if _foreign_psums(jaxpr):
+                summed = self._summed_state(jaxpr, plan, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
                 # them. A distributed optimizer that got them, with no wrapped model in
                 # the step, divides them by N (raw parameters, functional optax style).
                 if record["wrapped_syncs"] or not record["tx_calls"]:
-                    raise FleetError(_IMPLICIT_SUM.format(n=plan.mesh.devices.size))
+                    raise FleetError(_IMPLICIT_SUM.format(
+                        n=plan.mesh.devices.size,
+                        what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
+                        if summed else "state that is not a wrapped model's parameters"))
                 record["auto_sum"] = True
             self._records[plan] = record
-        out_specs = (P(), [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
-                     {k: P(DATA_AXIS) for k in record["accum"]})
+        out_specs = (state_specs,
+                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]])
         self.trace_count += 1
         run = jax.shard_map(
             functools.partial(self._body, plan, record=record, probe=False),
             mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
         )
-        new_state, out_leaves, new_accum = run(*args)
+        new_state, out_leaves = run(*args)
         # Stacked per-replica values are combined here, outside the per-device body,
         # so the body's only collectives are the gradient buckets and buffer means.
         out_leaves = [
             x.mean(0) if r == "mean" else x.sum(0) if r == "sum" else x
             for x, r in zip(out_leaves, record["out"])
         ]
-        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), new_accum
+        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
 
-    def _body(self, plan: _Plan, state, trees, batch, repl, accum, *, record, probe):
+    def _summed_state(self, jaxpr: Any, plan: _Plan, trees: list) -> list[str]:
+        """Names of the state leaves the traced body casts to varying implicitly
+        (the casts whose transpose is JAX's sum over replicas)."""
+        body = next((e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
+                     if e.primitive.name == "shard_map"), None)
+        if body is None:
+            return []
+        tree_pos = [i for i, k in enumerate(plan.kinds) if k == _TREE]
+        names = list(self._graph.names) + [
+            f"argument {tree_pos[i]} leaf {dotted(p)!r}"
+            for i, t in enumerate(trees) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+        index = {id(v): i for i, v in enumerate(body.invars[:len(names)])}
+        found = []
+        for eqn in body.eqns:
+            if eqn.primitive.name in ("pvary", "pcast"):
+                for v in eqn.invars:
+                    i = index.get(id(v))
+                    if i is not None and names[i] not in found:
+                        found.append(names[i])
+        return found
+
+    def _body(self, plan: _Plan, state, trees, batch, repl, *, record, probe):
+        per_replica = self._graph.per_replica
+        state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         original = state
         if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
             state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x
@@ -473,7 +534,7 @@ class DistributedStep:
         n_pos = len(values) - len(plan.kw_names)
         trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
                                 auto_sum=record.get("auto_sum", False))
-        trace.accum_in = {k: a[0] for k, a in accum.items()}
+        trace.accum_in = {k: x for k, x in zip(self._graph.accum_keys, state) if k is not None}
         with _sync.tracing(trace):
             out = self._fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
             graphdef, new = nnx.split(objs)
@@ -490,15 +551,14 @@ class DistributedStep:
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
                 "get averaged gradients back from a step"
             )
-        new_accum = self._new_accum(trace, accum, plan)
         if probe:
-            record.update(out=reduces, treedef=treedef, accum=sorted(new_accum),
-                          wrapped_syncs=trace.wrapped_syncs,
+            record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
                           tx_calls=trace.tx_calls)
             return ()
         out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum") else x)
                       for x, r in zip(leaves, reduces)]
-        return new_state, out_leaves, {k: v[None] for k, v in new_accum.items()}
+        new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
+        return new_state, out_leaves
 
     def _replicated_state(self, new: Any, plan: _Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: buffers averaged, anything else varying refused."""
@@ -507,7 +567,9 @@ class DistributedStep:
         # Under no_sync the wrapped parameters entered as varying; unchanged, they
         # leave as the invariant values they were.
         leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
-        buffers = [i for i, x in enumerate(leaves) if _sync.is_varying(x)]
+        self._update_accumulators(leaves)
+        buffers = [i for i, x in enumerate(leaves)
+                   if _sync.is_varying(x) and not self._graph.per_replica[i]]
         for i in buffers:
             if not _is_buffer(variables[i]):
                 hint = (
@@ -526,21 +588,17 @@ class DistributedStep:
                 leaves[i] = x
         return leaves
 
-    def _new_accum(self, trace: _sync.SyncTrace, accum: dict, plan: _Plan) -> dict:
-        new = {}
-        for key, value in trace.accum_out.items():
-            if value is not None:
-                new[key] = value
-        lost = [k for k in accum if k not in trace.accum_out]
-        if lost and not plan.no_sync:
-            raise FleetError(
-                "this step follows steps run under no_sync, but it did not differentiate the "
-                f"wrapped model's parameters {lost[:3]}; the accumulated gradients would be "
-                "lost. Compute the gradients of the same wrapped model in this step"
-            )
-        for k in lost:
-            new[k] = trace.accum_in[k]
-        return new
+    def _update_accumulators(self, leaves: list) -> None:
+        """The no_sync accumulators the step leaves: what this step added, zeros once
+        a synced step consumed them, else as they were (a step that does not
+        differentiate the model leaves them for the next one that does)."""
+        trace = _sync.current()
+        for i, key in enumerate(self._graph.accum_keys):
+            if key is None:
+                continue
+            if key in trace.accum_out:
+                new = trace.accum_out[key]
+                leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new
 
     def _outputs(self, out: Any, batch: list) -> tuple[list, list[str], Any]:
         rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}

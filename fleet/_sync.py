@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.typing import MISSING, Missing
 from jax._src.interpreters import ad
 
@@ -167,6 +168,18 @@ def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list
         for i, y in zip(idx, sync(*[leaves[i] for i in idx])):
             out[i] = y
     return out
+
+
+class GradAccumulator(nnx.Variable):
+    """Per-replica gradients accumulated under ``no_sync`` (a distributed
+    optimizer's ``grad_accum``): a global array of shape ``(replicas, *param)``,
+    sharded over ``data``, so each replica holds its own local sum. Part of the
+    optimizer's state: a checkpoint taken between ``no_sync`` steps carries it."""
+
+
+def accumulator_key(key: str) -> str:
+    """The ``grad_accum`` entry of the parameter ``key`` (dots are not attributes)."""
+    return key.replace(".", ":")
 
 
 @dataclasses.dataclass(frozen=True)

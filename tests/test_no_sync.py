@@ -75,7 +75,10 @@ def test_no_sync_steps_then_one_step_equal_the_union_step(make_world, k, tx_name
     ref = models.NNX_MODELS["linear"](nnx.Rngs(0))
     nnx.update(ref, nnx.to_pure_dict(nnx.state(model)))
     ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-    nnx.update(ref_opt, nnx.to_pure_dict(nnx.state(optimizer)))
+    opt_state = nnx.to_pure_dict(nnx.state(optimizer))
+    assert set(opt_state.pop("grad_accum")) == {"_linear1:kernel", "_linear1:bias",
+                                                "_linear2:kernel", "_linear2:bias"}
+    nnx.update(ref_opt, opt_state)
     nnx.jit(scaled_step(1.0 / (k + 1)))(ref, ref_opt, x, y)
     step(model, optimizer, x, y)
     assert models.max_diff(models.flat_params(model), models.flat_params(ref)) < 1e-5

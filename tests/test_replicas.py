@@ -156,3 +156,33 @@ def test_batch_norm_statistics_are_averaged_over_replicas(make_world):
             np.testing.assert_array_equal(first, other)
     np.testing.assert_allclose(np.asarray(model.norm.mean.get_value()),
                                np.asarray(reference.norm.mean.get_value()), atol=1e-6)
+
+
+def test_check_replicas_finds_a_copy_made_different(make_world):
+    """Acceptance 3 of issue 9: fleet.check_replicas names the leaf and the devices."""
+    world = make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    assert fleet.check_replicas(model) == []
+    kernel = np.asarray(model._linear2.kernel.get_value())
+    model._linear2.kernel.set_raw_value(different_on_each_device(kernel, world))
+    found = fleet.check_replicas(model)
+    assert len(found) == 1 and found[0].startswith("_linear2.kernel"), found
+    assert "device(s) [1, 2, 3]" in found[0]
+
+
+def test_the_strategy_checks_replicas_while_training(make_world):
+    """check_replicas_every_n_steps: the next check step raises, naming the leaf."""
+    strategy = fleet.DistributedStrategy(check_replicas_every_n_steps=2)
+    world = make_world(4, strategy)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    data = models.batches("linear", 3, 8)
+    step(model, optimizer, *data[0])
+    step(model, optimizer, *data[1])  # a check step: all equal
+    bias = np.asarray(model._linear1.bias.get_value())
+    model._linear1.bias.set_raw_value(different_on_each_device(bias, world))
+    step(model, optimizer, *data[2])  # not a check step
+    with pytest.raises(fleet.FleetError, match=r"differ across replicas after call 4: "
+                                               r"argument 0 \(.*\) variable '_linear1.bias'"):
+        step(model, optimizer, *data[2])
