@@ -26,6 +26,13 @@ A job restarted by ``fleetrun --max_restarts`` that runs these lines continues
 from the last complete checkpoint as if it had never stopped: on CPU the
 parameters and optimizer state are bitwise those of an uninterrupted run.
 
+Nothing damaged is returned: every array is stored with a CRC-32 and verified
+when it is read (a mismatch raises :class:`FleetCheckpointError` naming the
+array), and ``restore_latest`` skips a damaged step for the newest intact one.
+``fleet.save`` / ``fleet.load`` run on the calling process alone; the
+manager's calls are collective, and a process that skips one ends the others
+with an error naming the call and its rank instead of a hang.
+
 A checkpoint holds replicated state once, so any number of processes (and any
 devices) can restore one written by any other number. Sharded state, when fleet
 has it, is written shard by shard and read into the sharding of the arrays it is
