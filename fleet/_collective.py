@@ -70,8 +70,8 @@ def broadcast(x: Any, src: int = 0) -> Any:
 def all_gather(x: Any) -> Any:
     """Stacks every replica's (in a step) or process's (outside) ``x`` on a new
     leading axis, in replica / process order."""
-    if _in_step():
-        return jax.lax.all_gather(x, DATA_AXIS)
+    if _in_step():  # the same result on every replica: typed invariant
+        return jax.lax.all_gather(x, DATA_AXIS, to="invarying")
     if jax.process_count() == 1:
         return jax.tree.map(lambda v: np.asarray(v)[None], x)
     return _process_allgather(x)
