@@ -429,3 +429,39 @@ def test_watchdog_covers_the_time_before_the_first_step(tmp_path):
     stuck = dog.check(w)
     assert stuck.rank == 0 and "no step started within 30 s of the start" in stuck.reason
     assert Watchdog(timeout=100, clock=lambda: now[0]).check(w) is None  # 100 s > 30 s
+    # Until the first step returns (it compiles), the same allowance; then the timeout.
+    _progress(tmp_path / "hb0", 1, 0, "run", now[0] - 29.9)
+    _progress(tmp_path / "hb1", 1, 0, "run", now[0] - 29.9)
+    assert dog.check(w) is None
+    now[0] += 0.2
+    stuck = dog.check(w)
+    assert stuck.rank == 0 and "(the first step's limit, 30 s)" in stuck.reason
+    _progress(tmp_path / "hb0", 2, 1, "run", now[0] - 3.1)
+    _progress(tmp_path / "hb1", 2, 1, "run", now[0] - 1)
+    stuck = dog.check(w)
+    assert stuck.rank == 0 and "no progress for 3.1 s (--progress_timeout 3 s)" in stuck.reason
+
+
+# -- layering: the core never imports the launcher ------------------------------------------
+
+def test_the_core_does_not_import_the_launcher():
+    """Issue 9's rule: the worker's side of the contract lives in fleet/_worker.py; only
+    the package's public face (fleet/__init__.py: fleet.spawn) names fleet.launch."""
+    import ast
+    from pathlib import Path
+
+    import fleet
+
+    root = Path(fleet.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "launch" or path == root / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "fleet":
+                names += [f"fleet.{a.name}" for a in node.names]
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n == "fleet.launch" or n.startswith("fleet.launch.")]
+    assert offenders == []

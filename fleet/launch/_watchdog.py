@@ -12,8 +12,8 @@ Read from outside the worker, so that a frozen worker cannot hide:
 
 A job is stuck when, for ``timeout`` seconds (``--progress_timeout``), a worker
 has been stopped, or silent since its last beat, or (before its first beat)
-running with no beat at all: the first step gets ``max(timeout, 30 s)``, time to
-import and compile. The report names the worker furthest behind: a stopped one
+running with no beat at all. The time to the end of the first step gets
+``max(timeout, 30 s)``: the worker imports, builds and compiles then. The report names the worker furthest behind: a stopped one
 first, then one that never sent a heartbeat while others did, then the one whose
 last heartbeat is oldest (in a deadlock every worker falls silent; the first to
 do so is the likeliest cause). A worker that has finished (exited 0, or its
@@ -148,8 +148,8 @@ class Watchdog:
         stopped_long = [w for w in running
                         if now - self._stopped_since.get(w.rank, now) >= self.timeout]
         silent = [w for w in running if (
-            now - beats[w.rank] >= self.timeout if beats[w.rank] is not None else
-            w.started is not None and now - w.started >= self.first_step_timeout)]
+            now - beats[w.rank] >= self._limit(progress[w.rank]) if beats[w.rank] is not None
+            else w.started is not None and now - w.started >= self.first_step_timeout)]
         if not stopped_long and not silent:
             return None
 
@@ -160,6 +160,11 @@ class Watchdog:
         culprit = min(running, key=behind)
         return Stuck(rank=culprit.rank, pid=culprit.pid,
                      reason=self._reason(culprit, now, beats, progress, finished))
+
+    def _limit(self, p: Progress) -> float:
+        """Silence allowed after a beat: the first step (it compiles) gets the first
+        step's allowance until it returns."""
+        return self.first_step_timeout if p.ended == 0 else self.timeout
 
     def _uneven(self, running: list[Watched], finished: set[int],
                 progress: dict[int, Progress], now: float) -> Stuck | None:
@@ -212,6 +217,8 @@ class Watchdog:
                 f"it sent no heartbeat (no step started) while other workers did and then "
                 f"went silent for {limit} (last heartbeats: {others}){steps}"
             )
+        if self._limit(progress[w.rank]) != self.timeout:
+            limit = f"the first step's limit, {self.first_step_timeout:g} s"
         return (
             f"no progress for {now - beats[w.rank]:.1f} s ({limit}): deadlocked, or "
             f"waiting on a peer that is gone; rank {w.rank} fell silent first (last "
