@@ -137,6 +137,7 @@ class _Plan:
     graphdef: Any
     state_treedef: Any
     no_sync: bool
+    check_nan_inf: bool
     mesh: Any
 
     def _key(self) -> tuple:
@@ -290,7 +291,9 @@ class DistributedStep:
         _worker.step_begin()
         plan, call_args = self._prepare(args, kwargs)
         compiled = self._compiled(plan)
-        new_state, out = compiled(*call_args)
+        new_state, out, finite = compiled(*call_args)
+        if plan.check_nan_inf:
+            self._check_finite(finite, plan)
         self._graph.write(new_state)
         self._calls += 1
         every = world().strategy.check_replicas_every_n_steps
@@ -320,6 +323,7 @@ class DistributedStep:
         w = world()
         names = tuple(sorted(kwargs))
         values = list(args) + [kwargs[k] for k in names]
+        self._check_argnums(len(args))
         batch_argnums = self._batch_argnums
         kinds = tuple(
             _kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
@@ -339,14 +343,17 @@ class DistributedStep:
             graphdef=self._graph.graphdef,
             state_treedef=self._graph.state_treedef,
             no_sync=no_sync,
+            check_nan_inf=w.strategy.check_nan_inf,
             mesh=w.mesh,
         )
         batch = [v for v, k in zip(values, kinds) if k == _BATCH]
+        repl = [v for v, k in zip(values, kinds) if k == _REPL]
         if jax.process_count() > 1:
             shapes = (plan, tuple(np.shape(x) for x in jax.tree.leaves(batch)))
             if shapes not in self._agreed:
                 self._agree(plan, batch, w)
                 self._agreed.add(shapes)
+            self._agree_replicated(kinds, repl)
         call_args = (
             self._graph.read(),
             [v for v, k in zip(values, kinds) if k == _TREE],
@@ -355,6 +362,50 @@ class DistributedStep:
             [v for v, k in zip(values, kinds) if k == _REPL],
         )
         return plan, call_args
+
+    def _check_finite(self, finite: Any, plan: _Plan) -> None:
+        names = self._records[plan]["finite"]
+        flags = np.asarray(finite).reshape(-1, len(names)).all(axis=0) if names else []
+        for name, ok in zip(names, flags):
+            if not ok:
+                raise FleetError(
+                    f"check_nan_inf: {name} holds NaN or infinity after call {self._calls + 1} "
+                    "of the step; the state was left as it was before this call. Look for a "
+                    "bad batch, a too-large learning rate, or a log/division of zero"
+                )
+
+    def _check_argnums(self, n_positional: int) -> None:
+        if self._batch_argnums is not None:
+            bad = [i for i in self._batch_argnums if i >= n_positional]
+            if bad:
+                raise FleetConfigError(
+                    f"batch_argnums={self._batch_argnums} names position(s) {bad}, but the "
+                    f"step was called with {n_positional} positional arguments (0.."
+                    f"{n_positional - 1}); give the positions of the batch arguments"
+                )
+
+    def _agree_replicated(self, kinds: tuple, repl: list) -> None:
+        """Replicated step arguments (Python scalars) must be equal on every process:
+        checked when they change."""
+        values = tuple(np.asarray(v).item() for v in repl)
+        if values == getattr(self, "_last_repl", None):
+            return
+        from fleet._agree import agree
+
+        mine = json.dumps([repr(v) for v in values])
+        everyone = agree(f"step-args/{getattr(self._fn, '__qualname__', 'step')}", mine)
+        positions = [i for i, k in enumerate(kinds) if k == _REPL]
+        for rank, text in enumerate(everyone):
+            theirs = json.loads(text)
+            for pos, a, b in zip(positions, json.loads(mine), theirs):
+                if a != b:
+                    raise FleetError(
+                        f"step argument {pos} is {a} on process {jax.process_index()} but "
+                        f"{b} on process {rank}; a scalar passed to the step is replicated "
+                        "and must be equal on every process (compute it the same way on "
+                        "all of them, or pass per-process values as batch rows)"
+                    )
+        self._last_repl = values
 
     def _agree(self, plan: _Plan, batch: list, w: World) -> None:
         """The cross-process program guard (see the module docstring)."""
@@ -410,6 +461,12 @@ class DistributedStep:
         def check(x: Any) -> Any:
             is_local = multiprocess and not (isinstance(x, jax.Array) and not x.is_fully_addressable)
             replicas = w.num_local_replicas if is_local else w.num_replicas
+            if np.ndim(x) > 0 and np.shape(x)[0] == 0:
+                raise FleetConfigError(
+                    f"argument {position} is a batch of 0 rows (shape {tuple(np.shape(x))}); "
+                    "a step needs at least one row per replica: skip empty batches, or use "
+                    "drop_last=True in the sampler"
+                )
             if np.ndim(x) == 0 or np.shape(x)[0] % replicas:
                 what = "process-local" if is_local else "global"
                 raise FleetConfigError(
@@ -463,6 +520,7 @@ class DistributedStep:
         args = (state, trees, batch, repl)
         record = self._records.get(plan)
         if record is None:
+            self._check_on_one_device(plan, args, specs)
             record = {}
             probe = jax.shard_map(
                 functools.partial(self._body, plan, record=record, probe=True),
@@ -482,20 +540,42 @@ class DistributedStep:
                 record["auto_sum"] = True
             self._records[plan] = record
         out_specs = (state_specs,
-                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]])
+                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
+                     P(DATA_AXIS))
         self.trace_count += 1
         run = jax.shard_map(
             functools.partial(self._body, plan, record=record, probe=False),
             mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
         )
-        new_state, out_leaves = run(*args)
+        new_state, out_leaves, finite = run(*args)
         # Stacked per-replica values are combined here, outside the per-device body,
         # so the body's only collectives are the gradient buckets and buffer means.
         out_leaves = [
             x.mean(0) if r == "mean" else x.sum(0) if r == "sum" else x
             for x, r in zip(out_leaves, record["out"])
         ]
-        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
+        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), finite
+
+    def _check_on_one_device(self, plan: _Plan, args: tuple, specs: tuple) -> None:
+        """Traces the step once as the single-device step would run it (the global
+        shapes, one device), so every shape error it would raise is raised here,
+        with single-device shapes, rather than slipping through per-replica shapes."""
+        one = jax.sharding.Mesh(np.array(list(plan.mesh.devices.flat)[:1]), (DATA_AXIS,))
+        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                               args)
+        body = jax.shard_map(functools.partial(self._body, plan, record={}, probe=True),
+                             mesh=one, in_specs=specs, out_specs=(), check_vma=True)
+        try:
+            jax.eval_shape(body, *structs)
+        except FleetError:
+            raise
+        except (TypeError, ValueError) as e:
+            shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(args[2])]
+            raise FleetError(
+                f"the step fails as a single-device step on the global batch (batch shapes "
+                f"{shapes}), so it is refused here too: {type(e).__name__}: "
+                f"{str(e).splitlines()[0]}"
+            ) from e
 
     def _summed_state(self, jaxpr: Any, plan: _Plan, trees: list) -> list[str]:
         """Names of the state leaves the traced body casts to varying implicitly
@@ -533,7 +613,8 @@ class DistributedStep:
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
         trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
-                                auto_sum=record.get("auto_sum", False))
+                                auto_sum=record.get("auto_sum", False),
+                                check_finite=plan.check_nan_inf)
         trace.accum_in = {k: x for k, x in zip(self._graph.accum_keys, state) if k is not None}
         with _sync.tracing(trace):
             out = self._fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
@@ -551,14 +632,20 @@ class DistributedStep:
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
                 "get averaged gradients back from a step"
             )
+        trace.record_finite([f"output {dotted(p) or 'the output'}" for p in
+                             [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]], leaves)
+        flags = jnp.stack([f for _, f in trace.finite]) if trace.finite else jnp.zeros((0,), bool)
+        if not _sync.is_varying(flags):
+            flags = jax.lax.pcast(flags, DATA_AXIS, to="varying")
         if probe:
+            record.update(finite=[n for n, _ in trace.finite])
             record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
                           tx_calls=trace.tx_calls)
             return ()
         out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum") else x)
                       for x, r in zip(leaves, reduces)]
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
-        return new_state, out_leaves
+        return new_state, out_leaves, flags
 
     def _replicated_state(self, new: Any, plan: _Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: buffers averaged, anything else varying refused."""

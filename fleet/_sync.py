@@ -75,6 +75,14 @@ class SyncTrace:
     tx_calls: int = 0  # distributed optimizer updates in this trace
     tx_grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
     auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
+    check_finite: bool = False  # strategy.check_nan_inf: record what must be finite
+    finite: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
+
+    def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
+        if self.check_finite:
+            self.finite.extend(
+                (n, jnp.all(jnp.isfinite(x))) for n, x in zip(names, leaves)
+                if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
 _local = threading.local()
@@ -143,7 +151,10 @@ def _make_bucket_sync(keys: tuple):
             for k in keys:
                 if k in trace.accum_in:
                     trace.accum_out[k] = None  # consumed
-        return tuple(mean_over_replicas(list(cts)))
+        out = mean_over_replicas(list(cts))
+        if trace is not None:
+            trace.record_finite([f"gradient of {k!r}" for k in keys], out)
+        return tuple(out)
 
     sync.defvjp(fwd, bwd)
     return sync

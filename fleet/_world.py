@@ -90,6 +90,11 @@ def init(
         ('data',)
     """
     global _WORLD
+    if not isinstance(is_collective, bool):
+        raise FleetConfigError(
+            f"fleet.init(is_collective={is_collective!r}): is_collective must be True or "
+            "False (a bool); fleet trains collectively: write fleet.init(is_collective=True)"
+        )
     if not is_collective:
         raise FleetUnsupportedError(
             "fleet.init(is_collective=False) asks for parameter-server mode, which fleet "

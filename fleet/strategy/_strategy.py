@@ -144,6 +144,10 @@ class DistributedStrategy:
             checks that every replica's copy of its state and outputs agree
             (:func:`fleet.check_replicas`) and raises, naming the first leaf that
             differs (0, the default: never).
+        check_nan_inf: Paddle's ``FLAGS_check_nan_inf``: a step whose outputs (the
+            loss) or whose wrapped model's gradients hold a NaN or an infinity
+            raises, naming the first such leaf, and leaves the state as it was
+            before that step (off by default: it reads flags back every step).
         amp, gradient_merge, recompute, lars, lamb, sharding (+ ``*_configs``):
             Paddle's feature sections; configurable, not run yet (``fleet.init``
             refuses a strategy that turns one on).
@@ -154,6 +158,7 @@ class DistributedStrategy:
     last_comm_group_size_MB: float = 1.0
     find_unused_parameters: bool = False
     check_replicas_every_n_steps: int = 0
+    check_nan_inf: bool = False
 
     _POSITIVE: ClassVar[tuple[str, ...]] = ("fuse_grad_size_in_MB", "last_comm_group_size_MB")
 

@@ -94,9 +94,21 @@ def fault(kind):
     print("the step ran", flush=True)
 
 
+def scalar_fault():
+    """Rank 0 passes 100.0 as a scalar step argument, rank 1 passes 1.0."""
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    step = fleet.distributed_step(lambda m, x, scale: (m(x) * scale).mean())
+    x, _ = models.batches("linear", 1, 16)[0]
+    step(model, my_rows(x), 100.0 if fleet.worker_index() == 0 else 1.0)
+    print("the step ran", flush=True)
+
+
 def main(out_path, what):
     if what in ("buckets", "batch"):
         return fault(what)
+    if what == "scalar":
+        return scalar_fault()
     fleet.init(is_collective=True)
     results = {}
     results.update(shape_a(models.batches("linear", STEPS, BATCH)))

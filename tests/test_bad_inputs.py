@@ -1,0 +1,103 @@
+"""Bad input to the core gets a FleetError that says what was given and what to do
+(issue 10). One table, read as a list: (case, call, error type, message)."""
+
+import math
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+from tests.test_contract_multiprocess import fleetrun
+
+
+def _model():
+    return fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+
+
+def _loss_step(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+X8, Y8 = np.ones((8, 10), np.float32), np.ones((8, 1), np.float32)
+
+CASES = [
+    ("is_collective not a bool",
+     lambda: fleet.init(is_collective="no"),
+     fleet.FleetConfigError, r"is_collective='no'.*must be True or False"),
+    ("NaN bucket size in the strategy",
+     lambda: fleet.DistributedStrategy(fuse_grad_size_in_MB=math.nan),
+     fleet.FleetConfigError, r"fuse_grad_size_in_MB must be a positive, finite number of MB"),
+    ("infinite bucket size in the strategy",
+     lambda: fleet.DistributedStrategy(last_comm_group_size_MB=math.inf),
+     fleet.FleetConfigError, r"last_comm_group_size_MB must be a positive, finite number"),
+    ("NaN bucket size for DataParallel",
+     lambda: fleet.DataParallel(models.LinearNet(nnx.Rngs(0)), comm_buffer_size=math.nan),
+     fleet.FleetConfigError, r"comm_buffer_size must be a positive, finite number of MB, got nan"),
+    ("negative check_replicas_every_n_steps",
+     lambda: fleet.DistributedStrategy(check_replicas_every_n_steps=-1),
+     fleet.FleetConfigError, r"check_replicas_every_n_steps must be 0 \(off\) or a positive"),
+    ("batch arguments of different leading sizes",
+     lambda: fleet.distributed_step(_loss_step)(_model(), X8, Y8[:4]),
+     fleet.FleetError, r"fails as a single-device step on the global batch \(batch shapes "
+                       r"\[\(8, 10\), \(4, 1\)\]\)"),
+    ("a batch of 0 rows",
+     lambda: fleet.distributed_step(_loss_step)(_model(), X8[:0], Y8[:0]),
+     fleet.FleetConfigError, r"argument 1 is a batch of 0 rows"),
+    ("batch_argnums out of range",
+     lambda: fleet.distributed_step(_loss_step, batch_argnums=(1, 5))(_model(), X8, Y8),
+     fleet.FleetConfigError, r"batch_argnums=\(1, 5\) names position\(s\) \[5\].*3 positional"),
+    ("batch_argnums not ints",
+     lambda: fleet.distributed_step(_loss_step, batch_argnums=("x",)),
+     fleet.FleetConfigError, r"batch_argnums=\('x',\) must be non-negative ints"),
+    ("out_reduce of the wrong structure",
+     lambda: fleet.distributed_step(_loss_step, out_reduce=("mean", "sum"))(_model(), X8, Y8),
+     fleet.FleetConfigError, r"does not match the structure of the step's output"),
+]
+
+
+@pytest.mark.parametrize("case, call, error, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(make_world, case, call, error, message):
+    make_world(4)
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_nan_in_the_batch_is_named_with_check_nan_inf(make_world):
+    """strategy.check_nan_inf raises at the first step with a non-finite loss or
+    gradient, naming the leaf, and leaves the state as it was."""
+    make_world(4, fleet.DistributedStrategy(check_nan_inf=True))
+    model = _model()
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    step(model, optimizer, X8, Y8)
+    before = models.flat_params(model)
+    bad = X8.copy()
+    bad[5, 3] = np.nan
+    with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
+                                               r"holds NaN or infinity after call 2"):
+        step(model, optimizer, bad, Y8)
+    assert models.max_diff(models.flat_params(model), before) == 0
+
+
+def test_nan_goes_unnamed_without_check_nan_inf(make_world):
+    """The default (off), for contrast: the NaN reaches the parameters."""
+    make_world(4)
+    model = _model()
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    bad = X8.copy()
+    bad[5, 3] = np.nan
+    fleet.distributed_step(models.nnx_train_step)(model, optimizer, bad, Y8)
+    assert np.isnan(models.flat_params(model)["['_linear1']['kernel']"]).any()
+
+
+def test_a_scalar_argument_that_differs_by_process(tmp_path):
+    """Replicated step arguments must be equal on every process (2 processes x 2)."""
+    code, log, seconds = fleetrun(tmp_path, "-", "scalar", timeout=120)
+    assert code != 0, log[-3000:]
+    assert "the step ran" not in log
+    assert ("step argument 2 is 1.0 on process 1 but 100.0 on process 0" in log
+            or "step argument 2 is 100.0 on process 0 but 1.0 on process 1" in log), log[-3000:]
+    print(f"per-process scalar: job ended in {seconds:.1f} s")
