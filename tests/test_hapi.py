@@ -58,11 +58,11 @@ def flat_params(module) -> dict[str, np.ndarray]:
     return out
 
 
-def reference_params(x, y, global_batch, epochs, lr=LR):
+def reference_params(x, y, global_batch, epochs, lr=LR, tx=optax.adam, shuffle=True):
     """The single-device script: nnx.jit, Paddle's shuffled order, global batches."""
     with jax.default_device(jax.devices()[0]):
         model = Net(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, tx(lr), wrt=nnx.Param)
 
         @nnx.jit
         def step(model, optimizer, xb, yb):
@@ -72,7 +72,8 @@ def reference_params(x, y, global_batch, epochs, lr=LR):
 
         for epoch in range(epochs):
             order = np.arange(len(x))
-            np.random.RandomState(epoch).shuffle(order)
+            if shuffle:
+                np.random.RandomState(epoch).shuffle(order)
             for start in range(0, len(x), global_batch):
                 idx = order[start:start + global_batch]
                 step(model, optimizer, x[idx], y[idx])
@@ -147,13 +148,23 @@ def test_fit_trains_the_single_device_model_and_evaluates_exactly(
     np.testing.assert_allclose(stacked[0], logits, atol=TOL, rtol=0)
 
 
-def test_accumulated_batches_update_as_one_step_on_their_union(make_world, train_set):
+@pytest.mark.parametrize("tx", [optax.sgd, optax.adam])
+def test_accumulated_batches_update_as_one_step_on_their_union(make_world, train_set, tx):
+    """SGD sees the gradient's scale (Adam hardly does): the update is the mean over
+    the accumulated batches, not their sum, whatever no_sync does underneath."""
     make_world(4)
     x, y = train_set[0][:96], train_set[1][:96]
-    model = prepared()
+    model = prepared(tx=tx(LR))
     model.fit(TensorDataset([x, y]), batch_size=2, accumulate_grad_batches=2, epochs=1,
               verbose=0)  # global batches of 8, two per update = the reference's 16
-    assert max_diff(flat_params(model.network), reference_params(x, y, 16, 1)) < TOL
+    assert max_diff(flat_params(model.network), reference_params(x, y, 16, 1, tx=tx)) < TOL
+    # 80 rows: 10 global batches of 8 in groups of 3 -> the last update has one batch.
+    x, y = x[:80], y[:80]
+    model = prepared(tx=tx(LR))
+    model.fit(TensorDataset([x, y]), batch_size=2, accumulate_grad_batches=3, epochs=1,
+              shuffle=False, verbose=0)
+    want = reference_params(x, y, 24, 1, tx=tx, shuffle=False)  # rows 0-23, ..., 72-79
+    assert max_diff(flat_params(model.network), want) < TOL
 
 
 def test_a_dataloader_is_used_as_given_and_num_iters_stops(make_world, train_set):
@@ -354,7 +365,23 @@ def test_callback_hooks_run_in_order(make_world, train_set, eval_set):
              "on_epoch_end"]
     evaluation = ["on_eval_begin", *["on_eval_batch_begin", "on_eval_batch_end"] * 1,
                   "on_eval_end"]
-    assert calls == ["on_train_begin", *epoch, *epoch, *evaluation, "on_train_end"]
+    # Paddle evaluates when epoch % eval_freq == 0: after epoch 0 of 0, 1.
+    assert calls == ["on_train_begin", *epoch, *evaluation, *epoch, "on_train_end"]
+
+
+@pytest.mark.parametrize("epochs,eval_freq,evaluated", [
+    (5, 2, [0, 2, 4]), (4, 2, [0, 2]), (3, 1, [0, 1, 2]), (4, 3, [0, 3]), (2, 5, [0]),
+])
+def test_fit_evaluates_at_paddles_epochs(make_world, train_set, eval_set, epochs, eval_freq,
+                                         evaluated):
+    """paddle.Model.fit: `if do_eval and epoch % eval_freq == 0` (0-based epochs)."""
+    make_world(2)
+    x, y = train_set[0][:16], train_set[1][:16]
+    model = prepared()
+    history = model.fit(TensorDataset([x, y]), TensorDataset(list(eval_set)), batch_size=8,
+                        epochs=epochs, eval_freq=eval_freq, verbose=0)
+    assert [h["epoch"] for h in history] == list(range(epochs))
+    assert [h["epoch"] for h in history if "eval_acc" in h] == evaluated
 
 
 def test_early_stopping_stops_when_the_monitored_value_stalls(make_world, train_set, eval_set,

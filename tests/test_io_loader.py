@@ -661,3 +661,49 @@ def test_state_saved_right_after_a_restore_keeps_the_restored_position(world):
         restored.set_state_dict(saved)
         assert restored.state_dict() == saved
         assert restored.batch_sampler.state_dict() == saved["sampler"]
+
+
+def test_the_position_has_one_home_counted_when_a_batch_is_handed_out(world):
+    """The loader loads ahead (a thread, 4 batches), but the position -- the sampler's,
+    which the loader's state is -- counts only the batches the loop received, and a
+    sampler iterated alone counts the same way."""
+    from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
+
+    ds = TensorDataset([np.arange(200, dtype=np.float32)])
+    sampler = DistributedBatchSampler(ds, 1, shuffle=True)
+    loader = DataLoader(ds, batch_sampler=sampler, prefetch_factor=4, use_buffer_reader=True)
+    steps = len(loader)
+    for epoch in range(2):
+        for i, (x,) in enumerate(loader):
+            if i == 1:
+                threading.Event().wait(0.2)  # let the thread fill its queue
+            want = {"epoch": epoch, "batches_done": i + 1} if i + 1 < steps else {
+                "epoch": epoch + 1, "batches_done": 0}
+            assert {k: sampler.state_dict()[k] for k in want} == want
+            assert loader.state_dict() == {"sampler": sampler.state_dict()}
+            rows = loader.gather_for_metrics(x)
+            assert len(rows) == world.num_replicas or i + 1 == steps
+        assert sampler.state_dict()["epoch"] == epoch + 1
+    alone = DistributedBatchSampler(ds, 1, shuffle=True)
+    alone.set_epoch(1)
+    it = iter(alone)
+    next(it), next(it)
+    assert (alone.state_dict()["epoch"], alone.state_dict()["batches_done"]) == (1, 2)
+
+
+def test_gather_for_metrics_for_an_earlier_step_of_the_iteration(world):
+    """Outputs fetched a step late (as fleet.Model does) drop that step's padding."""
+    from fleet.io import DataLoader, TensorDataset
+
+    n = world.num_replicas * 2 + 3  # the last global batch is padded
+    loader = DataLoader(TensorDataset([np.arange(n)]), batch_size=1)
+    seen, previous = [], None
+    for step, (x,) in enumerate(loader):
+        if previous is not None:
+            seen += loader.gather_for_metrics(previous, step=step - 1).tolist()
+        previous = x
+        with pytest.raises(fleet.FleetConfigError, match=rf"step={step + 1}\): this iteration "
+                                                         rf"has yielded batches 0\.\.{step}"):
+            loader.gather_for_metrics(x, step=step + 1)
+    seen += loader.gather_for_metrics(previous, step=len(loader) - 1).tolist()
+    assert sorted(seen) == list(range(n))

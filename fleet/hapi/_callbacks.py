@@ -102,6 +102,37 @@ class CallbackList:
         return call
 
 
+def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, verbose: int,
+                     log_freq: int, params: dict[str, Any], save_dir: Any = None,
+                     save_freq: int = 1, train_loader: Any = None,
+                     ) -> tuple[CallbackList, ModelCheckpoint | None]:
+    """The callbacks of a run (Paddle's ``config_callbacks``): the user's, a progress
+    logger unless ``verbose`` is 0 or one is given, and a :class:`ModelCheckpoint`
+    for ``save_dir`` unless one is given; each gets the model and ``params``.
+    Returns them, and the checkpoint callback that saves (``None`` if none does),
+    which gets the training loader (whose position it saves)."""
+    from fleet.hapi._progbar import ProgBarLogger
+
+    cbks = list(callbacks or [])
+    for cb in cbks:
+        if not isinstance(cb, Callback):
+            raise FleetTypeError(
+                f"callbacks must be fleet.callbacks.Callback objects, got "
+                f"{type(cb).__name__}; subclass fleet.callbacks.Callback"
+            )
+    if verbose and not any(isinstance(cb, ProgBarLogger) for cb in cbks):
+        cbks.insert(0, ProgBarLogger(log_freq, verbose))
+    if save_dir is not None and not any(isinstance(cb, ModelCheckpoint) for cb in cbks):
+        cbks.append(ModelCheckpoint(save_freq, save_dir))
+    for cb in cbks:
+        cb.set_model(model)
+        cb.set_params(params)
+    checkpoints = [cb for cb in cbks if isinstance(cb, ModelCheckpoint) and cb.save_dir]
+    for cb in checkpoints:
+        cb.loader = train_loader
+    return CallbackList(cbks), checkpoints[0] if checkpoints else None
+
+
 class ModelCheckpoint(Callback):
     """Saves the training state every ``save_freq`` epochs, and the model at the end.
 
@@ -140,13 +171,13 @@ class ModelCheckpoint(Callback):
         """Loads the newest epoch checkpoint into the model, its optimizer and the
         loader; returns the number of epochs it had done (0 if there is none)."""
         restored = self.manager().restore_latest(
-            model=self.model.network, optimizer=self.model._optimizer, loader=self.loader)
+            model=self.model.network, optimizer=self.model.optimizer, loader=self.loader)
         return 0 if restored is None else int(restored.epoch)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.save_dir is not None and (epoch + 1) % self.save_freq == 0:
             self.manager().save(epoch + 1, model=self.model.network,
-                                optimizer=self.model._optimizer, loader=self.loader,
+                                optimizer=self.model.optimizer, loader=self.loader,
                                 epoch=epoch + 1, force=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -291,7 +322,7 @@ class LRScheduler(Callback):
         self._variables: list = []
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._variables = learning_rate_variables(self.model._optimizer)
+        self._variables = learning_rate_variables(self.model.optimizer)
         self._step = 0
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:

@@ -100,15 +100,21 @@ def metric_rows(metrics: Sequence[Any], outputs: Any, labels: Sequence[Any]) -> 
 
 
 def make_train_step(loss_fn: Callable, metrics: Sequence[Any]) -> DistributedStep:
-    """``step(network, optimizer, inputs, labels) -> (mean loss, metric rows)``."""
+    """``step(network, optimizer, inputs, labels, scale) -> (mean loss, metric rows)``.
 
-    def train_step(network, optimizer, inputs, labels):
+    The gradient is that of ``scale * loss`` (the returned loss is unscaled): under
+    ``no_sync`` gradients add up, so ``fit(accumulate_grad_batches=k)`` passes
+    ``1 / k`` to update with the mean over the ``k`` batches, one step on their union.
+    """
+
+    def train_step(network, optimizer, inputs, labels, scale):
         def objective(net):
             outputs = net(*inputs)
-            return mean_loss(loss_fn(outputs, *labels)), outputs
+            loss = mean_loss(loss_fn(outputs, *labels))
+            return loss * scale, (loss, outputs)
 
         with replica_rngs(network):
-            (loss, outputs), grads = nnx.value_and_grad(objective, has_aux=True)(network)
+            (_, (loss, outputs)), grads = nnx.value_and_grad(objective, has_aux=True)(network)
         optimizer.update(network, grads)
         return loss, metric_rows(metrics, outputs, labels)
 

@@ -25,12 +25,11 @@ from fleet.io._errors import FleetDataError
 from fleet.io._pipeline import (
     InlineProducer,
     LoaderIterator,
-    Progress,
     ThreadProducer,
     from_workers,
     in_process,
 )
-from fleet.io._sampler import BatchSampler, DistributedBatchSampler
+from fleet.io._sampler import BatchSampler, DistributedBatchSampler, Position
 from fleet.io._workers import WorkerPool
 
 
@@ -135,8 +134,11 @@ class DataLoader:
         self.use_buffer_reader = use_buffer_reader
         if not self.return_numpy:
             _check_sampler_fits_world(batch_sampler, _world.world())
-        self._progress: Progress | None = None
-        self._skip = 0  # For batch samplers without state_dict(): batches to skip.
+        # Where iteration stands: the sampler's Position (a fleet sampler keeps it), or,
+        # for a batch sampler of your own, one the loader keeps. Advanced as batches are
+        # handed out; _first is where the running iteration began.
+        self._position: Position | None = None
+        self._first = 0
         self._current: weakref.ref | None = None
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
@@ -153,17 +155,15 @@ class DataLoader:
         to_host = self.return_numpy
         world = None if to_host else _world.world()
         if isinstance(self.batch_sampler, BatchSampler):
-            indices = self.batch_sampler._iter(as_lists=False)  # index arrays, no list round trip
-        else:
-            indices = iter(self.batch_sampler)
-        if hasattr(self.batch_sampler, "state_dict"):
-            start = self.batch_sampler.state_dict()
-        else:
-            start = {"batches_done": self._skip}
-            indices = itertools.islice(indices, self._skip, None)
-        self._skip = 0
-        progress = Progress(start, len(self))
-        self._progress = progress
+            position, batches = self.batch_sampler.start_epoch()
+            indices = iter(batches[position.done:])  # index arrays, no list round trip
+        else:  # a batch sampler of your own: the loader keeps the position (no epochs)
+            restored = self._position
+            fresh = restored is None or restored.started
+            position = Position(0, 0) if fresh else restored
+            position.started = True
+            indices = itertools.islice(iter(self.batch_sampler), position.done, None)
+        self._position, self._first = position, position.done
 
         pool, owns_pool = None, False
         if self.num_workers > 0:
@@ -174,13 +174,13 @@ class DataLoader:
         if to_host:
             transfer = None
         else:
-            transfer = _GlobalTransfer(world.batch, world.num_local_replicas,
-                                       start["batches_done"])
+            transfer = _GlobalTransfer(world.batch, world.num_local_replicas, position.done)
         if self._threaded():
             producer, lookahead = ThreadProducer(source, self.prefetch_factor), 1
         else:
             producer, lookahead = InlineProducer(source), 0
-        iterator = LoaderIterator(producer, transfer, lookahead, pool, owns_pool, progress)
+        iterator = LoaderIterator(producer, transfer, lookahead, pool, owns_pool, position,
+                                  len(self))
         self._current = weakref.ref(iterator)
         return iterator
 
@@ -230,35 +230,27 @@ class DataLoader:
             >>> loader.state_dict()["sampler"]["batches_done"]
             1
         """
-        progress = self._progress
-        if not hasattr(self.batch_sampler, "state_dict"):
-            if progress is not None and not progress.finished:
-                return {"batches_done": progress.position()}
-            return {"batches_done": self._skip}  # a restored position not yet iterated
-        if progress is None or progress.finished:
+        if isinstance(self.batch_sampler, BatchSampler):
             return {"sampler": self.batch_sampler.state_dict()}
-        state = dict(progress.start)
-        state["batches_done"] = progress.position()
-        if state["batches_done"] >= progress.length:  # Every batch handed out.
-            state["epoch"] += 1
-            state["batches_done"] = 0
-        return {"sampler": state}
+        position = self._position
+        running = position is not None and not position.finished
+        return {"batches_done": position.done if running else 0}
 
     def set_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next iteration continue after the last batch counted in ``state``."""
         self._close_current()
-        self._progress = None
-        if hasattr(self.batch_sampler, "set_state_dict"):
+        if isinstance(self.batch_sampler, BatchSampler):
             if "sampler" not in state:
                 raise FleetConfigError(
                     f"loader state has keys {sorted(state)}, expected 'sampler'; pass what "
                     "DataLoader.state_dict() returned"
                 )
             self.batch_sampler.set_state_dict(state["sampler"])
+            self._position = None
         else:
-            self._skip = int(state["batches_done"])
+            self._position = Position(0, int(state["batches_done"]))
 
-    def gather_for_metrics(self, outputs: Any) -> Any:
+    def gather_for_metrics(self, outputs: Any, step: int | None = None) -> Any:
         """Per-example ``outputs`` of the last batch, gathered to host, padding dropped.
 
         :class:`DistributedBatchSampler` pads the dataset with repeated samples so
@@ -271,6 +263,9 @@ class DataLoader:
         Args:
             outputs: a pytree of arrays with one row per global batch row (a global
                 ``jax.Array``, or this process's rows as numpy).
+            step: the batch of the running epoch the outputs belong to (default: the
+                one just yielded); for outputs fetched a step later, so that the
+                device need not wait for the host.
 
         Returns:
             The same pytree as numpy arrays, padding rows removed.
@@ -285,17 +280,23 @@ class DataLoader:
             >>> sorted(np.concatenate(seen).tolist()) == list(range(10))
             True
         """
-        progress = self._progress
-        if progress is None or progress.delivered == 0:
+        position = self._position
+        if position is None or not position.started or position.done == self._first:
             raise FleetConfigError(
                 "gather_for_metrics() was called before the loader yielded a batch; call "
                 "it inside the loop, once per batch, with that batch's outputs"
             )
-        step = progress.position() - 1
-        host = jax.tree_util.tree_map(_to_host, outputs)
+        if step is None:
+            step = position.done - 1
+        elif not self._first <= step < position.done:
+            raise FleetConfigError(
+                f"gather_for_metrics(step={step}): this iteration has yielded batches "
+                f"{self._first}..{position.done - 1}; pass one of those"
+            )
+        host = jax.tree_util.tree_map(to_host, outputs)
         if not hasattr(self.batch_sampler, "padding_mask"):
             return host
-        keep = ~self.batch_sampler.padding_mask(step, progress.start["epoch"])
+        keep = ~self.batch_sampler.padding_mask(step, position.epoch)
 
         def drop(a):
             if a.ndim == 0 or len(a) != len(keep):
@@ -355,7 +356,8 @@ class _GlobalTransfer:
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _to_host(x: Any) -> np.ndarray:
+def to_host(x: Any) -> np.ndarray:
+    """``x`` as a numpy array with every process's rows (a global array is gathered)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
 

@@ -38,17 +38,6 @@ from fleet.io._workers import WorkerPool
 _THREAD_JOIN_TIMEOUT_S = 30.0
 
 
-class Progress:
-    """Where the running epoch started (sampler state) and how many batches were handed out."""
-
-    def __init__(self, start: dict[str, Any], length: int):
-        self.start, self.length = start, length
-        self.delivered, self.finished = 0, False
-
-    def position(self) -> int:
-        return self.start["batches_done"] + self.delivered
-
-
 class LoaderIterator:
     """What ``iter(loader)`` returns; stops its thread and workers when closed or dropped.
 
@@ -57,11 +46,12 @@ class LoaderIterator:
     ``("error", exception)`` -- an error is raised only after the batches before it.
     """
 
-    def __init__(self, producer, transfer, lookahead, pool, owns_pool, progress):
+    def __init__(self, producer, transfer, lookahead, pool, owns_pool, position, length):
         self._producer, self._transfer = producer, transfer
         self._lookahead = lookahead  # batches placed on the devices beyond the one handed out
         self._pool, self._owns_pool = pool, owns_pool
-        self._progress = progress
+        self._position = position  # the sampler's (or loader's) Position: counted here
+        self._remaining = length - position.done
         self._ready: deque[tuple[str, Any]] = deque()
         self._closed = False
 
@@ -69,7 +59,7 @@ class LoaderIterator:
         return self
 
     def __len__(self) -> int:
-        return self._progress.length - self._progress.start["batches_done"]
+        return self._remaining
 
     def __next__(self):
         if self._closed:
@@ -85,10 +75,10 @@ class LoaderIterator:
             self.close()
             raise
         if kind == "batch":
-            self._progress.delivered += 1
+            self._position.done += 1  # counted when handed out, not when loaded ahead
             return payload
         if kind == "end":
-            self._progress.finished = True
+            self._position.finished = True
             self.close()
             raise StopIteration
         self.close()
@@ -119,7 +109,7 @@ class LoaderIterator:
         self._closed = True
         self._ready.clear()
         self._producer.request_stop()
-        pool_in_use = self._pool is not None and not self._progress.finished
+        pool_in_use = self._pool is not None and not self._position.finished
         if self._pool is not None and (self._owns_pool or pool_in_use):
             self._pool.close()  # Its workers die, so the thread's pending recv ends.
         self._producer.join()

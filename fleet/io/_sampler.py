@@ -5,6 +5,12 @@ The index arithmetic is two pure functions, :func:`padded_order` and
 counter and mid-epoch resume. Both samplers yield lists of ints (Paddle's
 ``paddle.io.BatchSampler`` / ``DistributedBatchSampler``).
 
+Where iteration stands is one :class:`Position` (an epoch and the batches handed
+out in it), held by the sampler and advanced by whoever hands the batches out: the
+sampler's own iterator, or the ``DataLoader``, which counts a batch when the user
+receives it (not when it is loaded ahead). ``state_dict()`` reads it, and
+``set_state_dict()`` puts a restored one in place.
+
 How :class:`DistributedBatchSampler` splits an epoch (Paddle's algorithm):
 
 1. Pad ``range(n)`` to ``total_size``, the next multiple of ``num_replicas``, by
@@ -138,9 +144,8 @@ class BatchSampler:
         self.batch_size = _positive_int("batch_size", batch_size)
         self.drop_last = bool(drop_last)
         self._size = _dataset_size(dataset if dataset is not None else sampler)
-        self.epoch = 0
-        self._resume: tuple[int, int] | None = None
-        self._progress: _Progress | None = None
+        self.epoch = 0  # the epoch the next iteration starts (unless one is restored)
+        self._position: Position | None = None  # the running, or a restored, epoch
         if not isinstance(self, DistributedBatchSampler):  # it checks once it knows its split
             self._check_not_empty()
 
@@ -179,17 +184,33 @@ class BatchSampler:
         return [order[s] for s in self._slices(len(order))]
 
     def __iter__(self):
-        return self._iter(as_lists=True)
+        position, batches = self.start_epoch()
+        return _hand_out(batches, position)
 
-    def _iter(self, as_lists: bool):
-        """Starts an epoch; the DataLoader takes index arrays (``as_lists=False``)."""
-        epoch = self.epoch
-        self.epoch += 1
-        skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
-        self._resume = None
-        progress = _Progress(epoch, skip)
-        self._progress = progress
-        return _generate(self.batches(epoch), progress, as_lists)
+    def start_epoch(self) -> tuple[Position, list[np.ndarray]]:
+        """Starts the next epoch: its :class:`Position` and its batches (index arrays).
+
+        The position is where a restored state stopped (:meth:`set_state_dict`), or
+        the start of epoch ``self.epoch``; ``self.epoch`` moves on to the next one.
+        The caller hands out ``batches[position.done:]`` and counts each batch in
+        ``position.done`` as it hands it out (so :meth:`state_dict` is exact), and
+        sets ``position.finished`` at the end. This is what ``DataLoader`` does.
+
+        Example:
+            >>> s = BatchSampler(sampler=range(5), batch_size=2)
+            >>> position, batches = s.start_epoch()
+            >>> position.epoch, [b.tolist() for b in batches], s.epoch
+            (0, [[0, 1], [2, 3], [4]], 1)
+        """
+        restored = self._position
+        if restored is not None and not restored.started and restored.epoch == self.epoch:
+            position = restored
+        else:
+            position = Position(self.epoch, 0)
+        position.started = True
+        self._position = position
+        self.epoch = position.epoch + 1
+        return position, self.batches(position.epoch)
 
     def __len__(self) -> int:
         return len(self._slices(self._total_size()))
@@ -213,11 +234,11 @@ class BatchSampler:
         During an epoch this is the running epoch and the number of batches yielded
         so far; between epochs it is the next epoch and 0.
         """
-        progress = self._progress
-        if progress is not None and not progress.finished:
-            epoch, done = progress.epoch, progress.done
-        elif self._resume is not None and self._resume[0] == self.epoch:
-            epoch, done = self._resume  # restored, not iterated yet: still that position
+        position = self._position
+        if position is not None and (
+                (position.started and not position.finished and position.done < len(self))
+                or (not position.started and position.epoch == self.epoch)):
+            epoch, done = position.epoch, position.done  # running, or restored
         else:
             epoch, done = self.epoch, 0
         return {"epoch": epoch, "batches_done": done, **self._fingerprint()}
@@ -251,8 +272,7 @@ class BatchSampler:
                 "per epoch); pass what state_dict() returned"
             )
         self.epoch = epoch
-        self._resume = (epoch, done)
-        self._progress = None
+        self._position = Position(epoch, done)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"dataset_size": self._size, "batch_size": self.batch_size}
@@ -327,11 +347,11 @@ class DistributedBatchSampler(BatchSampler):
     def _total_size(self) -> int:
         return self.total_size
 
-    def _iter(self, as_lists: bool):
+    def start_epoch(self) -> tuple[Position, list[np.ndarray]]:
         if not self._agreed:
             self._agree_on_length()
             self._agreed = True
-        return super()._iter(as_lists)
+        return super().start_epoch()
 
     def _agree_on_length(self) -> None:
         """Every process must split the same index list; a dataset of another length on
@@ -379,7 +399,8 @@ class DistributedBatchSampler(BatchSampler):
             [[False, False, False, False], [False, True]]
         """
         if epoch is None:
-            epoch = self._progress.epoch if self._progress is not None else self.epoch
+            running = self._position is not None and self._position.started
+            epoch = self._position.epoch if running else self.epoch
         order_pad = padded_order(self._size, self.num_replicas, epoch, self.shuffle)[1]
         slices = batch_slices(self.total_size, self.batch_size, self.num_replicas, 0,
                               self.num_replicas, self.drop_last)
@@ -418,20 +439,28 @@ def _coordinator_last(name: str, timeout_s: float = 10.0) -> None:
         pass
 
 
-class _Progress:
-    """The running epoch and how many of its batches were yielded."""
+class Position:
+    """Where iteration stands: ``epoch`` and ``done``, the batches of it handed out.
 
-    __slots__ = ("epoch", "done", "finished")
+    ``started``: the epoch is running (else it is a restored position, waiting for
+    the next iteration); ``finished``: every batch was handed out.
+    """
+
+    __slots__ = ("epoch", "done", "started", "finished")
 
     def __init__(self, epoch: int, done: int):
-        self.epoch, self.done, self.finished = epoch, done, False
+        self.epoch, self.done, self.started, self.finished = epoch, done, False, False
+
+    def __repr__(self) -> str:
+        return (f"Position(epoch={self.epoch}, done={self.done}, started={self.started}, "
+                f"finished={self.finished})")
 
 
-def _generate(batches: list[np.ndarray], progress: _Progress, as_lists: bool):
-    for batch in batches[progress.done:]:
-        progress.done += 1
-        yield batch.tolist() if as_lists else batch
-    progress.finished = True
+def _hand_out(batches: list[np.ndarray], position: Position):
+    for batch in batches[position.done:]:
+        position.done += 1
+        yield batch.tolist()
+    position.finished = True
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -1,0 +1,122 @@
+"""The one loop of :class:`fleet.Model`: a pass over a loader in a mode.
+
+``fit`` runs :func:`run_epoch` in ``"train"`` mode once per epoch (and in
+``"eval"`` mode at the evaluation epochs), ``evaluate`` once in ``"eval"`` mode,
+``predict`` once in ``"predict"`` mode. The skeleton is the same for the three:
+split each batch into inputs and labels, call the callbacks around the step, run
+the step, and bring its per-example rows to the host with the loader's
+``gather_for_metrics`` (which drops the rows the sampler repeated as padding), so
+metrics, evaluation losses and predictions count every sample exactly once.
+
+Training brings a step's metric rows to the host only once the next step is
+queued, so the devices never wait for the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fleet._errors import FleetConfigError
+from fleet.hapi._inputs import global_rows, split_batch
+
+
+def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | None = None,
+              accumulate: int = 1) -> tuple[dict[str, Any], list[list[np.ndarray]]]:
+    """One pass of ``model`` over ``loader`` in ``mode``, at most ``num_iters`` steps.
+
+    Returns the logs (``loss``, the metrics by name, ``_steps``) and, in
+    ``"predict"`` mode, the outputs: one list of per-batch host arrays per output.
+    """
+    network, metrics = model.network, model.metrics if mode != "predict" else []
+    network.train() if mode == "train" else network.eval()
+    for m in metrics:
+        m.reset()
+    steps = len(loader) if num_iters is None else min(len(loader), num_iters)
+    if mode != "train":
+        cbks.on_begin(mode, {"steps": steps, "metrics": [n for m in metrics for n in m.name()]})
+    loss_sum, count, done = 0.0, 0, 0
+    logs: dict[str, Any] = {}
+    outputs: list[list[np.ndarray]] = []
+    pending = None  # train: the previous step's metric rows, still on the devices
+    for step, batch in enumerate(loader):
+        if step >= steps:
+            break
+        inputs, labels = split_batch(batch, model.num_inputs)
+        cbks.on_batch_begin(mode, step, logs)
+        logs = {}
+        if mode == "train":
+            update = (step + 1) % accumulate == 0 or step + 1 == steps
+            group = min(accumulate, steps - step // accumulate * accumulate)
+            loss, rows = model.train_step(inputs, labels, update, 1.0 / group)
+            if pending is not None:
+                _update(metrics, loader.gather_for_metrics(pending[1], step=pending[0]))
+            pending = (step, rows) if metrics else None
+            if pending is not None and step + 1 == steps:
+                _update(metrics, loader.gather_for_metrics(rows, step=step))
+                pending = None
+            n = global_rows(inputs)
+            loss_sum, count = loss_sum + loss * n, count + n  # stays on the device
+            logs["loss"] = loss
+        elif mode == "eval":
+            losses, rows = loader.gather_for_metrics(model.eval_step(inputs, labels))
+            _update(metrics, rows)
+            n = len(losses) if losses is not None else (
+                len(rows[0][0]) if rows else global_rows(inputs))
+            if losses is not None:
+                loss_sum += float(np.sum(losses, dtype=np.float64))
+                count += n
+                logs["loss"] = loss_sum / count
+        else:
+            out = loader.gather_for_metrics(model.predict_step(inputs))
+            out = list(out) if isinstance(out, (tuple, list)) else [out]
+            outputs = outputs or [[] for _ in out]
+            for acc, o in zip(outputs, out):
+                acc.append(o)
+            n = len(out[0])
+        done += 1
+        logs.update(metric_logs(metrics), step=step, batch_size=n)
+        cbks.on_batch_end(mode, step, logs)
+    if pending is not None:  # the loader ran out before len(loader) steps
+        _update(metrics, loader.gather_for_metrics(pending[1], step=pending[0]))
+        logs.update(metric_logs(metrics))
+    logs = {k: v for k, v in logs.items() if k not in ("step", "batch_size")}
+    if mode == "train":
+        if done == 0:
+            raise FleetConfigError(
+                "the training data gave no batch this epoch; use a larger dataset, a smaller "
+                "batch_size, or drop_last=False"
+            )
+        logs["loss"] = float(loss_sum) / count
+        logs["_steps"] = done
+    else:
+        cbks.on_end(mode, logs)
+    return logs, outputs
+
+
+def _update(metrics: list, rows: tuple) -> None:
+    for m, r in zip(metrics, rows):
+        m.update(*r)
+
+
+def metric_logs(metrics: list) -> dict[str, Any]:
+    """The metrics' accumulated values by name."""
+    logs = {}
+    for m in metrics:
+        values, names = m.accumulate(), m.name()
+        if len(names) == 1:
+            logs[names[0]] = values[0] if isinstance(values, (list, tuple)) else values
+        else:
+            logs.update(zip(names, values))
+    return logs
+
+
+def public(logs: dict[str, Any]) -> dict[str, Any]:
+    """The logs a caller gets: floats (lists for several values), no bookkeeping keys."""
+    out = {}
+    for k, v in logs.items():
+        if k in ("step", "batch_size") or k.startswith("_"):
+            continue
+        out[k] = [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+    return out
