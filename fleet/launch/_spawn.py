@@ -30,9 +30,7 @@ from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.launch import _stop, _tables
 from fleet.launch._args import ALIASES
 from fleet.launch._args import OPTIONS as _CLI_OPTIONS
-from fleet.launch._stop import die_with_parent
 from fleet.launch._config import (
-    DEFAULT_PROGRESS_TIMEOUT,
     LaunchConfig,
     WorkerSpec,
     plan_workers,
@@ -40,6 +38,7 @@ from fleet.launch._config import (
     worker_base_environ,
 )
 from fleet.launch._failure import STUCK_EXIT_CODE, WorkerFailedError, describe_returncode, exit_code_of
+from fleet.launch._stop import die_with_parent
 from fleet.launch._watchdog import Watchdog, Watched
 
 # fleetrun's options that fleet.spawn takes too (fleet/launch/_args.py is their one
@@ -76,6 +75,8 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
 
     Raises:
         fleet.FleetConfigError: an unknown option or a bad value, before any start.
+        fleet.FleetTypeError: ``func`` or ``args`` do not pickle (a lambda, a local
+            function), before any start.
         WorkerFailedError: a process failed; it carries the child's traceback.
 
     Example:
@@ -172,7 +173,7 @@ def _option_value(name: str, value: Any) -> Any:
     if value is None:
         return default
     if name == "gpus" and not isinstance(value, str):
-        value = ",".join(str(g) for g in value)
+        value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     if isinstance(value, str):
         try:
             return convert(value)
