@@ -81,6 +81,19 @@ def checksums(values: dict[str, Any], *, alone: bool = False) -> Sums:
     return _sum_all(_pieces(values, written=not alone))
 
 
+def host_pieces(values: dict[str, Any]) -> list[tuple[str, str, np.ndarray]]:
+    """The shards this process writes, as host arrays (on CPU, views that keep the
+    buffers alive), to be summed later by :func:`sum_pieces` in another thread."""
+    if not ENABLED:
+        return []
+    return [(key, index, np.asarray(data)) for key, index, data in _pieces(values, written=True)]
+
+
+def sum_pieces(pieces: list[tuple[str, str, np.ndarray]]) -> Sums:
+    """The checksum table of :func:`host_pieces`."""
+    return _sum_all(pieces) if pieces else {}
+
+
 def merge(all_sums: list[Sums]) -> Sums:
     """One table from every process's :func:`checksums`."""
     out: Sums = {}

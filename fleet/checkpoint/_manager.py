@@ -29,6 +29,7 @@ the call and the missing ranks, instead of a hang in orbax's barriers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import glob
 import json
@@ -38,6 +39,7 @@ import sys
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -66,6 +68,40 @@ _REGISTRY = ocp.type_handlers.create_type_handler_registry(
 )
 _FORMAT = "fleet-checkpoint"
 _VERSION = 1
+
+
+_SUMMER = ThreadPoolExecutor(1, thread_name_prefix="fleet-checksums")
+
+
+def _sum_and_share(pieces: dict[str, list]) -> dict[str, _integrity.Sums]:
+    """The checksum tables of a step's parts: this process's shards, merged with
+    every other process's (in the order of the saves: one summing thread)."""
+    sums = {name: _integrity.sum_pieces(p) for name, p in pieces.items()}
+    if jax.process_count() > 1:
+        got = _agree.agree("fleet.CheckpointManager.save(checksums)", json.dumps(sums))
+        sums = {name: _integrity.merge([json.loads(g)[name] for g in got]) for name in sums}
+    return sums
+
+
+class _MetaHandler(ocp.JsonCheckpointHandler):
+    """Writes a step's JSON once its checksums (a future) are summed."""
+
+    async def _save_fn(self, x, directory):
+        if isinstance(x.get("checksums"), Future):
+            x = dict(x, checksums=await asyncio.wrap_future(x["checksums"]))
+        await super()._save_fn(x, directory)
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_save=True)
+@dataclasses.dataclass
+class _MetaSave(ocp.args.JsonSave):
+    """A step's JSON (``meta``), written by :class:`_MetaHandler`."""
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_restore=True)
+@dataclasses.dataclass
+class _MetaRestore(ocp.args.JsonRestore):
+    """Reads a step's JSON (``meta``)."""
 
 
 class _Damaged(FleetCheckpointError):
@@ -197,7 +233,7 @@ class CheckpointManager:
         self._meet("__init__", repr(self))
         handlers = {name: ocp.PyTreeCheckpointHandler(type_handler_registry=_REGISTRY)
                     for name in _state.ARRAY_PARTS}
-        handlers[_META] = ocp.JsonCheckpointHandler()
+        handlers[_META] = _MetaHandler()
         # fleet decides which steps to write and deletes old ones itself (only
         # once a newer step is committed), so orbax gets neither option.
         self._orbax = ocp.CheckpointManager(
@@ -217,22 +253,18 @@ class CheckpointManager:
 
     # -- meeting the other processes -----------------------------------------------------
 
-    def _meet(self, call: str, value: Any, sums: dict | None = None) -> dict | None:
-        """Every process makes ``call`` with the same ``value`` (bounded wait); returns
-        the checksum tables ``sums`` of every process merged."""
+    def _meet(self, call: str, value: Any) -> None:
+        """Every process makes ``call`` with the same ``value`` (a bounded wait)."""
         if jax.process_count() == 1:
-            return sums
+            return
         name = f"fleet.CheckpointManager.{call}" if call != "__init__" else "fleet.CheckpointManager()"
-        got = [json.loads(v) for v in _agree.agree(name, json.dumps({"value": value, "sums": sums}))]
-        if any(g["value"] != got[0]["value"] for g in got):
+        got = _agree.agree(name, json.dumps(value))
+        if any(g != got[0] for g in got):
             raise FleetCheckpointError(
                 f"{name}: the processes made this call with different arguments ("
-                + "; ".join(f"rank {r}: {g['value']}" for r, g in enumerate(got))
+                + "; ".join(f"rank {r}: {g}" for r, g in enumerate(got))
                 + "); every process must make the same calls"
             )
-        if sums is None:
-            return None
-        return {part: _integrity.merge([g["sums"][part] for g in got]) for part in sums}
 
     # -- what is there ------------------------------------------------------------
 
@@ -312,8 +344,8 @@ class CheckpointManager:
         world()  # a clear error before orbax's if fleet.init was not called
         parts = _state.parts(model=model, optimizer=optimizer, state=state, rng=rng)
         stored = {name: p.to_save() for name, p in parts.items()}
-        sums = self._meet("save", {"step": step, "force": bool(force)},
-                          {name: _integrity.checksums(v) for name, v in stored.items()})
+        pieces = {name: _integrity.host_pieces(v) for name, v in stored.items()}
+        self._meet("save", {"step": step, "force": bool(force)})
         meta = {
             "format": _FORMAT,
             "version": _VERSION,
@@ -325,7 +357,9 @@ class CheckpointManager:
             "key_impls": {name: p.impls() for name, p in parts.items()},
             "processes": jax.process_count(),
             "replicas": world().num_replicas,
-            "checksums": sums,
+            # Summed in the background while orbax writes the arrays; the JSON is
+            # written once they are ready (_MetaHandler).
+            "checksums": _SUMMER.submit(_sum_and_share, pieces),
             "checksum": _integrity.ALGORITHM,
         }
         self._settle()
@@ -337,7 +371,7 @@ class CheckpointManager:
                 )
             self._orbax.delete(step)
         items = {name: ocp.args.PyTreeSave(stored[name]) for name, p in parts.items() if p.leaves}
-        items[_META] = ocp.args.JsonSave(meta)
+        items[_META] = _MetaSave(meta)
         try:
             self._orbax.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001 (tensorstore's and orbax's own errors)
@@ -431,14 +465,16 @@ class CheckpointManager:
 
     def _set_aside(self, step: int) -> str:
         """Renames the damaged ``step`` so it is no longer listed (nor overwritten)."""
-        source = os.path.join(self.directory, str(step))
-        target, n = f"{source}.damaged", 1
-        while os.path.lexists(target):
-            n += 1
-            target = f"{source}.damaged-{n}"
+        target = ""
         if jax.process_index() == 0:
+            source = os.path.join(self.directory, str(step))
+            target, n = f"{source}.damaged", 1
+            while os.path.lexists(target):
+                n += 1
+                target = f"{source}.damaged-{n}"
             os.rename(source, target)
-        self._meet("restore_latest(set aside)", step)
+        if jax.process_count() > 1:  # (the others wait for the rename, and name it alike)
+            target = _agree.agree("fleet.CheckpointManager.restore_latest(set aside)", target)[0]
         self._orbax.reload()
         return target
 
@@ -526,7 +562,7 @@ class CheckpointManager:
     def _read_meta(self, step: int) -> dict[str, Any]:
         try:
             meta = self._orbax.restore(step, args=ocp.args.Composite(
-                **{_META: ocp.args.JsonRestore()}))[_META]
+                **{_META: _MetaRestore()}))[_META]
         except Exception as e:  # noqa: BLE001 (JSON that does not parse, a missing file)
             raise _Damaged(
                 f"checkpoint {self.directory}/{step} is damaged: its {_META!r} item is not "
