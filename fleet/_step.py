@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,54 +72,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _context, _sync, _worker
+from fleet import _context, _guards, _roles, _sync, _worker
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._replicas import check_replicas
 from fleet._tree import dotted
 from fleet._world import DATA_AXIS, World, world
-
-_NNX, _TREE, _BATCH, _REPL, _STATIC = "nnx", "state", "batch", "replicated", "static"
-_REDUCES = ("mean", "sum", "gather", None)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _is_batch_like(x: Any) -> bool:
-    if _is_array(x):
-        return np.ndim(x) > 0
-    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
-        return len(x) > 0 and all(_is_batch_like(v) for v in x)
-    if isinstance(x, dict):
-        return len(x) > 0 and all(_is_batch_like(v) for v in x.values())
-    return False
-
-
-def _holds_arrays(x: Any) -> bool:
-    leaves = jax.tree_util.tree_leaves(x)
-    return bool(leaves) and all(_is_array(v) or isinstance(v, (int, float, np.generic))
-                                for v in leaves)
-
-
-def _replicated_on(x: Any, n: int) -> bool:
-    """Whether ``x`` is a jax.Array already replicated over the ``n`` mesh devices
-    (a value a step returned: parameters, averaged gradients)."""
-    return (isinstance(x, jax.Array) and len(x.sharding.device_set) == n
-            and x.is_fully_replicated)
-
-
-def _kind(x: Any, is_batch: bool | None, n: int) -> str:
-    if isinstance(x, nnx.Pytree):
-        return _NNX
-    if isinstance(x, (bool, int, float, complex, np.generic)) or (
-        _is_array(x) and np.ndim(x) == 0
-    ):
-        return _REPL
-    if is_batch or (is_batch is None and _is_batch_like(x) and not all(
-            _replicated_on(v, n) for v in jax.tree.leaves(x))):
-        return _BATCH
-    return _TREE if _holds_arrays(x) else _STATIC
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -225,32 +181,6 @@ def _is_buffer(v: nnx.Variable) -> bool:
         jnp.result_type(v.get_raw_value()), jnp.inexact)
 
 
-def _foreign_psums(jaxpr: Any) -> int:
-    """psums in ``jaxpr`` outside fleet's own collectives (``_sync.FLEET_CALLS``)."""
-    from jax.extend.core import jaxprs_in_params
-
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.params.get("name") in _sync.FLEET_CALLS:
-            continue
-        if eqn.primitive.name in ("psum", "psum_invariant"):
-            total += len(eqn.invars)
-        for sub in jaxprs_in_params(eqn.params):
-            total += _foreign_psums(sub)
-    return total
-
-
-_IMPLICIT_SUM = (
-    "the step differentiates {what}, which is not a wrapped model's parameter: JAX sums "
-    "such gradients over the {n} replicas (N times the single-device gradient) instead of "
-    "averaging them. Wrap the model: `model = fleet.distributed_model(model)` (NNX: "
-    "compute the loss by calling the wrapped model; Linen: use the wrapped model's "
-    "`apply`, e.g. TrainState.create(apply_fn=model.apply, ...)). If the step calls "
-    "jax.lax.psum / pmean itself, use fleet.all_reduce instead."
-)
-
-
 def _prepare_accumulators(objs: tuple) -> bool:
     """Before a no_sync step: gives each distributed optimizer its accumulator for
     the wrapped parameters among ``objs``. Returns whether a graph changed."""
@@ -283,6 +213,7 @@ class DistributedStep:
         self._records: dict[_Plan, dict] = {}
         self._agreed: set = set()
         self._calls = 0
+        self._last_repl: Any = None
         self.trace_count = 0  # how often the body was traced for real (tests read it)
 
     # -- the call, on the host ------------------------------------------------------
@@ -293,7 +224,7 @@ class DistributedStep:
         compiled = self._compiled(plan)
         new_state, out, finite = compiled(*call_args)
         if plan.check_nan_inf:
-            self._check_finite(finite, plan)
+            _guards.check_finite(finite, self._records[plan]["finite"], self._calls + 1)
         self._graph.write(new_state)
         self._calls += 1
         every = world().strategy.check_replicas_every_n_steps
@@ -326,10 +257,10 @@ class DistributedStep:
         self._check_argnums(len(args))
         batch_argnums = self._batch_argnums
         kinds = tuple(
-            _kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
+            _roles.kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
             for i, v in enumerate(values)
         )
-        positions = [i for i, k in enumerate(kinds) if k == _NNX]
+        positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
         objs = tuple(values[i] for i in positions)
         no_sync = _context.no_sync_active()
         if no_sync and _prepare_accumulators(objs):
@@ -339,40 +270,29 @@ class DistributedStep:
         plan = self._plan(
             kinds=kinds,
             kw_names=names,
-            statics=tuple(v for v, k in zip(values, kinds) if k == _STATIC),
+            statics=tuple(v for v, k in zip(values, kinds) if k == _roles.STATIC),
             graphdef=self._graph.graphdef,
             state_treedef=self._graph.state_treedef,
             no_sync=no_sync,
             check_nan_inf=w.strategy.check_nan_inf,
             mesh=w.mesh,
         )
-        batch = [v for v, k in zip(values, kinds) if k == _BATCH]
-        repl = [v for v, k in zip(values, kinds) if k == _REPL]
+        batch = [v for v, k in zip(values, kinds) if k == _roles.BATCH]
+        repl = [v for v, k in zip(values, kinds) if k == _roles.REPL]
         if jax.process_count() > 1:
             shapes = (plan, tuple(np.shape(x) for x in jax.tree.leaves(batch)))
             if shapes not in self._agreed:
-                self._agree(plan, batch, w)
+                _guards.agree_program(self._fn, kinds, no_sync, batch, self._graph.read(), w)
                 self._agreed.add(shapes)
-            self._agree_replicated(kinds, repl)
+            self._last_repl = _guards.agree_replicated(self._fn, kinds, repl, self._last_repl)
         call_args = (
             self._graph.read(),
-            [v for v, k in zip(values, kinds) if k == _TREE],
+            [v for v, k in zip(values, kinds) if k == _roles.TREE],
             [self._check_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
-             if k == _BATCH],
-            [v for v, k in zip(values, kinds) if k == _REPL],
+             if k == _roles.BATCH],
+            [v for v, k in zip(values, kinds) if k == _roles.REPL],
         )
         return plan, call_args
-
-    def _check_finite(self, finite: Any, plan: _Plan) -> None:
-        names = self._records[plan]["finite"]
-        flags = np.asarray(finite).reshape(-1, len(names)).all(axis=0) if names else []
-        for name, ok in zip(names, flags):
-            if not ok:
-                raise FleetError(
-                    f"check_nan_inf: {name} holds NaN or infinity after call {self._calls + 1} "
-                    "of the step; the state was left as it was before this call. Look for a "
-                    "bad batch, a too-large learning rate, or a log/division of zero"
-                )
 
     def _check_argnums(self, n_positional: int) -> None:
         if self._batch_argnums is not None:
@@ -383,59 +303,6 @@ class DistributedStep:
                     f"step was called with {n_positional} positional arguments (0.."
                     f"{n_positional - 1}); give the positions of the batch arguments"
                 )
-
-    def _agree_replicated(self, kinds: tuple, repl: list) -> None:
-        """Replicated step arguments (Python scalars) must be equal on every process:
-        checked when they change."""
-        values = tuple(np.asarray(v).item() for v in repl)
-        if values == getattr(self, "_last_repl", None):
-            return
-        from fleet._agree import agree
-
-        mine = json.dumps([repr(v) for v in values])
-        everyone = agree(f"step-args/{getattr(self._fn, '__qualname__', 'step')}", mine)
-        positions = [i for i, k in enumerate(kinds) if k == _REPL]
-        for rank, text in enumerate(everyone):
-            theirs = json.loads(text)
-            for pos, a, b in zip(positions, json.loads(mine), theirs):
-                if a != b:
-                    raise FleetError(
-                        f"step argument {pos} is {a} on process {jax.process_index()} but "
-                        f"{b} on process {rank}; a scalar passed to the step is replicated "
-                        "and must be equal on every process (compute it the same way on "
-                        "all of them, or pass per-process values as batch rows)"
-                    )
-        self._last_repl = values
-
-    def _agree(self, plan: _Plan, batch: list, w: World) -> None:
-        """The cross-process program guard (see the module docstring)."""
-        from fleet._agree import agree
-
-        fields = {
-            "step function": getattr(self._fn, "__qualname__", repr(self._fn)),
-            "argument kinds": list(plan.kinds),
-            "batch shapes (per process)": [
-                [list(np.shape(x)) + [str(np.result_type(x))] for x in jax.tree.leaves(b)]
-                for b in batch],
-            "state": [[list(np.shape(x)), str(x.dtype)] for x in self._graph.read()],
-            "strategy": repr(w.strategy),
-            "no_sync": plan.no_sync,
-            "replicas": w.num_replicas,
-        }
-        mine = json.dumps(fields, sort_keys=True, default=str)
-        everyone = agree(f"step/{fields['step function']}", mine)
-        rank = jax.process_index()
-        for other, text in enumerate(everyone):
-            if text == mine:
-                continue
-            theirs = json.loads(text)
-            field = next(k for k in fields if json.loads(mine)[k] != theirs.get(k))
-            raise FleetError(
-                f"the processes compiled different steps: rank {rank} and rank {other} differ "
-                f"in {field!r} (rank {rank}: {json.loads(mine)[field]}, rank {other}: "
-                f"{theirs.get(field)}). Every process must run the same step with the same "
-                "strategy and batch shapes"
-            )
 
     def _plan(self, **fields: Any) -> _Plan:
         last = self._last_plan
@@ -520,20 +387,21 @@ class DistributedStep:
         args = (state, trees, batch, repl)
         record = self._records.get(plan)
         if record is None:
-            self._check_on_one_device(plan, args, specs)
+            _guards.check_on_one_device(
+                functools.partial(self._body, plan, record={}, probe=True), plan.mesh, args, specs)
             record = {}
             probe = jax.shard_map(
                 functools.partial(self._body, plan, record=record, probe=True),
                 mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
             )
             jaxpr = jax.make_jaxpr(probe)(*args)
-            if _foreign_psums(jaxpr):
-                summed = self._summed_state(jaxpr, plan, trees)
+            if _guards.foreign_psums(jaxpr):
+                summed = _guards.summed_state(jaxpr, plan.kinds, self._graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
                 # them. A distributed optimizer that got them, with no wrapped model in
                 # the step, divides them by N (raw parameters, functional optax style).
                 if record["wrapped_syncs"] or not record["tx_calls"]:
-                    raise FleetError(_IMPLICIT_SUM.format(
+                    raise FleetError(_guards.IMPLICIT_SUM.format(
                         n=plan.mesh.devices.size,
                         what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
                         if summed else "state that is not a wrapped model's parameters"))
@@ -556,48 +424,6 @@ class DistributedStep:
         ]
         return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), finite
 
-    def _check_on_one_device(self, plan: _Plan, args: tuple, specs: tuple) -> None:
-        """Traces the step once as the single-device step would run it (the global
-        shapes, one device), so every shape error it would raise is raised here,
-        with single-device shapes, rather than slipping through per-replica shapes."""
-        one = jax.sharding.Mesh(np.array(list(plan.mesh.devices.flat)[:1]), (DATA_AXIS,))
-        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                               args)
-        body = jax.shard_map(functools.partial(self._body, plan, record={}, probe=True),
-                             mesh=one, in_specs=specs, out_specs=(), check_vma=True)
-        try:
-            jax.eval_shape(body, *structs)
-        except FleetError:
-            raise
-        except (TypeError, ValueError) as e:
-            shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(args[2])]
-            raise FleetError(
-                f"the step fails as a single-device step on the global batch (batch shapes "
-                f"{shapes}), so it is refused here too: {type(e).__name__}: "
-                f"{str(e).splitlines()[0]}"
-            ) from e
-
-    def _summed_state(self, jaxpr: Any, plan: _Plan, trees: list) -> list[str]:
-        """Names of the state leaves the traced body casts to varying implicitly
-        (the casts whose transpose is JAX's sum over replicas)."""
-        body = next((e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
-                     if e.primitive.name == "shard_map"), None)
-        if body is None:
-            return []
-        tree_pos = [i for i, k in enumerate(plan.kinds) if k == _TREE]
-        names = list(self._graph.names) + [
-            f"argument {tree_pos[i]} leaf {dotted(p)!r}"
-            for i, t in enumerate(trees) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
-        index = {id(v): i for i, v in enumerate(body.invars[:len(names)])}
-        found = []
-        for eqn in body.eqns:
-            if eqn.primitive.name in ("pvary", "pcast"):
-                for v in eqn.invars:
-                    i = index.get(id(v))
-                    if i is not None and names[i] not in found:
-                        found.append(names[i])
-        return found
-
     def _body(self, plan: _Plan, state, trees, batch, repl, *, record, probe):
         per_replica = self._graph.per_replica
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
@@ -608,8 +434,8 @@ class DistributedStep:
         objs = nnx.merge(plan.graphdef, jax.tree_util.tree_unflatten(plan.state_treedef, state))
         entered = {id(x): i for i, (x, synced) in enumerate(zip(state, self._graph.synced))
                    if synced and plan.no_sync}
-        sources = {_NNX: iter(objs), _TREE: iter(trees), _BATCH: iter(batch),
-                   _REPL: iter(repl), _STATIC: iter(plan.statics)}
+        sources = {_roles.NNX: iter(objs), _roles.TREE: iter(trees), _roles.BATCH: iter(batch),
+                   _roles.REPL: iter(repl), _roles.STATIC: iter(plan.statics)}
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
         trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
@@ -625,7 +451,7 @@ class DistributedStep:
                     "variable or sub-module); build the whole model before training"
                 )
             new_state = self._replicated_state(new, plan, entered, original)
-            leaves, reduces, treedef = self._outputs(out, batch)
+            leaves, reduces, treedef = _roles.combine_outputs(out, batch, self._out_reduce)
         if trace.auto_sum and any(id(x) in trace.tx_grads for x in jax.tree.leaves(out)):
             raise FleetError(
                 "the step returns gradients of raw parameters, which JAX summed over the "
@@ -686,65 +512,6 @@ class DistributedStep:
             if key in trace.accum_out:
                 new = trace.accum_out[key]
                 leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new
-
-    def _outputs(self, out: Any, batch: list) -> tuple[list, list[str], Any]:
-        rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
-        declared = self._declared_reduces(out)
-        with_path, treedef = jax.tree_util.tree_flatten_with_path(
-            out, is_leaf=lambda x: isinstance(x, nnx.Pytree))
-        leaves, reduces = [], []
-        for (path, x), reduce in zip(with_path, declared):
-            name = dotted(path) or "the output"
-            if isinstance(x, nnx.Pytree):
-                raise FleetTypeError(
-                    f"the step returned an NNX object at {name}; NNX objects passed to the "
-                    "step are updated in place, so return only arrays (loss, metrics)"
-                )
-            x = jnp.asarray(x)
-            if not _sync.is_varying(x):
-                reduce = "replicated"
-            elif reduce is None:
-                if x.ndim == 0:
-                    reduce = "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "sum"
-                elif x.shape[0] in rows:
-                    reduce = "gather"
-                else:
-                    raise FleetError(
-                        f"output {name} (shape {x.shape} per replica) differs across replicas "
-                        "and is neither a scalar nor per example (leading axis = the "
-                        f"replica's {sorted(rows)} batch rows), so fleet cannot combine it on "
-                        "its own. Declare it: fleet.distributed_step(fn, out_reduce=...) "
-                        "with 'mean', 'sum' or 'gather' at its position"
-                    )
-            elif reduce == "gather" and x.ndim == 0:
-                raise FleetConfigError(f"out_reduce asks to gather output {name}, a scalar; "
-                                       "use 'mean' or 'sum'")
-            leaves.append(x)
-            reduces.append(reduce)
-        return leaves, reduces, treedef
-
-    def _declared_reduces(self, out: Any) -> list:
-        spec = self._out_reduce
-        n = len(jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, nnx.Pytree)))
-        if spec is None:
-            return [None] * n
-        if isinstance(spec, str):
-            spec = jax.tree.map(lambda _: spec, out)
-        try:
-            full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, out,
-                                is_leaf=lambda s: s is None or isinstance(s, str))
-        except ValueError as e:
-            raise FleetConfigError(
-                f"out_reduce={self._out_reduce!r} does not match the structure of the step's "
-                f"output ({jax.tree_util.tree_structure(out)}); give a prefix of it, with "
-                f"one of {_REDUCES} at each position ({e})"
-            ) from None
-        leaves = jax.tree_util.tree_leaves(full, is_leaf=lambda s: s is None)
-        for s in leaves:
-            if s not in _REDUCES:
-                raise FleetConfigError(f"out_reduce value {s!r} is not one of {_REDUCES}")
-        return leaves
-
 
 def distributed_step(
     fn: Callable | None = None,

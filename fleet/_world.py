@@ -10,7 +10,6 @@ contiguous block of rows.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import jax

@@ -1,0 +1,162 @@
+"""Guards: the checks that turn silent divergence and hangs into named errors.
+
+* :func:`foreign_psums` / :func:`summed_state`: a gradient that JAX summed over
+  replicas (state that no wrapped model synced) is found in the traced program;
+* :func:`check_on_one_device`: the step traced once as the single-device step
+  on the global shapes, so its shape errors are raised with those shapes;
+* :func:`agree_program` / :func:`agree_replicated`: the processes compare what
+  they traced and the scalars they pass, through a bounded key-value exchange;
+* :func:`check_finite`: ``strategy.check_nan_inf``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fleet import _sync
+from fleet._errors import FleetError
+from fleet._roles import REPL, TREE
+from fleet._tree import dotted
+from fleet._world import DATA_AXIS
+
+
+def foreign_psums(jaxpr: Any) -> int:
+    """psums in ``jaxpr`` outside fleet's own collectives (``_sync.FLEET_CALLS``)."""
+    from jax.extend.core import jaxprs_in_params
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("name") in _sync.FLEET_CALLS:
+            continue
+        if eqn.primitive.name in ("psum", "psum_invariant"):
+            total += len(eqn.invars)
+        for sub in jaxprs_in_params(eqn.params):
+            total += foreign_psums(sub)
+    return total
+
+
+IMPLICIT_SUM = (
+    "the step differentiates {what}, which is not a wrapped model's parameter: JAX sums "
+    "such gradients over the {n} replicas (N times the single-device gradient) instead of "
+    "averaging them. Wrap the model: `model = fleet.distributed_model(model)` (NNX: "
+    "compute the loss by calling the wrapped model; Linen: use the wrapped model's "
+    "`apply`, e.g. TrainState.create(apply_fn=model.apply, ...)). If the step calls "
+    "jax.lax.psum / pmean itself, use fleet.all_reduce instead."
+)
+
+
+
+def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:
+    """Traces the step once as the single-device step would run it (the global
+    shapes, one device), so every shape error it would raise is raised here,
+    with single-device shapes, rather than slipping through per-replica shapes."""
+    one = jax.sharding.Mesh(np.array(list(mesh.devices.flat)[:1]), (DATA_AXIS,))
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                           args)
+    body = jax.shard_map(body, mesh=one, in_specs=specs, out_specs=(), check_vma=True)
+    try:
+        jax.eval_shape(body, *structs)
+    except FleetError:
+        raise
+    except (TypeError, ValueError) as e:
+        shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(args[2])]
+        raise FleetError(
+            f"the step fails as a single-device step on the global batch (batch shapes "
+            f"{shapes}), so it is refused here too: {type(e).__name__}: "
+            f"{str(e).splitlines()[0]}"
+        ) from e
+
+
+def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) -> list[str]:
+    """Names of the state leaves the traced body casts to varying implicitly
+    (the casts whose transpose is JAX's sum over replicas)."""
+    body = next((e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
+                 if e.primitive.name == "shard_map"), None)
+    if body is None:
+        return []
+    tree_pos = [i for i, k in enumerate(kinds) if k == TREE]
+    names = list(state_names) + [
+        f"argument {tree_pos[i]} leaf {dotted(p)!r}"
+        for i, t in enumerate(trees) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+    index = {id(v): i for i, v in enumerate(body.invars[:len(names)])}
+    found = []
+    for eqn in body.eqns:
+        if eqn.primitive.name in ("pvary", "pcast"):
+            for v in eqn.invars:
+                i = index.get(id(v))
+                if i is not None and names[i] not in found:
+                    found.append(names[i])
+    return found
+
+
+def check_finite(finite: Any, names: list[str], call: int) -> None:
+    """strategy.check_nan_inf: raises naming the first leaf whose flag is False."""
+    flags = np.asarray(finite).reshape(-1, len(names)).all(axis=0) if names else []
+    for name, ok in zip(names, flags):
+        if not ok:
+            raise FleetError(
+                f"check_nan_inf: {name} holds NaN or infinity after call {call} "
+                "of the step; the state was left as it was before this call. Look for a "
+                "bad batch, a too-large learning rate, or a log/division of zero"
+            )
+
+
+def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:
+    """Replicated step arguments (Python scalars) must be equal on every process:
+    checked when they change."""
+    values = tuple(np.asarray(v).item() for v in repl)
+    if values == last:
+        return last
+    from fleet._agree import agree
+
+    mine = json.dumps([repr(v) for v in values])
+    everyone = agree(f"step-args/{getattr(fn, '__qualname__', 'step')}", mine)
+    positions = [i for i, k in enumerate(kinds) if k == REPL]
+    for rank, text in enumerate(everyone):
+        theirs = json.loads(text)
+        for pos, a, b in zip(positions, json.loads(mine), theirs):
+            if a != b:
+                raise FleetError(
+                    f"step argument {pos} is {a} on process {jax.process_index()} but "
+                    f"{b} on process {rank}; a scalar passed to the step is replicated "
+                    "and must be equal on every process (compute it the same way on "
+                    "all of them, or pass per-process values as batch rows)"
+                )
+    return values
+
+
+def agree_program(fn: Any, kinds: tuple, no_sync: bool, batch: list, state: list, w: Any) -> None:
+    """The cross-process program guard (see the module docstring)."""
+    from fleet._agree import agree
+
+    fields = {
+        "step function": getattr(fn, "__qualname__", repr(fn)),
+        "argument kinds": list(kinds),
+        "batch shapes (per process)": [
+            [list(np.shape(x)) + [str(np.result_type(x))] for x in jax.tree.leaves(b)]
+            for b in batch],
+        "state": [[list(np.shape(x)), str(x.dtype)] for x in state],
+        "strategy": repr(w.strategy),
+        "no_sync": no_sync,
+        "replicas": w.num_replicas,
+    }
+    mine = json.dumps(fields, sort_keys=True, default=str)
+    everyone = agree(f"step/{fields['step function']}", mine)
+    rank = jax.process_index()
+    for other, text in enumerate(everyone):
+        if text == mine:
+            continue
+        theirs = json.loads(text)
+        field = next(k for k in fields if json.loads(mine)[k] != theirs.get(k))
+        raise FleetError(
+            f"the processes compiled different steps: rank {rank} and rank {other} differ "
+            f"in {field!r} (rank {rank}: {json.loads(mine)[field]}, rank {other}: "
+            f"{theirs.get(field)}). Every process must run the same step with the same "
+            "strategy and batch shapes"
+        )

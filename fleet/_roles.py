@@ -1,0 +1,123 @@
+"""Roles: what each argument of a distributed step is, and how each output
+comes back. The rules are stated in ``fleet._step``'s docstring; this module
+applies them (one rule each for arguments and outputs, by vma type where JAX
+knows it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fleet import _sync
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._tree import dotted
+
+NNX, TREE, BATCH, REPL, STATIC = "nnx", "state", "batch", "replicated", "static"
+REDUCES = ("mean", "sum", "gather", None)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _is_batch_like(x: Any) -> bool:
+    if _is_array(x):
+        return np.ndim(x) > 0
+    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+        return len(x) > 0 and all(_is_batch_like(v) for v in x)
+    if isinstance(x, dict):
+        return len(x) > 0 and all(_is_batch_like(v) for v in x.values())
+    return False
+
+
+def _holds_arrays(x: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(_is_array(v) or isinstance(v, (int, float, np.generic))
+                                for v in leaves)
+
+
+def _replicated_on(x: Any, n: int) -> bool:
+    """Whether ``x`` is a jax.Array already replicated over the ``n`` mesh devices
+    (a value a step returned: parameters, averaged gradients)."""
+    return (isinstance(x, jax.Array) and len(x.sharding.device_set) == n
+            and x.is_fully_replicated)
+
+
+def kind(x: Any, is_batch: bool | None, n: int) -> str:
+    """The role of a step argument: one of NNX, TREE, BATCH, REPL, STATIC."""
+    if isinstance(x, nnx.Pytree):
+        return NNX
+    if isinstance(x, (bool, int, float, complex, np.generic)) or (
+        _is_array(x) and np.ndim(x) == 0
+    ):
+        return REPL
+    if is_batch or (is_batch is None and _is_batch_like(x) and not all(
+            _replicated_on(v, n) for v in jax.tree.leaves(x))):
+        return BATCH
+    return TREE if _holds_arrays(x) else STATIC
+
+
+
+def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[str], Any]:
+    """Each output leaf and how it comes back (see fleet._step): ``replicated``,
+    ``mean``, ``sum`` or ``gather``; raises for what fleet cannot combine."""
+    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+    declared = _declared_reduces(out, out_reduce)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(
+        out, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    leaves, reduces = [], []
+    for (path, x), reduce in zip(with_path, declared):
+        name = dotted(path) or "the output"
+        if isinstance(x, nnx.Pytree):
+            raise FleetTypeError(
+                f"the step returned an NNX object at {name}; NNX objects passed to the "
+                "step are updated in place, so return only arrays (loss, metrics)"
+            )
+        x = jnp.asarray(x)
+        if not _sync.is_varying(x):
+            reduce = "replicated"
+        elif reduce is None:
+            if x.ndim == 0:
+                reduce = "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "sum"
+            elif x.shape[0] in rows:
+                reduce = "gather"
+            else:
+                raise FleetError(
+                    f"output {name} (shape {x.shape} per replica) differs across replicas "
+                    "and is neither a scalar nor per example (leading axis = the "
+                    f"replica's {sorted(rows)} batch rows), so fleet cannot combine it on "
+                    "its own. Declare it: fleet.distributed_step(fn, out_reduce=...) "
+                    "with 'mean', 'sum' or 'gather' at its position"
+                )
+        elif reduce == "gather" and x.ndim == 0:
+            raise FleetConfigError(f"out_reduce asks to gather output {name}, a scalar; "
+                                   "use 'mean' or 'sum'")
+        leaves.append(x)
+        reduces.append(reduce)
+    return leaves, reduces, treedef
+
+def _declared_reduces(out: Any, out_reduce: Any) -> list:
+    spec = out_reduce
+    n = len(jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, nnx.Pytree)))
+    if spec is None:
+        return [None] * n
+    if isinstance(spec, str):
+        spec = jax.tree.map(lambda _: spec, out)
+    try:
+        full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, out,
+                            is_leaf=lambda s: s is None or isinstance(s, str))
+    except ValueError as e:
+        raise FleetConfigError(
+            f"out_reduce={out_reduce!r} does not match the structure of the step's "
+            f"output ({jax.tree_util.tree_structure(out)}); give a prefix of it, with "
+            f"one of {REDUCES} at each position ({e})"
+        ) from None
+    leaves = jax.tree_util.tree_leaves(full, is_leaf=lambda s: s is None)
+    for s in leaves:
+        if s not in REDUCES:
+            raise FleetConfigError(f"out_reduce value {s!r} is not one of {REDUCES}")
+    return leaves
