@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ from fleet.checkpoint._errors import FleetCheckpointError
 
 _LEAVES = "arrays, numpy or Python numbers, strings"
 CHECKSUMS = "fleet_checksums.json"
+_SUMMER = ThreadPoolExecutor(1, thread_name_prefix="fleet-save-checksums")  # beside the write
 
 
 # --------------------------------------------------------------------------- writing from any process
@@ -220,9 +222,10 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     tag = f"{jax.process_index()}-{uuid.uuid4().hex[:8]}"
     fresh = os.path.join(parent, f".{name}.fleet-new-{tag}")
     checkpointer, _ = _local_checkpointer()
+    summing = _SUMMER.submit(_integrity.checksums, _arrays(tree), alone=True)
     try:
-        checkpointer.save(fresh, args=ocp.args.PyTreeSave(tree))
-        sums = {k: next(iter(v.values())) for k, v in _integrity.checksums(_arrays(tree), alone=True).items()}
+        checkpointer.save(fresh, args=ocp.args.PyTreeSave(tree))  # (while summing runs)
+        sums = {k: next(iter(v.values())) for k, v in summing.result().items()}
         with open(os.path.join(fresh, CHECKSUMS), "w") as f:
             json.dump({"algorithm": _integrity.ALGORITHM, "arrays": sums}, f)
             f.flush()
