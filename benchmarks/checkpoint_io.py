@@ -163,9 +163,10 @@ def main() -> None:
     print(f"| {'-' * 40} | {'-' * 9}: | {'-' * 5}: | {'-' * 9}: | {'-' * 5}: | {'-' * 4}: |")
     for name, both in checked.items():
         on, off = statistics.median(both[True]), statistics.median(both[False])
-        rate = (lambda v: f"{sizes[name] / v:6.0f}") if name in sizes else (lambda v: " " * 6)
-        print(f"| {name:40} | {on * 1e3:>7.0f} ms | {rate(on)} | {off * 1e3:>7.0f} ms | "
-              f"{rate(off)} | {on / off:5.2f} |")
+        rate_on, rate_off = ((f"{sizes[name] / v:6.0f}" for v in (on, off)) if name in sizes
+                             else (" " * 6, " " * 6))
+        print(f"| {name:40} | {on * 1e3:>7.0f} ms | {rate_on} | {off * 1e3:>7.0f} ms | "
+              f"{rate_off} | {on / off:5.2f} |")
     print("\nratio: time with the integrity check / time without it (medians)")
     print(f"\n| {'operation (checked)':40} | {'median':>10} |")
     print(f"| {'-' * 40} | {'-' * 9}: |")

@@ -18,7 +18,7 @@ import pytest
 
 from fleet import FleetWarning
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
-from tests.workers import ckpt_common, ckpt_jobs
+from tests.workers import ckpt_jobs
 
 EXIT_WORKER = str(ckpt_jobs.ROOT / "tests/workers/ckpt_exit.py")
 

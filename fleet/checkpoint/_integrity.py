@@ -37,7 +37,7 @@ def crc32(x: Any) -> int:
 
 def index_key(index: tuple, shape: tuple[int, ...]) -> str:
     """``"0:4,0:16"``: a shard's index (a tuple of slices) written out."""
-    return ",".join("%d:%d" % s.indices(n)[:2] for s, n in zip(index, shape))
+    return ",".join("{}:{}".format(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
 def _whole(shape: tuple[int, ...]) -> str:
