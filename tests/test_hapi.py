@@ -572,6 +572,28 @@ def test_errors_say_what_was_given_and_what_to_do(make_world, train_set):
     with pytest.raises(fleet.FleetTypeError, match=r"got a dict with keys \['x', 'y'\]"):
         model.fit(TensorDataset({"x": train_set[0], "y": train_set[1]}), verbose=0)
     model.prepare(optax.adam(LR), lambda logits, y: ce(logits, y)[:3])
+    # The step is first traced as the single-device step on the global batch (2 x 5).
     with pytest.raises(fleet.FleetConfigError, match=r"returned shape \(3,\) for a batch of "
-                                                     r"5"):
+                                                     r"10; return a scalar or one value per "
+                                                     r"example \(leading axis 10\)"):
         model.evaluate(ds, batch_size=5, verbose=0)
+
+
+# -- issue 11 §4: a light fleet.Model ------------------------------------------------------
+
+def test_hapi_touches_no_private_attribute_of_the_model_loader_or_sampler():
+    """Callbacks, loops and the model talk through public attributes: no `x._name`
+    in fleet/hapi except on `self`; and the model's file stays one idea long."""
+    import ast
+    from pathlib import Path
+
+    hapi = Path(fleet.__file__).parent / "hapi"
+    found = []
+    for path in sorted(hapi.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+    assert len((hapi / "_model.py").read_text().splitlines()) < 350

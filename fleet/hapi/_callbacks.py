@@ -104,13 +104,14 @@ class CallbackList:
 
 def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, verbose: int,
                      log_freq: int, params: dict[str, Any], save_dir: Any = None,
-                     save_freq: int = 1, train_loader: Any = None,
+                     save_freq: int = 1, train_loader: Any = None, resume: bool = False,
                      ) -> tuple[CallbackList, ModelCheckpoint | None]:
     """The callbacks of a run (Paddle's ``config_callbacks``): the user's, a progress
     logger unless ``verbose`` is 0 or one is given, and a :class:`ModelCheckpoint`
     for ``save_dir`` unless one is given; each gets the model and ``params``.
     Returns them, and the checkpoint callback that saves (``None`` if none does),
-    which gets the training loader (whose position it saves)."""
+    which gets the training loader (whose position it saves); ``fit(resume=True)``
+    needs one."""
     from fleet.hapi._progbar import ProgBarLogger
 
     cbks = list(callbacks or [])
@@ -130,6 +131,11 @@ def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, verbose: 
     checkpoints = [cb for cb in cbks if isinstance(cb, ModelCheckpoint) and cb.save_dir]
     for cb in checkpoints:
         cb.loader = train_loader
+    if resume and not checkpoints:
+        raise FleetConfigError(
+            "fit(resume=True) continues from the checkpoints in save_dir, but no "
+            "save_dir was given; pass save_dir=... (the same as the run to resume)"
+        )
     return CallbackList(cbks), checkpoints[0] if checkpoints else None
 
 

@@ -8,10 +8,77 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
+import optax
+from flax import linen, nnx
 
-from fleet._errors import FleetConfigError, FleetTypeError
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet.io import DataLoader, DistributedBatchSampler
+
+_NEEDS_PREPARE = (
+    "call model.prepare(optimizer, loss, metrics) before {what}, e.g. "
+    "model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels, "
+    "fleet.metric.Accuracy())"
+)
+
+
+def check_ready(model: Any, what: str, need_optimizer: bool = False,
+                need_loss: bool = False) -> None:
+    """``what`` (``fit``, ...) needs ``model.prepare`` to have set these."""
+    if need_optimizer and model.optimizer is None:
+        raise FleetError(f"{what} needs an optimizer: " + _NEEDS_PREPARE.format(what=what))
+    if need_loss and model.loss is None:
+        raise FleetError(f"{what} needs a loss: " + _NEEDS_PREPARE.format(what=what))
+
+
+def check_network(network: Any) -> None:
+    """``fleet.Model`` takes an NNX module."""
+    if isinstance(network, linen.Module):
+        raise FleetTypeError(
+            f"fleet.Model takes a Flax NNX module, got the Linen module "
+            f"{type(network).__name__}; convert it with flax.nnx.bridge.ToNNX, or train "
+            "Linen with the four-step API (fleet.distributed_model / distributed_step)"
+        )
+    if not isinstance(network, nnx.Module):
+        raise FleetTypeError(
+            f"fleet.Model takes a Flax NNX module (nnx.Module), got {type(network).__name__}"
+        )
+
+
+def check_prepare(network: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, Any, list]:
+    """``Model.prepare``'s arguments, checked: the distributed optimizer (or
+    ``None``), the loss, and the metrics as a list."""
+    from fleet._optimizer import distributed_optimizer
+    from fleet.hapi._metric import Metric
+
+    if isinstance(optimizer, nnx.Optimizer):
+        optimizer = distributed_optimizer(optimizer)
+    elif isinstance(optimizer, optax.GradientTransformation):
+        optimizer = distributed_optimizer(nnx.Optimizer(network, optimizer, wrt=nnx.Param))
+    elif optimizer is not None:
+        raise FleetTypeError(
+            f"prepare(optimizer=...) takes an optax transformation (e.g. "
+            f"optax.adam(1e-3)) or an nnx.Optimizer, got {type(optimizer).__name__}"
+        )
+    if loss is not None and not callable(loss):
+        raise FleetTypeError(
+            f"prepare(loss=...) takes a function loss(outputs, *labels), got "
+            f"{type(loss).__name__}; e.g. optax.softmax_cross_entropy_with_integer_labels"
+        )
+    metrics = [] if metrics is None else [metrics] if isinstance(metrics, Metric) else list(
+        metrics)
+    for m in metrics:
+        if not isinstance(m, Metric):
+            raise FleetTypeError(
+                f"prepare(metrics=...) takes fleet.metric.Metric objects, got "
+                f"{type(m).__name__}; e.g. fleet.metric.Accuracy()"
+            )
+    names = [n for m in metrics for n in m.name()]
+    if len(set(names)) != len(names) or "loss" in names:
+        raise FleetConfigError(
+            f"metric names {names} repeat (or use 'loss'); give each metric its own "
+            "name, e.g. Accuracy(topk=(1, 5), name='acc5')"
+        )
+    return optimizer, loss, metrics
 
 
 def count_inputs(network: nnx.Module, inputs: Any) -> int:

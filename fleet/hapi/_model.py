@@ -1,25 +1,15 @@
 """``fleet.Model``: Paddle's high-level ``paddle.Model`` on a data-parallel mesh.
 
-The script is the single-device one; the launcher alone makes it distributed::
-
-    model = fleet.Model(MLP(nnx.Rngs(0)))
-    model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels,
-                  fleet.metric.Accuracy())
-    model.fit(train_dataset, test_dataset, epochs=5, batch_size=64)
-    model.evaluate(test_dataset, batch_size=64)
-
-``python train.py`` trains on every local device; ``fleetrun --nproc_per_node 2
-train.py`` on every device of both processes. ``fleet.Model`` calls
-``fleet.init(is_collective=True)`` itself when the script did not.
-
-What happens underneath is the four-step API: the network is wrapped with
-``fleet.distributed_model``, the optimizer with ``fleet.distributed_optimizer``,
-and the steps (``fleet/hapi/_steps.py``) run through ``fleet.distributed_step``.
-A dataset gets a ``DistributedBatchSampler`` (``batch_size`` per device), so
-each global batch is the one a single device would take with ``batch_size x
-replicas`` rows, and the trained parameters are the single device's.
-Evaluation and prediction drop the samples the sampler repeated as padding, so
-metrics are exact and predictions come back once each, in dataset order.
+The script is the single-device one (``fleet.Model`` calls ``fleet.init`` itself);
+``python train.py`` trains on every local device, ``fleetrun --nproc_per_node 2
+train.py`` on every device of both processes. Underneath is the four-step API:
+``fleet.distributed_model`` / ``distributed_optimizer``, and the steps of
+``_steps.py`` through ``fleet.distributed_step``; the loops are in ``_loops.py``.
+A dataset gets a ``DistributedBatchSampler`` (``batch_size`` per device), so each
+global batch is the one a single device would take with ``batch_size x replicas``
+rows, and the trained parameters are the single device's. Evaluation and
+prediction drop the sampler's padding: metrics are exact, predictions come back
+once each, in dataset order.
 """
 
 from __future__ import annotations
@@ -32,26 +22,26 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
-from flax import linen, nnx
 
 from fleet import _world
-from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetWarning
+from fleet._errors import FleetWarning
 from fleet._model import DataParallel, distributed_model
-from fleet._optimizer import distributed_optimizer
 from fleet.hapi import _saving, _steps
 from fleet.hapi._callbacks import Callback, config_callbacks
-from fleet.hapi._inputs import as_tuple, check_verbose, count_inputs, int_at_least, make_loader
+from fleet.hapi._inputs import (
+    as_tuple,
+    check_network,
+    check_prepare,
+    check_ready,
+    check_verbose,
+    count_inputs,
+    int_at_least,
+    make_loader,
+)
 from fleet.hapi._loops import public, run_epoch
 from fleet.hapi._metric import Metric
 from fleet.hapi._summary import summary as _summary
 from fleet.io._loader import to_host
-
-_NEEDS_PREPARE = (
-    "call model.prepare(optimizer, loss, metrics) before {what}, e.g. "
-    "model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels, "
-    "fleet.metric.Accuracy())"
-)
 
 
 class Model:
@@ -79,17 +69,7 @@ class Model:
 
     def __init__(self, network: Any, inputs: Any = None, labels: Any = None):
         del labels
-        if isinstance(network, linen.Module):
-            raise FleetTypeError(
-                f"fleet.Model takes a Flax NNX module, got the Linen module "
-                f"{type(network).__name__}; convert it with flax.nnx.bridge.ToNNX, or train "
-                "Linen with the four-step API (fleet.distributed_model / distributed_step)"
-            )
-        if not isinstance(network, nnx.Module):
-            raise FleetTypeError(
-                f"fleet.Model takes a Flax NNX module (nnx.Module), got "
-                f"{type(network).__name__}"
-            )
+        check_network(network)
         if not _world.is_initialized():
             _world.init(is_collective=True)
         self.network = network if isinstance(network, DataParallel) else distributed_model(network)
@@ -98,12 +78,10 @@ class Model:
         self.optimizer: Any = None  # set by prepare: the distributed nnx.Optimizer
         self.loss: Any = None
         self.metrics: list[Metric] = []
-        self._steps: dict[str, Any] = {}
+        self._predict = _steps.make_predict_step()  # prepare adds the train and eval steps
         self._pending_opt_state: dict | None = None
         self.stop_training = False
         self.history: list[dict[str, Any]] = []
-
-    # -- set-up -------------------------------------------------------------------------
 
     def prepare(self, optimizer: Any = None, loss: Any = None,
                 metrics: Metric | Sequence[Metric] | None = None) -> None:
@@ -117,85 +95,44 @@ class Model:
                 optax's losses do) or their mean. ``fit`` minimises its mean.
             metrics: a :class:`fleet.metric.Metric` or a list of them.
         """
-        if optimizer is not None:
-            if isinstance(optimizer, nnx.Optimizer):
-                optimizer = distributed_optimizer(optimizer)
-            elif isinstance(optimizer, optax.GradientTransformation):
-                optimizer = distributed_optimizer(
-                    nnx.Optimizer(self.network, optimizer, wrt=nnx.Param))
-            else:
-                raise FleetTypeError(
-                    f"prepare(optimizer=...) takes an optax transformation (e.g. "
-                    f"optax.adam(1e-3)) or an nnx.Optimizer, got {type(optimizer).__name__}"
-                )
-        if loss is not None and not callable(loss):
-            raise FleetTypeError(
-                f"prepare(loss=...) takes a function loss(outputs, *labels), got "
-                f"{type(loss).__name__}; e.g. optax.softmax_cross_entropy_with_integer_labels"
-            )
-        if metrics is None:
-            metrics = []
-        elif isinstance(metrics, Metric):
-            metrics = [metrics]
-        metrics = list(metrics)
-        for m in metrics:
-            if not isinstance(m, Metric):
-                raise FleetTypeError(
-                    f"prepare(metrics=...) takes fleet.metric.Metric objects, got "
-                    f"{type(m).__name__}; e.g. fleet.metric.Accuracy()"
-                )
-        names = [n for m in metrics for n in m.name()]
-        if len(set(names)) != len(names) or "loss" in names:
-            raise FleetConfigError(
-                f"metric names {names} repeat (or use 'loss'); give each metric its own "
-                "name, e.g. Accuracy(topk=(1, 5), name='acc5')"
-            )
+        optimizer, loss, metrics = check_prepare(self.network, optimizer, loss, metrics)
         self.optimizer, self.loss, self.metrics = optimizer, loss, metrics
-        self._steps = {}
+        self._train = _steps.make_train_step(loss, metrics)
+        self._eval = _steps.make_eval_step(loss, metrics)
         if self._pending_opt_state is not None and optimizer is not None:
             _saving.set_optimizer_state_dict(optimizer, self._pending_opt_state)
             self._pending_opt_state = None
 
-    def _step(self, kind: str) -> Any:
-        if kind not in self._steps:
-            self._steps[kind] = (_steps.make_train_step(self.loss, self.metrics) if kind == "train"
-                                 else _steps.make_eval_step(self.loss, self.metrics)
-                                 if kind == "eval" else _steps.make_predict_step())
-        return self._steps[kind]
-
     def metrics_name(self) -> list[str]:
         """The metrics' names, in order (Paddle's ``_metrics_name``)."""
         return [n for m in self.metrics for n in m.name()]
-
-    # -- one step: what the loops call ----------------------------------------------------
 
     def train_step(self, inputs: tuple, labels: tuple, update: bool = True,
                    scale: float = 1.0) -> tuple[jax.Array, tuple]:
         """One training step: ``(loss, metric rows)``, on the devices. The gradient is
         that of ``scale * loss``; ``update=False`` accumulates it (``no_sync``: the
         gradients add up until the next update)."""
-        step = self._step("train")
         if update:
-            return step(self.network, self.optimizer, inputs, labels, scale)
+            return self._train(self.network, self.optimizer, inputs, labels, scale)
         with self.network.no_sync():
-            return step(self.network, self.optimizer, inputs, labels, scale)
+            return self._train(self.network, self.optimizer, inputs, labels, scale)
 
     def eval_step(self, inputs: tuple, labels: tuple) -> tuple[Any, tuple]:
         """``(per-example losses or None, metric rows)`` of one batch."""
-        return self._step("eval")(self.network, inputs, labels)
+        return self._eval(self.network, inputs, labels)
 
     def predict_step(self, inputs: tuple) -> Any:
         """The network's outputs for one batch (per example)."""
-        return self._step("predict")(self.network, inputs)
+        return self._predict(self.network, inputs)
 
-    # -- one batch (Paddle's train_batch / eval_batch / predict_batch) --------------------
+    # -- one step (what the loops call), one batch (Paddle's *_batch) ---------------------
 
     def train_batch(self, inputs: Any, labels: Any = None, update: bool = True) -> Any:
         """One training step on a global batch; returns ``[loss]``, or ``([loss],
         metric values)`` with metrics. ``update=False`` accumulates the gradients
         (``no_sync``: they add up, as in Paddle); the next step with ``update=True``
         applies their sum."""
-        self._check_ready("train_batch", need_optimizer=True)
+        check_ready(self, "train_batch", need_optimizer=True)
         self.network.train()
         loss, rows = self.train_step(as_tuple(inputs), as_tuple(labels), update)
         values = [m.update(*jax.tree.map(to_host, r)) for m, r in zip(self.metrics, rows)]
@@ -203,7 +140,7 @@ class Model:
 
     def eval_batch(self, inputs: Any, labels: Any = None) -> Any:
         """Loss and metric values of one global batch (no padding is assumed)."""
-        self._check_ready("eval_batch")
+        check_ready(self, "eval_batch")
         self.network.eval()
         losses, rows = self.eval_step(as_tuple(inputs), as_tuple(labels))
         values = [m.update(*jax.tree.map(to_host, r)) for m, r in zip(self.metrics, rows)]
@@ -218,25 +155,12 @@ class Model:
 
     # -- loops --------------------------------------------------------------------------
 
-    def fit(
-        self,
-        train_data: Any = None,
-        eval_data: Any = None,
-        batch_size: int = 1,
-        epochs: int = 1,
-        eval_freq: int = 1,
-        log_freq: int = 10,
-        save_dir: str | os.PathLike | None = None,
-        save_freq: int = 1,
-        verbose: int = 1,
-        drop_last: bool = False,
-        shuffle: bool = True,
-        num_workers: int = 0,
-        callbacks: Sequence[Callback] | None = None,
-        accumulate_grad_batches: int = 1,
-        num_iters: int | None = None,
-        resume: bool = False,
-    ) -> list[dict[str, Any]]:
+    def fit(self, train_data: Any = None, eval_data: Any = None, batch_size: int = 1,
+            epochs: int = 1, eval_freq: int = 1, log_freq: int = 10,
+            save_dir: str | os.PathLike | None = None, save_freq: int = 1, verbose: int = 1,
+            drop_last: bool = False, shuffle: bool = True, num_workers: int = 0,
+            callbacks: Sequence[Callback] | None = None, accumulate_grad_batches: int = 1,
+            num_iters: int | None = None, resume: bool = False) -> list[dict[str, Any]]:
         """Trains for ``epochs`` epochs, evaluating every ``eval_freq`` epochs.
 
         Args:
@@ -268,12 +192,11 @@ class Model:
             One dict per epoch: ``epoch``, the training ``loss`` (mean over the
             epoch's examples) and metrics, and ``eval_*`` values when evaluated.
         """
-        self._check_ready("fit", need_optimizer=True, need_loss=True)
-        batch_size = int_at_least("batch_size", batch_size, 1)
-        epochs = int_at_least("epochs", epochs, 1)
-        eval_freq = int_at_least("eval_freq", eval_freq, 1)
-        log_freq = int_at_least("log_freq", log_freq, 1)
-        accumulate = int_at_least("accumulate_grad_batches", accumulate_grad_batches, 1)
+        check_ready(self, "fit", need_optimizer=True, need_loss=True)
+        batch_size, epochs, eval_freq, log_freq, accumulate = (
+            int_at_least(name, value, 1) for name, value in zip(
+                ("batch_size", "epochs", "eval_freq", "log_freq", "accumulate_grad_batches"),
+                (batch_size, epochs, eval_freq, log_freq, accumulate_grad_batches)))
         num_iters = None if num_iters is None else int_at_least("num_iters", num_iters, 1)
         check_verbose(verbose)
         train_loader, own_train = make_loader(train_data, batch_size, shuffle, drop_last,
@@ -288,11 +211,7 @@ class Model:
                 "epochs": epochs, "steps": steps, "batch_size": batch_size, "verbose": verbose,
                 "metrics": self.metrics_name(), "log_freq": log_freq, "save_freq": save_freq,
                 "save_dir": None if save_dir is None else os.fspath(save_dir)},
-                save_dir, save_freq, train_loader)
-            if resume and checkpoint is None:
-                raise FleetConfigError(
-                    "fit(resume=True) continues from the checkpoints in save_dir, but no "
-                    "save_dir was given; pass save_dir=... (the same as the run to resume)")
+                save_dir, save_freq, train_loader, resume)
             start = checkpoint.restore_latest() if resume else 0
             self.stop_training, self.history, done = False, [], 0
             cbks.on_begin("train")
@@ -330,7 +249,7 @@ class Model:
             ``{"loss": ..., "acc": ...}`` (the metric names), as floats (lists for
             metrics with several values).
         """
-        self._check_ready("evaluate")
+        check_ready(self, "evaluate")
         return public(self._run("eval", eval_data, batch_size, num_workers, verbose, log_freq,
                                 callbacks, num_iters)[0])
 
@@ -351,7 +270,6 @@ class Model:
 
     def _run(self, mode: str, data: Any, batch_size: int, num_workers: int, verbose: int,
              log_freq: int, callbacks: Any, num_iters: int | None) -> tuple[dict, list]:
-        """evaluate / predict: one pass over ``data`` in ``mode``."""
         batch_size = int_at_least("batch_size", batch_size, 1)
         log_freq = int_at_least("log_freq", log_freq, 1)
         check_verbose(verbose)
@@ -365,14 +283,6 @@ class Model:
         finally:
             if own:
                 loader.close()
-
-    def _check_ready(self, what: str, need_optimizer: bool = False,
-                     need_loss: bool = False) -> None:
-        if need_optimizer and self.optimizer is None:
-            raise FleetError(
-                f"{what} needs an optimizer: " + _NEEDS_PREPARE.format(what=what))
-        if need_loss and self.loss is None:
-            raise FleetError(f"{what} needs a loss: " + _NEEDS_PREPARE.format(what=what))
 
     # -- saving, loading, summary -------------------------------------------------------
 
@@ -424,7 +334,4 @@ class Model:
         Returns:
             ``{"total_params": ..., "trainable_params": ...}``.
         """
-        if input_size is None and self._inputs is not None and not isinstance(self._inputs, int):
-            input_size = [tuple(1 if d is None else d for d in s.shape) for s in self._inputs]
-            dtype = [s.dtype for s in self._inputs]
-        return _summary(self.network, input_size, dtype)
+        return _summary(self.network, input_size, dtype, inputs=self._inputs)

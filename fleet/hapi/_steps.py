@@ -1,7 +1,8 @@
 """The steps ``fleet.Model`` runs, as pure per-replica functions for
 ``fleet.distributed_step``.
 
-Each is written as for one device, on this replica's rows: the distributed step
+Each is written as for one device, on this replica's rows, and names its batch
+arguments (``batch_argnums``: the inputs and the labels): the distributed step
 averages the gradients (through the distributed optimizer), averages the
 scalar loss over the replicas, and gathers the per-example arrays (metric rows,
 per-example losses, predictions) in global batch order.
@@ -118,7 +119,7 @@ def make_train_step(loss_fn: Callable, metrics: Sequence[Any]) -> DistributedSte
         optimizer.update(network, grads)
         return loss, metric_rows(metrics, outputs, labels)
 
-    return distributed_step(train_step)
+    return distributed_step(train_step, batch_argnums=(2, 3))
 
 
 def make_eval_step(loss_fn: Callable | None, metrics: Sequence[Any]) -> DistributedStep:
@@ -129,7 +130,7 @@ def make_eval_step(loss_fn: Callable | None, metrics: Sequence[Any]) -> Distribu
         losses = None if loss_fn is None else per_example_loss(loss_fn, outputs, labels)
         return losses, metric_rows(metrics, outputs, labels)
 
-    return distributed_step(eval_step)
+    return distributed_step(eval_step, batch_argnums=(1, 2))
 
 
 def make_predict_step() -> DistributedStep:
@@ -140,4 +141,4 @@ def make_predict_step() -> DistributedStep:
         batch_rows(outputs)
         return outputs
 
-    return distributed_step(predict_step)
+    return distributed_step(predict_step, batch_argnums=(1,))

@@ -50,7 +50,11 @@ def output_shape(network: nnx.Module, input_size: Any, dtype: Any) -> Any:
 
 
 def summary(network: nnx.Module, input_size: Sequence[Any] | None = None, dtype: Any = None,
-            file: TextIO | None = None) -> dict[str, int]:
+            file: TextIO | None = None, inputs: Any = None) -> dict[str, int]:
+    if input_size is None and inputs is not None and not isinstance(inputs, int):
+        # fleet.Model(inputs=[ShapeDtypeStruct, ...]): Paddle's InputSpec list
+        input_size = [tuple(1 if d is None else d for d in s.shape) for s in inputs]
+        dtype = [s.dtype for s in inputs]
     rows = _rows(network)
     header = ("Layer (type)", "Parameter shapes", "Param #")
     table = [(f"{name} ({kind})", shapes, f"{total:,}") for name, kind, shapes, total, _ in rows]
