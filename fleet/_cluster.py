@@ -19,8 +19,9 @@ Open MPI     ``OMPI_MCA_orte_hnp_uri`` (``mpirun`` of Open MPI 4 and       ``OMP
 The coordinator is the first node of the step (SLURM) or ``mpirun``'s host (Open
 MPI), on a port JAX derives from the job id; ``JAX_COORDINATOR_PORT`` overrides
 the port. JAX gives each process the GPU of its local rank (its convention: one
-task per GPU, e.g. ``srun --ntasks-per-node=8`` on 8-GPU nodes). Kubernetes (JAX's third detector) needs API calls to tell the job's size:
-set ``JAX_COORDINATOR_ADDRESS`` there, and JAX fills in the rest.
+task per GPU, e.g. ``srun --ntasks-per-node=8`` on 8-GPU nodes). Kubernetes
+(JAX's third detector) needs API calls to tell the job's size: set
+``JAX_COORDINATOR_ADDRESS`` there, and JAX fills in the rest.
 
 Some launchers say that a process is one of several but give JAX no way to join
 the others (Open MPI 5's ``prterun``, MPICH's and Intel MPI's ``hydra``, torchrun).

@@ -17,10 +17,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import spawn_targets  # noqa: E402
-from tests.test_launch_run import jobs  # noqa: E402,F401 (the fixture)
 
 import fleet  # noqa: E402
 from fleet.launch import spawn  # noqa: E402
+from tests.test_launch_run import jobs  # noqa: E402,F401 (the fixture)
 
 LOOP = str(SCRIPTS / "train_loop.py")
 ONE_RANK_COLLECTIVE = str(SCRIPTS / "collective_on_one_rank.py")

@@ -13,16 +13,17 @@ Read from outside the worker, so that a frozen worker cannot hide:
 A job is stuck when, for ``timeout`` seconds (``--progress_timeout``), a worker
 has been stopped, or silent since its last beat, or (before its first beat)
 running with no beat at all. The time to the end of the first step gets
-``max(timeout, 30 s)``: the worker imports, builds and compiles then. The report names the worker furthest behind: a stopped one
-first, then one that never sent a heartbeat while others did, then the one whose
+``max(timeout, 30 s)``: the worker imports, builds and compiles then. The report
+names the worker furthest behind: a stopped one first, then one that never sent
+a heartbeat while others did, then the one whose
 last heartbeat is oldest (in a deadlock every worker falls silent; the first to
 do so is the likeliest cause). A worker that has finished (exited 0, or its
 script ended well and it waits in JAX's shutdown barrier) is never blamed.
 
 Uneven steps: when a worker has finished after N steps while a peer started step
 N + 1 (or later) and has been silent since for ``min(timeout, 10 s)``, the peer
-waits in a collective the finished worker will never join. The job ends naming the rank
-that ran more steps, and both step counts.
+waits in a collective the finished worker will never join. The job ends naming
+the rank that ran more steps, and both step counts.
 """
 
 from __future__ import annotations
