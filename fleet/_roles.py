@@ -15,6 +15,7 @@ from flax import nnx
 from fleet import _sync
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._tree import dotted
+from fleet._world import DATA_AXIS
 
 NNX, TREE, BATCH, REPL, STATIC = "nnx", "state", "batch", "replicated", "static"
 REDUCES = ("mean", "sum", "gather", None)
@@ -43,8 +44,11 @@ def _holds_arrays(x: Any) -> bool:
 def _replicated_on(x: Any, n: int) -> bool:
     """Whether ``x`` is a jax.Array already replicated over the ``n`` mesh devices
     (a value a step returned: parameters, averaged gradients)."""
-    return (isinstance(x, jax.Array) and len(x.sharding.device_set) == n
-            and x.is_fully_replicated)
+    if not (isinstance(x, jax.Array) and len(x.sharding.device_set) == n
+            and x.is_fully_replicated):
+        return False
+    spec = getattr(x.sharding, "spec", None)  # a batch sharded over `data` (one device) is not
+    return spec is None or DATA_AXIS not in jax.tree.leaves(tuple(spec))
 
 
 def kind(x: Any, is_batch: bool | None, n: int) -> str:
