@@ -465,3 +465,14 @@ def test_the_core_does_not_import_the_launcher():
             offenders += [f"{path.relative_to(root)}: {n}" for n in names
                           if n == "fleet.launch" or n.startswith("fleet.launch.")]
     assert offenders == []
+
+
+def test_options_after_the_script_are_the_scripts():
+    """A script's own --verbose is not an abbreviation of fleetrun's --verbose_env,
+    and fleetrun's option names after the script belong to the script."""
+    from fleet.launch._args import parse_args
+
+    ns = parse_args(["--nproc_per_node", "2", "train.py", "--verbose", "2", "--nproc_per_node", "5"])
+    assert ns.training_script == "train.py"
+    assert ns.training_script_args == ("--verbose", "2", "--nproc_per_node", "5")
+    assert ns.nproc_per_node == 2

@@ -71,6 +71,7 @@ def build_parser(environ: Mapping[str, str] | None = None,
     parser = argparse.ArgumentParser(
         prog="fleetrun", description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # the script's own --verbose is not fleetrun's --verbose_env
     )
     for name, (convert, default, help_text) in OPTIONS.items():
         flags = []
