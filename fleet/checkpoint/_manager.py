@@ -599,6 +599,8 @@ class CheckpointManager:
                 raise _Damaged(f"checkpoint {self.directory}/{step} is damaged: the metadata "
                                f"of its {name!r} item is missing")
             saved = {k: (tuple(m.shape), np.dtype(m.dtype).name) for k, m in tree.items()}
+            if _grows_accumulator(part, saved):
+                part = parts[name] = _state.Part.of(name, part.obj)
             problems += [f"{name}: {p}" for p in _tree.differences(
                 saved, part.signatures(), meta["key_impls"].get(name, {}), part.impls())]
         return problems
@@ -670,3 +672,16 @@ class CheckpointManager:
         return (f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep}, "
                 f"save_interval_steps={self.save_interval_steps}, "
                 f"save_interval_seconds={self.save_interval_seconds}, async_save={self.async_save})")
+
+
+def _grows_accumulator(part: _state.Part, saved: dict) -> bool:
+    """A checkpoint taken between ``no_sync`` steps holds the distributed optimizer's
+    ``grad_accum``; a freshly built optimizer gets one (zeros) before the restore
+    fills it. Returns whether the object changed."""
+    ensure = getattr(part.obj, "ensure_accumulator", None)
+    prefix = "grad_accum."
+    extra = {k: v for k, v in saved.items() if k.startswith(prefix) and k not in part.leaves}
+    if ensure is None or not extra:
+        return False
+    return ensure({k[len(prefix):].replace(":", "."): (shape[1:], np.dtype(dtype))
+                   for k, (shape, dtype) in extra.items()})
