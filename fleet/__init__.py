@@ -11,6 +11,12 @@ Four changes turn a single-device Flax + Optax script into a data-parallel one::
 The public API is this module; everything else is private.
 """
 
+# First, before anything starts JAX's CPU client: a thread pool large enough that
+# XLA:CPU's collectives on several CPU devices cannot deadlock (fleet/_xla_flags.py).
+from fleet._xla_flags import apply_cpu_collective_environ as _apply_cpu_collective_environ
+
+_apply_cpu_collective_environ()
+
 from fleet import _world, io
 from fleet._agree import FleetTimeoutError
 from fleet._collective import all_gather, all_reduce, barrier, broadcast

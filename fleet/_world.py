@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fleet import _xla_flags
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError, FleetNotInitializedError, FleetUnsupportedError
 from fleet._worker import initialize_distributed, join_launched_job  # noqa: F401
@@ -89,6 +90,7 @@ def init(
         ('data',)
     """
     global _WORLD
+    _xla_flags.apply_cpu_collective_environ()  # before the CPU client exists (a no-op after)
     if not isinstance(is_collective, bool):
         raise FleetConfigError(
             f"fleet.init(is_collective={is_collective!r}): is_collective must be True or "
