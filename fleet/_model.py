@@ -29,7 +29,16 @@ from fleet import _context, _sync
 from fleet._context import BucketConfig
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._reduce import reduce_gradients
-from fleet._tree import dotted, like, module_variables, replicate, replicate_in_place, to_host
+from fleet._tree import (
+    dotted,
+    like,
+    load_state_dict,
+    module_variables,
+    replicate,
+    replicate_in_place,
+    state_dict,
+    to_host,
+)
 from fleet._world import world
 
 # Older names, used by fleet.hapi and fleet.checkpoint.
@@ -186,9 +195,9 @@ class DataParallel(nnx.Module):
         dot in their name); ``structured_name_prefix`` is put before every key.
         """
         out = {} if destination is None else destination
-        for key, var in module_variables(self).items():
+        for key, value in state_dict(self).items():
             if include_sublayers or "." not in key:
-                out[structured_name_prefix + key] = to_host(var.get_value())
+                out[structured_name_prefix + key] = value
         return out
 
     def set_state_dict(self, state_dict: dict[str, Any], use_structured_name: bool = True) -> None:
@@ -199,30 +208,17 @@ class DataParallel(nnx.Module):
         ``use_structured_name=False`` (Paddle's other key style) the keys are
         matched in order against the model's variables instead of by name.
         """
-        current = module_variables(self)
         if not use_structured_name:
+            current = module_variables(self)
             if len(state_dict) != len(current):
                 raise FleetError(
                     f"state_dict has {len(state_dict)} entries, the model {len(current)} "
                     "variables; with use_structured_name=False they are matched in order"
                 )
             state_dict = dict(zip(current, state_dict.values()))
-        problems = [f"missing {k!r}" for k in current if k not in state_dict]
-        problems += [f"unexpected {k!r}" for k in state_dict if k not in current]
-        for key, value in state_dict.items():
-            if key in current:
-                old, new = to_host(current[key].get_value()), np.asarray(value)
-                if old.shape != new.shape or old.dtype != new.dtype:
-                    problems.append(
-                        f"{key!r}: model has {old.shape} {old.dtype}, given {new.shape} {new.dtype}"
-                    )
-        if problems:
-            raise FleetError("state_dict does not fit the model: " + "; ".join(problems))
-        placed = replicate({
-            k: like(current[k].get_value(), np.asarray(state_dict[k])) for k in current
-        })
-        for key, var in current.items():
-            var.set_raw_value(placed[key])
+        load_state_dict(self, state_dict, "model",
+                        "Load a state_dict saved from the same model (same keys and shapes)",
+                        intro="state_dict does not fit the model")
 
 
 class LinenDataParallel(DataParallel):

@@ -36,9 +36,12 @@ def is_key(x: Any) -> bool:
 
 
 def first_replica(x: Any) -> np.ndarray:
-    """``x`` on the host: a replicated array's first local copy, else the whole array."""
+    """``x`` on the host: a replicated array's first local copy, else the whole array
+    (an array sharded over other processes cannot be taken to one host)."""
     if isinstance(x, jax.Array) and x.is_fully_replicated:
         return np.asarray(x.addressable_shards[0].data)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise ValueError("a sharded array cannot be taken to one host")
     return np.asarray(x)
 
 
@@ -56,6 +59,36 @@ def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:
     """The object's variables by dotted path (``"linear1.kernel"``)."""
     flat = nnx.to_flat_state(nnx.state(module))
     return {".".join(map(str, path)): var for path, var in flat}
+
+
+def state_dict(obj: nnx.Pytree) -> dict[str, np.ndarray]:
+    """Every variable of ``obj`` as a host array, by dotted path (PRNG keys as key data)."""
+    return {k: to_host(first_replica(v.get_value()) if not is_key(v.get_value())
+                       else v.get_value()) for k, v in module_variables(obj).items()}
+
+
+def load_state_dict(obj: nnx.Pytree, values: dict[str, Any], what: str, hint: str,
+                    intro: str | None = None) -> None:
+    """Sets every variable of ``obj`` from ``values`` (by dotted path), replicated;
+    all or nothing: any missing, unexpected or mis-shaped key raises a FleetError
+    that lists them (``what`` names the object, ``hint`` says what to do)."""
+    current = module_variables(obj)
+    problems = [f"missing {k!r}" for k in current if k not in values]
+    problems += [f"unexpected {k!r}" for k in values if k not in current]
+    for key, value in values.items():
+        if key in current:
+            old, new = to_host(current[key].get_value()), np.asarray(value)
+            if old.shape != new.shape or old.dtype != new.dtype:
+                problems.append(f"{key!r}: {what} has {old.shape} {old.dtype}, given "
+                                f"{new.shape} {new.dtype}")
+    if problems:
+        raise FleetError(
+            (intro or f"the state does not fit the {what}") + ": " + "; ".join(problems[:8])
+            + ("; ..." if len(problems) > 8 else "") + f". {hint}"
+        )
+    placed = replicate({k: like(current[k].get_value(), np.asarray(values[k])) for k in current})
+    for key, var in current.items():
+        var.set_raw_value(placed[key])
 
 
 def _check_same_across_processes(paths: list[str], leaves: list[np.ndarray]) -> None:

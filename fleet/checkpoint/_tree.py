@@ -17,16 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet._model import _dotted
-
-
-def is_key(x: Any) -> bool:
-    """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+from fleet._tree import dotted as _dotted
+from fleet._tree import first_replica, is_key
 
 
 def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
@@ -113,11 +108,7 @@ def _impl_text(impl: str | None) -> str:
 
 def host_value(x: Any) -> np.ndarray:
     """``x`` as a numpy array: a replicated global array gives its first local copy."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if not x.is_fully_replicated:
-            raise ValueError("a sharded array cannot be taken to one host")
-        return np.asarray(x.addressable_shards[0].data)
-    return np.asarray(x)
+    return first_replica(x)
 
 
 def is_global(x: Any) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from fleet import _world, checkpoint
 from fleet._errors import FleetError
-from fleet._model import _like, _to_host, module_variables, set_replicated
+from fleet._tree import load_state_dict, state_dict
 
 PARAMS_SUFFIX = ".pdparams"
 OPT_SUFFIX = ".pdopt"
@@ -40,28 +40,14 @@ def read_arrays(path: str, what: str) -> dict[str, np.ndarray]:
 
 
 def optimizer_state_dict(optimizer: Any) -> dict[str, np.ndarray]:
-    return {k: _to_host(v.get_value()) for k, v in module_variables(optimizer).items()}
+    return state_dict(optimizer)
 
 
 def set_optimizer_state_dict(optimizer: Any, state: dict[str, Any]) -> None:
     """Loads values saved by :func:`optimizer_state_dict`; all or nothing."""
-    current = module_variables(optimizer)
-    problems = [f"missing {k!r}" for k in current if k not in state]
-    problems += [f"unexpected {k!r}" for k in state if k not in current]
-    for key, value in state.items():
-        if key in current:
-            old = _to_host(current[key].get_value())
-            if old.shape != np.shape(value) or old.dtype != np.asarray(value).dtype:
-                problems.append(f"{key!r}: optimizer has {old.shape} {old.dtype}, file has "
-                                f"{np.shape(value)} {np.asarray(value).dtype}")
-    if problems:
-        raise FleetError(
-            "the saved optimizer state does not fit this optimizer: " + "; ".join(problems[:8])
-            + ("; ..." if len(problems) > 8 else "")
-            + ". Build the same optimizer as when saving, or load with reset_optimizer=True"
-        )
-    set_replicated(current, {k: _like(current[k].get_value(), np.asarray(state[k]))
-                             for k in current})
+    load_state_dict(optimizer, state, "optimizer",
+                    "Build the same optimizer as when saving, or load with reset_optimizer=True",
+                    intro="the saved optimizer state does not fit this optimizer")
 
 
 def fit_params(network: Any, params: dict[str, np.ndarray]) -> tuple[dict, list[str]]:
