@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cifar10"
 FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
-PER_BATCH, N_TEST = 16, 25  # 80 training images in 5 batches; the test set pads on 2 replicas
+PER_BATCH, N_TEST = 16, 25  # 80 training images in 5 batches; the test set pads on 4 replicas
 
 
 def _load(name: str, path: Path):
@@ -213,11 +213,11 @@ def run_script(args, devices, cwd, timeout=120, check=True):
 
 def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
         server, archive, tmp_path):
-    """2 replicas either way (1 process x 2 devices; fleetrun: 2 processes x 1 device):
+    """4 replicas either way (1 process x 4 devices; fleetrun: 2 processes x 2 devices):
     the same global batches and augmentation, so the same losses and accuracies."""
     common = ["--md5", archive[1], "--epochs", "2", "--batch-size", "8", "--log-freq", "2"]
     single = run_script(["--data-dir", "cache", "--url", server.url, *common,
-                         "--output-dir", "single"], devices=2, cwd=tmp_path)
+                         "--output-dir", "single"], devices=4, cwd=tmp_path)
     assert (tmp_path / "cache" / data.ARCHIVE).read_bytes() == server.payload
     assert "downloading" in single.stdout and "100%" in single.stderr
     if importlib.util.find_spec("matplotlib"):
@@ -227,7 +227,7 @@ def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     job = subprocess.run(
-        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "1", "--log_dir", "log",
+        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "2", "--log_dir", "log",
          "--job_id", "cifar10-example-test", str(EXAMPLE / "train.py"),
          "--data-dir", "cache", *common, "--output-dir", "fleetrun"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
@@ -238,8 +238,8 @@ def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
 
     a = json.loads((tmp_path / "single" / "metrics.json").read_text())
     b = json.loads((tmp_path / "fleetrun" / "metrics.json").read_text())
-    assert (a["devices"], a["processes"], b["devices"], b["processes"]) == (2, 1, 2, 2)
-    assert a["global_batch"] == b["global_batch"] == 16 and not a["synthetic"]
+    assert (a["devices"], a["processes"], b["devices"], b["processes"]) == (4, 1, 4, 2)
+    assert a["global_batch"] == b["global_batch"] == 32 and not a["synthetic"]
     for x, y in zip(a["epochs"], b["epochs"]):
         assert x["val_images"] == y["val_images"] == N_TEST  # exact: padding dropped
         assert x["val_accuracy"] == y["val_accuracy"]
@@ -248,8 +248,8 @@ def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
 
 
 def test_synthetic_data_is_named_in_every_accuracy_line(tmp_path):
-    proc = run_script(["--synthetic", "--train-size", "256", "--test-size", "64", "--epochs",
-                       "1", "--batch-size", "16", "--log-freq", "4"], devices=2, cwd=tmp_path)
+    proc = run_script(["--synthetic", "--train-size", "512", "--test-size", "64", "--epochs",
+                       "1", "--batch-size", "16", "--log-freq", "4"], devices=4, cwd=tmp_path)
     lines = [line for line in proc.stdout.splitlines() if "accuracy" in line]
     assert lines and all(line.endswith("(synthetic data)") for line in lines)
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
@@ -280,14 +280,14 @@ def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
     job. The validation numbers after the last epoch, a function of the parameters,
     equal an uninterrupted run's exactly, and so does the epoch-1 record kept in the
     checkpoint's metadata."""
-    common = ["--synthetic", "--train-size", "256", "--test-size", "64", "--epochs", "2",
+    common = ["--synthetic", "--train-size", "512", "--test-size", "64", "--epochs", "2",
               "--batch-size", "16", "--log-freq", "100", "--save-every", "3"]
-    run_script([*common, "--output-dir", "straight"], devices=2, cwd=tmp_path)
+    run_script([*common, "--output-dir", "straight"], devices=4, cwd=tmp_path)
     stopped = run_script([*common, "--save-dir", "ckpt", "--max-steps", "11",
-                          "--output-dir", "stopped"], devices=2, cwd=tmp_path)
+                          "--output-dir", "stopped"], devices=4, cwd=tmp_path)
     assert "stopped after 11 steps" in stopped.stdout  # 8 steps an epoch: mid-epoch 2
     resumed = run_script([*common, "--save-dir", "ckpt", "--resume", "--output-dir", "resumed"],
-                         devices=2, cwd=tmp_path)
+                         devices=4, cwd=tmp_path)
     assert "resumed from step 11 (epoch 2)" in resumed.stdout
 
     a = json.loads((tmp_path / "straight" / "metrics.json").read_text())["epochs"]
