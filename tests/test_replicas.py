@@ -186,3 +186,36 @@ def test_the_strategy_checks_replicas_while_training(make_world):
     with pytest.raises(fleet.FleetError, match=r"differ across replicas after call 4: "
                                                r"argument 0 \(.*\) variable '_linear1.bias'"):
         step(model, optimizer, *data[2])
+
+
+def test_state_dict_takes_paddles_arguments(make_world):
+    """Paddle's Layer.state_dict(destination=None, include_sublayers=True,
+    structured_name_prefix='') and set_state_dict(state_dict, use_structured_name=True)."""
+    make_world(2)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.scale = nnx.Param(jax.numpy.ones(()))  # the layer's own parameter
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+
+    dp = fleet.distributed_model(Net(nnx.Rngs(0)))
+    full = dp.state_dict()
+    assert set(full) == {"scale", "linear.kernel", "linear.bias"}
+    own = dp.state_dict(include_sublayers=False)  # only the layer's own variables
+    assert set(own) == {"scale"}
+    destination = {"already": np.zeros(1)}
+    assert dp.state_dict(destination=destination) is destination  # filled and returned
+    assert set(destination) == {"already", *full}
+    assert set(dp.state_dict(structured_name_prefix="net.")) == {f"net.{k}" for k in full}
+
+    changed = {k: v * 2 for k, v in full.items()}
+    dp.set_state_dict(changed)  # by name
+    for key, value in dp.state_dict().items():
+        np.testing.assert_array_equal(value, changed[key])
+    in_order = {f"p{i}": v for i, v in enumerate(full.values())}  # other names, same order
+    dp.set_state_dict(in_order, use_structured_name=False)  # matched in order
+    for key, value in dp.state_dict().items():
+        np.testing.assert_array_equal(value, full[key])
+    with pytest.raises(fleet.FleetError, match="with use_structured_name=False they are "
+                                               "matched in order"):
+        dp.set_state_dict({"only": np.ones(())}, use_structured_name=False)
