@@ -85,14 +85,24 @@ def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]
         try:
             values[other] = client.blocking_key_value_get(prefix + str(other), left_ms)
         except Exception as e:  # noqa: BLE001 (jaxlib raises its own runtime error)
-            if "DEADLINE" not in str(e).upper() and "timed out" not in str(e).lower():
-                raise
-            present = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(prefix)}
-            missing = [r for r in range(nproc) if str(r) not in present]
+            timed_out = "DEADLINE" in str(e).upper() or "timed out" in str(e).lower()
+            try:
+                present = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(prefix)}
+                missing = [r for r in range(nproc) if str(r) not in present]
+            except Exception:  # noqa: BLE001 (the coordinator itself is gone)
+                missing = [other]
+            why = (f"waited {timeout_s:g} s for every process to make this call, but"
+                   if timed_out else f"lost the job's key-value store ({str(e).splitlines()[0]}):")
             raise FleetTimeoutError(
-                f"{name}: process {rank} waited {timeout_s:g} s for every process to make "
-                f"this call, but rank(s) {missing} did not; every process must make it "
-                "(do not guard it with `if fleet.is_first_worker():`). Set "
-                "FLEET_AGREE_TIMEOUT to wait longer"
+                f"{name}: process {rank} {why} rank(s) {missing} did not make it; every "
+                "process must make this call (do not guard it with `if "
+                "fleet.is_first_worker():`). Set FLEET_AGREE_TIMEOUT to wait longer"
             ) from None
     return values  # type: ignore[return-value]
+
+
+def join(name: str, *, timeout_s: float | None = None) -> None:
+    """Waits (bounded) until every process reaches the collective call ``name``;
+    put it before a JAX collective that would otherwise wait forever for a rank
+    that never makes the call."""
+    agree(name, "", timeout_s=timeout_s)

@@ -4,6 +4,8 @@ Inside a :func:`fleet.distributed_step` they work across the data-parallel
 *replicas* (devices) with ``jax.lax`` collectives over the ``data`` axis.
 Outside a step they work across *processes* (workers) on host values, through
 ``jax.experimental.multihost_utils``; with one process they return their input.
+There they are collective: every process must make the call, and one that does
+not is named after at most ``FLEET_AGREE_TIMEOUT`` seconds (60).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def broadcast(x: Any, src: int = 0) -> Any:
         return x
     from jax.experimental import multihost_utils
 
+    from fleet._agree import join
+
+    join("fleet.broadcast (outside a step)")
     return multihost_utils.broadcast_one_to_all(x, is_source=jax.process_index() == src)
 
 
@@ -80,6 +85,9 @@ def all_gather(x: Any) -> Any:
 def _process_allgather(x: Any) -> Any:
     from jax.experimental import multihost_utils
 
+    from fleet._agree import join
+
+    join("fleet.all_reduce / all_gather (outside a step)")
     return multihost_utils.process_allgather(x, tiled=False)
 
 
@@ -89,4 +97,7 @@ def barrier() -> None:
     if not _in_step() and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
+        from fleet._agree import join
+
+        join("fleet.barrier")
         multihost_utils.sync_global_devices("fleet.barrier")

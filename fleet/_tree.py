@@ -118,7 +118,8 @@ def replicate(tree: Any) -> Any:
 
     Values come from the first device of process 0 (broadcast to the others),
     after checking that every process has the same shapes and dtypes. PRNG key
-    arrays travel as their key data and are wrapped again.
+    arrays travel as their key data and are wrapped again. Collective: every
+    process must call it (it waits at most ``FLEET_AGREE_TIMEOUT`` seconds).
     """
     from fleet._world import world
 
@@ -133,6 +134,10 @@ def replicate(tree: Any) -> Any:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
+        from fleet._agree import join
+
+        join("placing replicated state (fleet.distributed_model / distributed_optimizer / "
+             "set_state_dict)")
         _check_same_across_processes(paths, host)
         host = list(multihost_utils.broadcast_one_to_all(host))
     placed = []

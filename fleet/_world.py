@@ -176,10 +176,16 @@ def num_local_replicas() -> int:
 
 
 def barrier_worker() -> None:
-    """Waits until every process reaches this point (no-op for one process)."""
+    """Waits until every process reaches this point (no-op for one process).
+
+    Collective: a process that never arrives is named after at most
+    ``FLEET_AGREE_TIMEOUT`` seconds (60)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
+        from fleet._agree import join
+
+        join("fleet.barrier_worker")
         multihost_utils.sync_global_devices("fleet.barrier_worker")
 
 

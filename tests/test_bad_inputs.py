@@ -101,3 +101,14 @@ def test_a_scalar_argument_that_differs_by_process(tmp_path):
     assert ("step argument 2 is 1.0 on process 1 but 100.0 on process 0" in log
             or "step argument 2 is 100.0 on process 0 but 1.0 on process 1" in log), log[-3000:]
     print(f"per-process scalar: job ended in {seconds:.1f} s")
+
+
+def test_a_collective_call_on_one_rank_only(tmp_path, monkeypatch):
+    """Wrapping the model on rank 0 only: rank 0 does not wait forever; it names the
+    call and rank 1 (FLEET_AGREE_TIMEOUT=10 keeps the test short)."""
+    monkeypatch.setenv("FLEET_AGREE_TIMEOUT", "10")
+    code, log, seconds = fleetrun(tmp_path, "-", "rank0-only", timeout=120)
+    assert code != 0, log[-3000:]
+    assert "placing replicated state" in log and "rank(s) [1] did not make it" in log, log[-3000:]
+    print(f"collective call on one rank: job ended in {seconds:.1f} s")
+    assert seconds < 60

@@ -104,7 +104,17 @@ def scalar_fault():
     print("the step ran", flush=True)
 
 
+def wrap_on_rank_0_only():
+    """`if fleet.is_first_worker(): model = fleet.distributed_model(model)`."""
+    fleet.init(is_collective=True)
+    if fleet.is_first_worker():
+        fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    print("wrapped", flush=True)
+
+
 def main(out_path, what):
+    if what == "rank0-only":
+        return wrap_on_rank_0_only()
     if what in ("buckets", "batch"):
         return fault(what)
     if what == "scalar":
