@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fleet import FleetConfigError, WorkerEnv
@@ -84,10 +83,9 @@ def reference():
 
 
 def assert_same_params(path, reference):
-    got = dict(np.load(path))
-    assert sorted(got) == sorted(reference)
-    for key in reference:
-        np.testing.assert_allclose(got[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
+    from linear_common import assert_same_params as same
+
+    same(path, reference)
 
 
 @pytest.mark.parametrize("cluster", [slurm, open_mpi], ids=["slurm", "open_mpi"])

@@ -14,7 +14,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 
@@ -104,10 +103,9 @@ def reference():
 
 
 def assert_same_params(path, reference):
-    got = dict(np.load(path))
-    assert sorted(got) == sorted(reference)
-    for key in reference:
-        np.testing.assert_allclose(got[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
+    from linear_common import assert_same_params as same
+
+    same(path, reference)
 
 
 # -- acceptance 1: the same parameters as the single-card script ---------------------------

@@ -91,3 +91,11 @@ def train_reference(steps: int = STEPS) -> dict[str, np.ndarray]:
         for step in range(steps):
             train_step(model, optimizer, *global_batch(step))
         return params(model)
+
+
+def assert_same_params(path, reference: dict[str, np.ndarray]) -> None:
+    """The parameters a job saved at ``path`` (.npz) equal ``reference`` within 1e-5."""
+    got = dict(np.load(path))
+    assert sorted(got) == sorted(reference)
+    for key in reference:
+        np.testing.assert_allclose(got[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
