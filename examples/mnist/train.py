@@ -35,9 +35,9 @@ NAMES = {"mnist": "MNIST", "fashion": "Fashion-MNIST"}
 class MLP(nnx.Module):
     """Flatten -> Linear(784, 512) -> ReLU -> Dropout(0.2) -> Linear(512, 10)."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, dropout: float = 0.2):
         self.linear1 = nnx.Linear(784, 512, rngs=rngs)
-        self.dropout = nnx.Dropout(0.2, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
         self.linear2 = nnx.Linear(512, 10, rngs=rngs)
 
     def __call__(self, x):
@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32, help="samples per device per step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.2,
+                   help="dropout rate (the seed's 0.2; each replica draws its own masks, so "
+                        "only --dropout 0 trains exactly the single-device model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-train", type=int, help="train on the first N images only")
     p.add_argument("--log-freq", type=int, default=100)
@@ -82,7 +85,7 @@ def main(argv=None) -> dict:
     except DataError as e:
         sys.exit(f"error: {e}")
 
-    model = fleet.Model(MLP(nnx.Rngs(args.seed)))
+    model = fleet.Model(MLP(nnx.Rngs(args.seed), args.dropout))
     model.prepare(optax.adam(args.lr), optax.softmax_cross_entropy_with_integer_labels,
                   fleet.metric.Accuracy())
     model.fit(train_set, test_set, batch_size=args.batch_size, epochs=args.epochs,
