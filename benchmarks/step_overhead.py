@@ -9,7 +9,8 @@ Adam, on 4 CPU devices (or the local GPUs with ``--platform gpu``). Baselines:
   ``data`` and the parameters replicated (XLA's partitioner inserts the
   all-reduce).
 
-Variants run interleaved, round after round, each timing ``--steps`` steps; the
+fleet runs with its defaults, 1 MB buckets, fusion off, and ``check_nan_inf``
+(which reads a flag vector back after every step). Variants run interleaved, round after round, each timing ``--steps`` steps; the
 table shows the median ms per step and the median of the per-round ratios
 against each baseline and against the faster of the two.
 
@@ -156,6 +157,8 @@ def measure(name: str) -> None:
             fuse_grad_size_in_MB=1)),
         "fleet, fusion off": make_fleet(make, x, y, fleet.DistributedStrategy(
             fuse_all_reduce_ops=False)),
+        "fleet, check_nan_inf": make_fleet(make, x, y, fleet.DistributedStrategy(
+            check_nan_inf=True)),
     }
     for run in variants.values():  # compile and warm up
         for _ in range(3):
