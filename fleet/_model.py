@@ -18,6 +18,7 @@ that every process has the same shapes and dtypes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,44 +29,32 @@ from flax import linen, nnx
 from fleet import _context, _sync
 from fleet._context import BucketConfig
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
-from fleet._reduce import reduce_gradients
+from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import (
     dotted,
-    like,
     load_state_dict,
     module_variables,
     replicate,
     replicate_in_place,
     state_dict,
-    to_host,
 )
 from fleet._world import world
-
-# Older names, used by fleet.hapi and fleet.checkpoint.
-_dotted, _like, _to_host = dotted, like, to_host
-from fleet._tree import set_replicated  # noqa: E402,F401
 
 
 def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:
     """The buckets: given sizes, else the strategy's (one default: 32 MB and 1 MB)."""
-    from fleet._world import is_initialized
-
-    strategy = world().strategy if is_initialized() else None
-    fuse = strategy.fuse_all_reduce_ops if strategy is not None else True
-    sizes = []
-    for name, size, field in (
-        ("comm_buffer_size", comm_buffer_size, "fuse_grad_size_in_MB"),
-        ("last_comm_buffer_size", last_comm_buffer_size, "last_comm_group_size_MB"),
-    ):
+    config = strategy_buckets()
+    given = {"comm_buffer_size": comm_buffer_size, "last_comm_buffer_size": last_comm_buffer_size}
+    for name, size in given.items():
         if size is None:
-            size = getattr(strategy, field) if strategy is not None else getattr(BucketConfig(), name)
+            continue
         if (isinstance(size, bool) or not isinstance(size, (int, float)) or not np.isfinite(size)
                 or size <= 0):
             raise FleetConfigError(
                 f"{name} must be a positive, finite number of MB, got {size!r}"
             )
-        sizes.append(float(size))
-    return BucketConfig(sizes[0], sizes[1], fuse)
+        config = dataclasses.replace(config, **{name: float(size)})
+    return config
 
 
 _SUBCLASSES: dict[type, type] = {}

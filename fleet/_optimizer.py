@@ -30,23 +30,13 @@ import optax
 from flax import nnx
 
 from fleet import _sync
-from fleet._context import BucketConfig
 from fleet._errors import FleetTypeError, FleetUnsupportedError
-from fleet._reduce import reduce_gradients
+from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import replicate_in_place
 
 
 class _AllReduceThen(optax.GradientTransformationExtraArgs):
     """Marks a transformation that fleet already made distributed."""
-
-
-def _strategy_buckets() -> BucketConfig:
-    from fleet._world import is_initialized, world
-
-    if not is_initialized():
-        return BucketConfig()
-    s = world().strategy
-    return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops)
 
 
 def _under_no_sync() -> bool:
@@ -58,7 +48,7 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
     if isinstance(inner, _AllReduceThen):
         return inner
     inner = optax.with_extra_args_support(inner)
-    buckets = _strategy_buckets()
+    buckets = strategy_buckets()
 
     def update(grads, state, params=None, **extra):
         if _under_no_sync():

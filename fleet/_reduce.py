@@ -77,6 +77,16 @@ def allreduce_mean(leaves: list, config: BucketConfig) -> list:
     return out
 
 
+def strategy_buckets() -> BucketConfig:
+    """The buckets of the strategy given to ``fleet.init`` (the defaults before it)."""
+    from fleet._world import is_initialized, world
+
+    if not is_initialized():
+        return BucketConfig()
+    s = world().strategy
+    return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops)
+
+
 def reduce_gradients(grads: Any, config: BucketConfig | None = None) -> Any:
     """``grads`` averaged over the replicas (see the module docstring). Outside a
     step (and with one replica) it returns ``grads``."""
@@ -84,12 +94,7 @@ def reduce_gradients(grads: Any, config: BucketConfig | None = None) -> Any:
 
     if current() is None:
         return _outside_step(grads)
-    if config is None:
-        from fleet._world import world
-
-        s = world().strategy
-        config = BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB,
-                              s.fuse_all_reduce_ops)
+    config = config or strategy_buckets()
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     return jax.tree_util.tree_unflatten(treedef, allreduce_mean(leaves, config))
 

@@ -187,8 +187,9 @@ def _prepare_accumulators(objs: tuple) -> bool:
     from fleet._optimizer import DistributedOptimizer
     from fleet._tree import module_variables
 
-    optimizers = [o for o in objs if isinstance(o, DistributedOptimizer)]
-    if not optimizers:
+    optimizers = [o for o in objs if isinstance(o, DistributedOptimizer)
+                  and getattr(o, "grad_accum", None) is None]
+    if not optimizers:  # (the usual case: created at the first no_sync step)
         return False
     params = {}
     for obj in objs:

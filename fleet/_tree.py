@@ -46,8 +46,8 @@ def first_replica(x: Any) -> np.ndarray:
 
 
 def to_host(x: Any) -> np.ndarray:
-    """``x`` as a host numpy array (PRNG keys as their key data)."""
-    return np.asarray(jax.random.key_data(x) if is_key(x) else x)
+    """``x`` on the host (:func:`first_replica`), PRNG keys as their key data."""
+    return first_replica(jax.random.key_data(x) if is_key(x) else x)
 
 
 def like(current: Any, host: np.ndarray) -> Any:
@@ -63,8 +63,7 @@ def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:
 
 def state_dict(obj: nnx.Pytree) -> dict[str, np.ndarray]:
     """Every variable of ``obj`` as a host array, by dotted path (PRNG keys as key data)."""
-    return {k: to_host(first_replica(v.get_value()) if not is_key(v.get_value())
-                       else v.get_value()) for k, v in module_variables(obj).items()}
+    return {k: to_host(v.get_value()) for k, v in module_variables(obj).items()}
 
 
 def load_state_dict(obj: nnx.Pytree, values: dict[str, Any], what: str, hint: str,
@@ -127,10 +126,7 @@ def replicate(tree: Any) -> Any:
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [dotted(p) for p, _ in paths_leaves]
     impls = [jax.random.key_impl(x) if is_key(x) else None for _, x in paths_leaves]
-    host = [
-        first_replica(jax.random.key_data(x) if impl else x)
-        for (_, x), impl in zip(paths_leaves, impls)
-    ]
+    host = [to_host(x) for _, x in paths_leaves]
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fleet._model import module_variables
+from fleet._tree import module_variables
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
 

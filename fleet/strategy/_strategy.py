@@ -16,6 +16,7 @@ import difflib
 import typing
 from typing import Any, ClassVar
 
+from fleet._context import DEFAULT_BUCKET_MB, DEFAULT_LAST_BUCKET_MB
 from fleet._errors import FleetAttributeError, FleetConfigError, FleetTypeError
 
 
@@ -154,8 +155,8 @@ class DistributedStrategy:
     """
 
     fuse_all_reduce_ops: bool = True
-    fuse_grad_size_in_MB: float = 32.0
-    last_comm_group_size_MB: float = 1.0
+    fuse_grad_size_in_MB: float = DEFAULT_BUCKET_MB
+    last_comm_group_size_MB: float = DEFAULT_LAST_BUCKET_MB
     find_unused_parameters: bool = False
     check_replicas_every_n_steps: int = 0
     check_nan_inf: bool = False
