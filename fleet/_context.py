@@ -31,6 +31,9 @@ class BucketConfig:
     comm_buffer_size: float = DEFAULT_BUCKET_MB
     last_comm_buffer_size: float = DEFAULT_LAST_BUCKET_MB
     fuse: bool = True
+    #: ``strategy.fp16_allreduce``: the 16-bit dtype name the buckets travel in
+    #: (divided by the replica count first), or None for the gradients' own dtype.
+    wire_dtype: str | None = None
 
 
 _local = threading.local()

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
-from fleet import _context, _sync
+from fleet import _amp, _context, _recompute, _sync
 from fleet._context import BucketConfig
-from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import (
     dotted,
@@ -39,6 +39,14 @@ from fleet._tree import (
     state_dict,
 )
 from fleet._world import world
+
+
+def strategy_of_world() -> Any:
+    """The strategy given to ``fleet.init`` (the defaults before it)."""
+    from fleet._world import is_initialized
+    from fleet.strategy import DistributedStrategy
+
+    return world().strategy if is_initialized() else DistributedStrategy()
 
 
 def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:
@@ -127,6 +135,7 @@ class DataParallel(nnx.Module):
                 f"find_unused_parameters must be a bool, got {find_unused_parameters!r}"
             )
         self._fleet_buckets = _bucket_config(comm_buffer_size, last_comm_buffer_size)
+        self._fleet_amp = _amp.policy_of(strategy_of_world())
         self._adopt(layers)
 
     def _adopt(self, layers: nnx.Module) -> None:
@@ -135,16 +144,38 @@ class DataParallel(nnx.Module):
                 object.__setattr__(self, name, value)
         replicate_in_place(layers)
         _install_hooks(self, self._fleet_buckets)
+        strategy = strategy_of_world()
+        if self._fleet_amp is not None:
+            _amp.apply(self, self._fleet_amp)
+        if strategy.recompute:
+            cfg = strategy.recompute_configs
+            _recompute.install(self, cfg.checkpoints, cfg.policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``__call__``; inside a step its parameters are synced
         in buckets for the backward pass."""
         call = super().__call__  # the wrapped model's class comes next in the MRO
-        if _sync.current() is None:
-            return call(*args, **kwargs)
-        params = {k: v for k, v in module_variables(self).items() if isinstance(v, nnx.Param)}
-        with _sync.bucketed_call(params, self._fleet_buckets):
-            return call(*args, **kwargs)
+        trace = _sync.current()
+        if trace is None:
+            out = call(*args, **kwargs)
+        else:
+            params = {k: v for k, v in module_variables(self).items() if isinstance(v, nnx.Param)}
+            with _sync.bucketed_call(params, self._fleet_buckets):
+                out = call(*args, **kwargs)
+        amp = self._fleet_amp
+        if amp is None:
+            return out
+        out = _amp.outputs_to_float32(out)
+        if amp.loss_scaling and trace is not None and any(
+                _sync.is_differentiated(x) for x in jax.tree.leaves(out)):
+            if trace.loss_scale is None:
+                raise FleetError(
+                    "strategy.amp with float16 scales the loss, and the scale lives in the "
+                    "distributed optimizer: pass fleet.distributed_optimizer(nnx.Optimizer("
+                    "model, tx, wrt=nnx.Param)) to this step and update with it"
+                )
+            out = _amp.scale_cotangent(out, trace.loss_scale)
+        return out
 
     # -- Paddle's methods --------------------------------------------------------
 
@@ -223,6 +254,11 @@ class LinenDataParallel(DataParallel):
         find_unused_parameters: bool = False,
     ):
         self.module = layers
+        if strategy_of_world().amp or strategy_of_world().recompute:
+            raise FleetUnsupportedError(
+                "strategy.amp and strategy.recompute run on Flax NNX models; for a Linen "
+                "module set its layers' dtype=jnp.bfloat16 and use nn.remat yourself, or "
+                "port the model to NNX")
         super().__init__(
             layers, strategy, comm_buffer_size, last_comm_buffer_size, find_unused_parameters
         )

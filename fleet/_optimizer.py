@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fleet import _sync
+from fleet import _amp, _sync
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import replicate_in_place
@@ -78,17 +78,39 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
     return _AllReduceThen(inner.init, update)
 
 
+class MergeCount(nnx.Variable):
+    """``strategy.gradient_merge``: calls since the last optimizer step."""
+
+
 class DistributedOptimizer(nnx.Optimizer):
     """An ``nnx.Optimizer`` that averages gradients still differing across
-    replicas and does not step under ``no_sync`` (see the module docstring)."""
+    replicas and does not step under ``no_sync`` (see the module docstring).
+
+    With ``strategy.gradient_merge`` it steps once every ``k_steps`` calls
+    (``merge_count`` counts them); with float16 ``strategy.amp`` it holds the
+    loss scale (``loss_scaling``, ``good_steps``, ``bad_steps``,
+    ``skipped_steps``) and skips a step whose gradients are not finite."""
 
     def __init__(self, optimizer: nnx.Optimizer):  # pylint: disable=super-init-not-called
+        from fleet._model import strategy_of_world
+
+        strategy = strategy_of_world()
         # Share the wrapped optimizer's state; only the transformation changes.
         self.graph = optimizer.graph
         self.step = optimizer.step
         self.tx = _distributed_tx(optimizer.tx)
         self.opt_state = nnx.data(optimizer.opt_state)
         self.wrt = optimizer.wrt
+        self.merge_k = strategy.gradient_merge_configs.k_steps if strategy.gradient_merge else 1
+        self.merge_avg = strategy.gradient_merge_configs.avg
+        if self.merge_k > 1:
+            self.merge_count = MergeCount(jnp.zeros((), jnp.int32))
+        policy = _amp.policy_of(strategy)
+        self.amp_rules = _amp.ScaleRules.of(strategy.amp_configs) if (
+            policy and policy.loss_scaling) else None
+        if self.amp_rules is not None:
+            for name, var in _amp.scale_state(strategy.amp_configs.init_loss_scaling).items():
+                setattr(self, name, var)
         # Replicate the state on the mesh now (Adam's counters and ``step`` sit on
         # one device otherwise), equal on every replica.
         replicate_in_place(self)
@@ -113,10 +135,46 @@ class DistributedOptimizer(nnx.Optimizer):
         return True
 
     def update(self, model, grads, /, **kwargs):
+        trace = _sync.current()
+        if self.merge_k > 1 and trace is not None:
+            trace.merge_updates += 1
+            self.merge_count.value = (self.merge_count.value + 1) % self.merge_k
         if _under_no_sync():  # add to the accumulator; nothing steps
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
             return None
-        return super().update(model, grads, **kwargs)
+        if self.amp_rules is None or _sync.current() is None:
+            return super().update(model, grads, **kwargs)
+        return self._update_or_skip(model, grads, **kwargs)
+
+    def _update_or_skip(self, model, grads, **kwargs):
+        """float16 amp: the update, kept only where every gradient is finite (the
+        gradients are averaged over replicas, so all replicas agree); the scale
+        moves by Paddle's rules either way."""
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)
+                                    if jnp.issubdtype(g.dtype, jnp.inexact)]))
+        kept = self._variables(model)
+        before = [v.get_raw_value() for v in kept]
+        super().update(model, grads, **kwargs)
+        for v, old in zip(kept, before):
+            v.set_raw_value(jnp.where(finite, v.get_raw_value(), old))
+        scale, good, bad = _amp.next_scale(self.loss_scaling.value, self.good_steps.value,
+                                           self.bad_steps.value, finite, self.amp_rules)
+        self.loss_scaling.value, self.good_steps.value, self.bad_steps.value = scale, good, bad
+        self.skipped_steps.value = self.skipped_steps.value + (~finite).astype(jnp.int32)
+        return None
+
+    def _variables(self, model) -> list:
+        """What an update writes: the model's ``wrt`` variables, the optimizer
+        state and its step counter."""
+        from flax.nnx import filterlib
+
+        from fleet._tree import module_variables
+
+        wrt = filterlib.to_predicate(self.wrt)
+        out = [v for k, v in module_variables(model).items() if wrt(tuple(k.split(".")), v)]
+        out += [v for k, v in module_variables(self).items()
+                if k == "step" or k.startswith("opt_state")]
+        return out
 
 
 def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:

@@ -63,8 +63,9 @@ def plan_buckets(nbytes: Sequence[int], config: BucketConfig) -> list[list[int]]
 
 
 def allreduce_mean(leaves: list, config: BucketConfig) -> list:
-    """Averages varying ``leaves`` over the ``data`` axis, one psum per bucket;
-    invariant leaves (equal on every replica already) come back as they are."""
+    """Averages varying ``leaves`` over the ``data`` axis, one psum per bucket
+    (in ``config.wire_dtype`` if set); invariant leaves (equal on every replica
+    already) come back as they are."""
     from fleet._sync import is_varying, mean_over_replicas
 
     out = list(leaves)
@@ -72,7 +73,7 @@ def allreduce_mean(leaves: list, config: BucketConfig) -> list:
     nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
     for bucket in plan_buckets(nbytes, config):
         idx = [todo[j] for j in bucket]
-        for i, y in zip(idx, mean_over_replicas([leaves[i] for i in idx])):
+        for i, y in zip(idx, mean_over_replicas([leaves[i] for i in idx], config.wire_dtype)):
             out[i] = y
     return out
 
@@ -84,7 +85,11 @@ def strategy_buckets() -> BucketConfig:
     if not is_initialized():
         return BucketConfig()
     s = world().strategy
-    return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops)
+    wire = None
+    if s.fp16_allreduce:
+        wire = "float16" if s.amp and s.amp_configs.compute_dtype == "float16" else "bfloat16"
+    return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops,
+                        wire)
 
 
 def reduce_gradients(grads: Any, config: BucketConfig | None = None) -> Any:

@@ -95,6 +95,7 @@ class _Plan:
     no_sync: bool
     check_nan_inf: bool
     mesh: Any
+    grad_merge: str | None = None  # strategy.gradient_merge: "local" calls, then "final"
 
     def _key(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -215,6 +216,7 @@ class DistributedStep:
         self._agreed: set = set()
         self._calls = 0
         self._last_repl: Any = None
+        self._merge_seen: dict[int, tuple] = {}  # id(optimizer) -> (count array, its value)
         self.trace_count = 0  # how often the body was traced for real (tests read it)
 
     # -- the call, on the host ------------------------------------------------------
@@ -227,6 +229,8 @@ class DistributedStep:
         if plan.check_nan_inf:
             _guards.check_finite(finite, self._records[plan]["finite"], self._calls + 1)
         self._graph.write(new_state)
+        if plan.grad_merge is not None and self._records[plan]["merge_updates"]:
+            self._merge_advanced(self._graph.objs)
         self._calls += 1
         every = world().strategy.check_replicas_every_n_steps
         if every and self._calls % every == 0:
@@ -239,6 +243,13 @@ class DistributedStep:
         nothing is updated). Its ``shard_map`` body shows the gradient buckets."""
         plan, call_args = self._prepare(args, kwargs)
         return jax.make_jaxpr(self._global, static_argnums=0)(plan, *call_args)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The ``jax.stages.Lowered`` program a call with these arguments runs
+        (nothing runs): ``.compile().memory_analysis()`` gives its memory."""
+        plan, call_args = self._prepare(args, kwargs)
+        self._compiled(plan)
+        return self._jitted[plan.mesh].lower(plan, *call_args)
 
     def _check_replicas(self, out: Any) -> None:
         state = dict(zip(self._graph.names, (v.get_raw_value() for v in self._graph.variables)))
@@ -264,6 +275,11 @@ class DistributedStep:
         positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
         objs = tuple(values[i] for i in positions)
         no_sync = _context.no_sync_active()
+        merging, position = self._merge_position(objs, no_sync)
+        grad_merge = None
+        if merging is not None:
+            grad_merge = "final" if position == merging.merge_k - 1 else "local"
+            no_sync = grad_merge == "local"
         if no_sync and _prepare_accumulators(objs):
             self._graph = None
         if self._graph is None or not self._graph.holds(objs):
@@ -277,6 +293,7 @@ class DistributedStep:
             no_sync=no_sync,
             check_nan_inf=w.strategy.check_nan_inf,
             mesh=w.mesh,
+            grad_merge=grad_merge,
         )
         batch = [v for v, k in zip(values, kinds) if k == _roles.BATCH]
         repl = [v for v, k in zip(values, kinds) if k == _roles.REPL]
@@ -294,6 +311,40 @@ class DistributedStep:
             [v for v, k in zip(values, kinds) if k == _roles.REPL],
         )
         return plan, call_args
+
+    def _merge_position(self, objs: tuple, no_sync: bool) -> tuple[Any, int]:
+        """``strategy.gradient_merge``: the optimizer that merges, and where this
+        call sits in its cycle of ``k_steps`` calls. The count lives on the
+        device (it is checkpointed); the host follows it without reading it back,
+        and reads it only when someone else wrote it (a restore)."""
+        from fleet._optimizer import DistributedOptimizer
+
+        merging = [o for o in objs if isinstance(o, DistributedOptimizer) and o.merge_k > 1]
+        if not merging or no_sync:  # explicit no_sync: accumulate, do not count
+            return None, 0
+        positions = []
+        for opt in merging:
+            value = opt.merge_count.get_raw_value()
+            seen = self._merge_seen.get(id(opt))
+            if seen is None or seen[0] is not value:
+                seen = (value, int(np.asarray(value.addressable_shards[0].data)))
+                self._merge_seen[id(opt)] = seen
+            positions.append(seen[1])
+        if len(set(positions)) > 1:
+            raise FleetError(
+                f"the step gets {len(merging)} optimizers that merge gradients, at different "
+                f"points of their cycle ({positions}); pass one distributed optimizer")
+        return merging[0], positions[0]
+
+    def _merge_advanced(self, objs: tuple) -> None:
+        """After a call that updated a merging optimizer: its new count, known."""
+        from fleet._optimizer import DistributedOptimizer
+
+        for opt in objs:
+            seen = self._merge_seen.get(id(opt))
+            if isinstance(opt, DistributedOptimizer) and seen is not None:
+                self._merge_seen[id(opt)] = (opt.merge_count.get_raw_value(),
+                                             (seen[1] + 1) % opt.merge_k)
 
     def _check_argnums(self, n_positional: int) -> None:
         if self._batch_argnums is not None:
@@ -443,6 +494,7 @@ class DistributedStep:
                                 auto_sum=record.get("auto_sum", False),
                                 check_finite=plan.check_nan_inf)
         trace.accum_in = {k: x for k, x in zip(self._graph.accum_keys, state) if k is not None}
+        self._strategy_in_trace(trace, objs, plan)
         with _sync.tracing(trace):
             out = self._fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
             graphdef, new = nnx.split(objs)
@@ -467,12 +519,29 @@ class DistributedStep:
         if probe:
             record.update(finite=[n for n, _ in trace.finite])
             record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
-                          tx_calls=trace.tx_calls)
+                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates)
             return ()
         out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum") else x)
                       for x, r in zip(leaves, reduces)]
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
         return new_state, out_leaves, flags
+
+    @staticmethod
+    def _strategy_in_trace(trace: _sync.SyncTrace, objs: tuple, plan: _Plan) -> None:
+        """What the strategy's sections need from the step's distributed optimizer:
+        float16 amp's loss scale, gradient merge's divisor on the final call."""
+        from fleet._optimizer import DistributedOptimizer
+
+        divisor = None
+        for opt in objs:
+            if not isinstance(opt, DistributedOptimizer):
+                continue
+            if opt.amp_rules is not None and trace.loss_scale is None:
+                trace.loss_scale = divisor = opt.loss_scaling.value
+            if plan.grad_merge == "final" and opt.merge_avg:
+                k = jnp.asarray(opt.merge_k, jnp.float32)
+                divisor = k if divisor is None else divisor * k
+        trace.grad_divisor = divisor
 
     def _replicated_state(self, new: Any, plan: _Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: buffers averaged, anything else varying refused."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -73,9 +74,12 @@ class SyncTrace:
     accum_out: dict = dataclasses.field(default_factory=dict)  # key -> what the step leaves
     wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced in this trace
     tx_calls: int = 0  # distributed optimizer updates in this trace
+    merge_updates: int = 0  # updates of an optimizer that merges gradients (gradient_merge)
     tx_grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
     auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
     check_finite: bool = False  # strategy.check_nan_inf: record what must be finite
+    grad_divisor: Any = None  # synced gradients are divided by it (loss scale, merge avg)
+    loss_scale: Any = None  # float16 amp: the distributed optimizer's scale, this step
     finite: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
 
     def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
@@ -118,21 +122,30 @@ def psum(leaves: list) -> list:
     return list(fleet_psum(*leaves))
 
 
-@jax.jit
-def fleet_bucket(*leaves: Any) -> list:
+@functools.partial(jax.jit, static_argnames="wire")
+def fleet_bucket(*leaves: Any, wire: str | None = None) -> list:
     """One bucket's average over the replicas: a ``jit`` named ``fleet_bucket`` in
-    the jaxpr (so the buckets can be counted), inlined by XLA."""
+    the jaxpr (so the buckets can be counted), inlined by XLA.
+
+    With ``wire`` (``strategy.fp16_allreduce``) float leaves are divided by the
+    replica count first, so that a 16-bit sum cannot overflow (torch's
+    ``bf16_compress_hook``), summed in ``wire`` and cast back."""
     n = jax.lax.axis_size(DATA_AXIS)
-    out = jax.lax.psum(list(leaves), DATA_AXIS)
-    return [s / n if jnp.issubdtype(s.dtype, jnp.inexact) else s // n for s in out]
+    if wire is None:
+        out = jax.lax.psum(list(leaves), DATA_AXIS)
+        return [s / n if jnp.issubdtype(s.dtype, jnp.inexact) else s // n for s in out]
+    floats = [jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+    sent = [(x / n).astype(wire) if f else x for x, f in zip(leaves, floats)]
+    out = jax.lax.psum(sent, DATA_AXIS)
+    return [s.astype(x.dtype) if f else s // n for s, x, f in zip(out, leaves, floats)]
 
 
-def mean_over_replicas(leaves: list) -> list:
+def mean_over_replicas(leaves: list, wire: str | None = None) -> list:
     """Average of varying leaves over the replicas: one bucket."""
-    return list(fleet_bucket(*leaves))
+    return list(fleet_bucket(*leaves, wire=wire))
 
 
-def _make_bucket_sync(keys: tuple):
+def _make_bucket_sync(keys: tuple, wire: str | None):
     """A custom-VJP identity over one bucket of leaves (see the module docstring)."""
 
     @jax.custom_vjp
@@ -151,7 +164,9 @@ def _make_bucket_sync(keys: tuple):
             for k in keys:
                 if k in trace.accum_in:
                     trace.accum_out[k] = None  # consumed
-        out = mean_over_replicas(list(cts))
+        out = mean_over_replicas(list(cts), wire)
+        if trace is not None and trace.grad_divisor is not None:
+            out = [g / trace.grad_divisor.astype(g.dtype) for g in out]
         if trace is not None:
             trace.record_finite([f"gradient of {k!r}" for k in keys], out)
         return tuple(out)
@@ -174,7 +189,7 @@ def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list
     nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
     for bucket in plan_buckets(nbytes, buckets):
         idx = [todo[j] for j in bucket]
-        sync = _make_bucket_sync(tuple(keys[i] for i in idx))
+        sync = _make_bucket_sync(tuple(keys[i] for i in idx), buckets.wire_dtype)
         trace.wrapped_syncs += 1
         for i, y in zip(idx, sync(*[leaves[i] for i in idx])):
             out[i] = y

@@ -108,12 +108,7 @@ def init(
         raise FleetConfigError(
             f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
         )
-    enabled = strategy.enabled_sections()
-    if enabled:
-        raise FleetUnsupportedError(
-            f"strategy turns on {', '.join(enabled)}, which fleet does not run yet; "
-            f"set strategy.{enabled[0]} = False (its configs may stay)"
-        )
+    strategy.check()
     env = WorkerEnv.from_environ()
     initialize_distributed(env)
     if _WORLD is not None and devices is None:

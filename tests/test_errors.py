@@ -52,10 +52,44 @@ def test_parameter_server_mode_is_refused():
         fleet.init(is_collective=False)
 
 
-def test_a_strategy_with_an_unimplemented_section_is_refused():
+@pytest.mark.parametrize("section, instead", [
+    ("sharding", "plain data parallelism"),
+    ("dgc", "fp16_allreduce"),
+    ("localsgd", "gradient_merge"),
+    ("pipeline", "recompute"),
+    ("tensor_parallel", "jax.sharding"),
+])
+def test_a_section_fleet_does_not_run_is_refused_with_what_to_use(section, instead):
+    # Issue 12 turned amp, recompute, gradient_merge, lars and lamb on; these stay refused.
     strategy = fleet.DistributedStrategy()
-    strategy.amp = True
-    with pytest.raises(fleet.FleetUnsupportedError, match="turns on amp.*strategy.amp = False"):
+    setattr(strategy, section, True)
+    with pytest.raises(fleet.FleetUnsupportedError,
+                       match=f"strategy.{section} = True is not supported: .*{instead}.*"
+                             f"strategy.{section} = False"):
+        fleet.init(is_collective=True, strategy=strategy)
+
+
+@pytest.mark.parametrize("section, configs, match", [
+    ("amp", {"dtype": "float64"}, "amp_configs.dtype must be one of 'bfloat16', 'float16'"),
+    ("amp", {"decr_ratio": 1.5}, "decr_ratio must be below 1"),
+    ("amp", {"incr_ratio": 0.5}, "incr_ratio must be a finite number greater than 1.0"),
+    ("amp", {"custom_black_list": ["Linear"], "custom_white_list": ["Linear"]},
+     "in both custom_white_list and custom_black_list"),
+    ("amp", {"use_pure_fp16": True, "use_pure_bf16": True}, "choose one"),
+    ("gradient_merge", {"k_steps": 0}, "k_steps must be a finite number greater than 0"),
+    ("recompute", {"policy": "everything"}, "policy must be one of 'nothing_saveable'"),
+])
+def test_section_configs_are_checked_key_by_key(section, configs, match):
+    with pytest.raises(fleet.FleetConfigError, match=match):
+        setattr(fleet.DistributedStrategy(), f"{section}_configs", configs)
+
+
+def test_contradicting_sections_are_refused_at_init():
+    strategy = fleet.DistributedStrategy(lars=True, lamb=True)
+    with pytest.raises(fleet.FleetConfigError, match="lars and strategy.lamb are both on"):
+        fleet.init(is_collective=True, strategy=strategy)
+    strategy = fleet.DistributedStrategy(recompute=True)
+    with pytest.raises(fleet.FleetConfigError, match="names no sub-module.*'checkpoints'"):
         fleet.init(is_collective=True, strategy=strategy)
 
 

@@ -17,33 +17,139 @@ import typing
 from typing import Any, ClassVar
 
 from fleet._context import DEFAULT_BUCKET_MB, DEFAULT_LAST_BUCKET_MB
-from fleet._errors import FleetAttributeError, FleetConfigError, FleetTypeError
+from fleet._errors import (
+    FleetAttributeError,
+    FleetConfigError,
+    FleetTypeError,
+    FleetUnsupportedError,
+)
+
+_NORM_LAYERS = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm")
+_AMP_DTYPES = ("bfloat16", "float16")
+_RECOMPUTE_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def _one_of(owner: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise FleetConfigError(
+            f"{owner} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+
+
+def _positive(owner: str, value: Any, *, at_least: float = 0.0, strict: bool = True) -> None:
+    bad = value <= at_least if strict else value < at_least
+    if bad or value != value or value == float("inf"):
+        relation = "greater than" if strict else "at least"
+        raise FleetConfigError(f"{owner} must be a finite number {relation} {at_least}, "
+                               f"got {value!r}")
+
+
+def _names(owner: str, value: tuple) -> None:
+    if not all(isinstance(v, str) and v for v in value):
+        raise FleetTypeError(f"{owner} must be a list of non-empty strings, got {list(value)!r}")
 
 
 @dataclasses.dataclass
 class AmpConfigs:
+    """Mixed precision (Paddle's ``amp_configs``; see the README's Strategy section).
+
+    Parameters stay float32; the wrapped model computes in ``dtype``; gradients
+    are reduced and applied in float32. ``float16`` uses dynamic loss scaling
+    (Paddle's rules, state kept in the distributed optimizer); ``bfloat16`` needs
+    none, so the scaling keys are then ignored.
+    """
+
     init_loss_scaling: float = 32768.0
     incr_every_n_steps: int = 1000
     decr_every_n_nan_or_inf: int = 2
     incr_ratio: float = 2.0
-    decr_ratio: float = 0.8
+    decr_ratio: float = 0.5
     use_dynamic_loss_scaling: bool = True
+    custom_white_list: tuple = ()
+    custom_black_list: tuple = ()
     use_pure_fp16: bool = False
+    use_pure_bf16: bool = False
+    dtype: str = "bfloat16"
+
+    def check(self) -> None:
+        _one_of("amp_configs.dtype", self.dtype, _AMP_DTYPES)
+        _positive("amp_configs.init_loss_scaling", self.init_loss_scaling)
+        _positive("amp_configs.incr_every_n_steps", self.incr_every_n_steps)
+        _positive("amp_configs.decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf)
+        _positive("amp_configs.incr_ratio", self.incr_ratio, at_least=1.0)
+        _positive("amp_configs.decr_ratio", self.decr_ratio)
+        if self.decr_ratio >= 1.0:
+            raise FleetConfigError(
+                f"amp_configs.decr_ratio must be below 1 (the scale shrinks after overflows), "
+                f"got {self.decr_ratio}")
+        _names("amp_configs.custom_white_list", self.custom_white_list)
+        _names("amp_configs.custom_black_list", self.custom_black_list)
+        both = sorted(set(self.custom_white_list) & set(self.custom_black_list))
+        if both:
+            raise FleetConfigError(
+                f"amp_configs lists {both} in both custom_white_list and custom_black_list; "
+                "keep each name in one of them")
+        if self.use_pure_fp16 and self.use_pure_bf16:
+            raise FleetConfigError(
+                "amp_configs.use_pure_fp16 and use_pure_bf16 are both True; choose one")
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the model computes in (``use_pure_*`` choose it too)."""
+        if self.use_pure_fp16:
+            return "float16"
+        if self.use_pure_bf16:
+            return "bfloat16"
+        return self.dtype
+
+    @property
+    def pure(self) -> bool:
+        """Pure mode (Paddle's O2): normalisation layers compute in ``dtype`` too."""
+        return self.use_pure_fp16 or self.use_pure_bf16
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the loss is scaled: float16 only (bfloat16 has float32's range)."""
+        return self.compute_dtype == "float16"
+
+    def black_list(self) -> tuple:
+        """Module type names or paths that compute in float32."""
+        default = () if self.pure else _NORM_LAYERS
+        return tuple(n for n in default if n not in self.custom_white_list) + tuple(
+            self.custom_black_list)
 
 
 @dataclasses.dataclass
 class GradientMergeConfigs:
+    """Gradient merge: one optimizer step every ``k_steps`` calls; gradients are
+    summed locally in between and reduced once (averaged over the calls when
+    ``avg``)."""
+
     k_steps: int = 1
     avg: bool = True
+
+    def check(self) -> None:
+        _positive("gradient_merge_configs.k_steps", self.k_steps)
 
 
 @dataclasses.dataclass
 class RecomputeConfigs:
+    """Activation recomputation: ``checkpoints`` are the dotted paths of the
+    wrapped model's sub-modules (``"blocks.0"``, ``"encoder"``) whose activations
+    backward recomputes; ``policy`` names what they may keep
+    (``jax.checkpoint_policies``)."""
+
     checkpoints: tuple = ()
+    policy: str = "nothing_saveable"
+
+    def check(self) -> None:
+        _names("recompute_configs.checkpoints", self.checkpoints)
+        _one_of("recompute_configs.policy", self.policy, _RECOMPUTE_POLICIES)
 
 
 @dataclasses.dataclass
 class LarsConfigs:
+    """LARS (swaps a Momentum optimizer for ``optax.lars``)."""
+
     lars_coeff: float = 0.001
     lars_weight_decay: float = 0.0005
     epsilon: float = 0.0
@@ -52,6 +158,8 @@ class LarsConfigs:
 
 @dataclasses.dataclass
 class LambConfigs:
+    """LAMB (swaps an Adam optimizer for ``optax.lamb``)."""
+
     lamb_weight_decay: float = 0.01
     exclude_from_weight_decay: tuple = ()
 
@@ -62,7 +170,32 @@ class ShardingConfigs:
     segment_broadcast_MB: float = 32.0
 
 
-# Feature sections: switch name -> config dataclass. fleet runs none of them yet.
+@dataclasses.dataclass
+class DgcConfigs:
+    rampup_begin_step: int = 0
+    rampup_step: int = 1
+    sparsity: tuple = (0.999,)
+
+
+@dataclasses.dataclass
+class LocalsgdConfigs:
+    k_steps: int = 1
+    begin_step: int = 1
+
+
+@dataclasses.dataclass
+class PipelineConfigs:
+    micro_batch_size: int = 1
+    accumulate_steps: int = 1
+    schedule_mode: str = "1F1B"
+
+
+@dataclasses.dataclass
+class TensorParallelConfigs:
+    tensor_parallel_degree: int = 1
+
+
+# Feature sections: switch name -> config dataclass.
 _SECTIONS: dict[str, type] = {
     "amp": AmpConfigs,
     "gradient_merge": GradientMergeConfigs,
@@ -70,6 +203,24 @@ _SECTIONS: dict[str, type] = {
     "lars": LarsConfigs,
     "lamb": LambConfigs,
     "sharding": ShardingConfigs,
+    "dgc": DgcConfigs,
+    "localsgd": LocalsgdConfigs,
+    "pipeline": PipelineConfigs,
+    "tensor_parallel": TensorParallelConfigs,
+}
+
+#: Sections fleet does not run, and what to use instead.
+UNSUPPORTED: dict[str, str] = {
+    "sharding": "fleet does not shard optimizer state yet; train without it (plain data "
+                "parallelism keeps a full copy on each device)",
+    "dgc": "deep gradient compression is not available; use strategy.fp16_allreduce = True to "
+           "halve the gradient traffic",
+    "localsgd": "local SGD is not available; use strategy.gradient_merge (k_steps) to "
+                "communicate once every k steps",
+    "pipeline": "fleet is data-parallel only; for models that do not fit on one device use "
+                "strategy.recompute and strategy.amp, or JAX's own sharding (jax.sharding)",
+    "tensor_parallel": "fleet is data-parallel only; for tensor parallelism shard the model "
+                       "with JAX's own sharding (jax.sharding, flax.nnx.with_partitioning)",
 }
 
 
@@ -82,6 +233,8 @@ def _check_type(owner: str, name: str, value: Any, expected: Any) -> Any:
     elif expected is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif expected is str:
+        ok = isinstance(value, str)
     elif expected is tuple:
         ok = isinstance(value, (tuple, list))
         value = tuple(value) if ok else value
@@ -119,6 +272,8 @@ def _make_config(section: str, value: Any) -> Any:
         if key not in fields:
             raise _unknown(f"DistributedStrategy.{section}_configs", key, list(fields))
         setattr(config, key, _check_type(f"{section}_configs", key, item, hints[key]))
+    if hasattr(config, "check"):
+        config.check()
     return config
 
 
@@ -160,6 +315,7 @@ class DistributedStrategy:
     find_unused_parameters: bool = False
     check_replicas_every_n_steps: int = 0
     check_nan_inf: bool = False
+    fp16_allreduce: bool = False
 
     _POSITIVE: ClassVar[tuple[str, ...]] = ("fuse_grad_size_in_MB", "last_comm_group_size_MB")
 
@@ -210,6 +366,29 @@ class DistributedStrategy:
     def enabled_sections(self) -> list[str]:
         """The feature sections switched on (``amp``, ``sharding``, ...)."""
         return [s for s in _SECTIONS if getattr(self, s)]
+
+    def check(self) -> None:
+        """Checks the sections switched on, together (``fleet.init`` calls it):
+        a section fleet does not run, or settings that contradict each other,
+        raise an error that says what to change."""
+        enabled = self.enabled_sections()
+        for section in enabled:
+            if section in UNSUPPORTED:
+                raise FleetUnsupportedError(
+                    f"strategy.{section} = True is not supported: {UNSUPPORTED[section]}. "
+                    f"Set strategy.{section} = False (its configs may stay)")
+            config = getattr(self, f"{section}_configs")
+            if hasattr(config, "check"):
+                config.check()
+        if self.lars and self.lamb:
+            raise FleetConfigError(
+                "strategy.lars and strategy.lamb are both on; choose one (LARS replaces a "
+                "Momentum optimizer, LAMB an Adam one)")
+        if self.recompute and not self.recompute_configs.checkpoints:
+            raise FleetConfigError(
+                "strategy.recompute is on but recompute_configs.checkpoints names no "
+                "sub-module; list the wrapped model's sub-modules to recompute, e.g. "
+                "strategy.recompute_configs = {'checkpoints': ['block1', 'block2']}")
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))

@@ -1,0 +1,66 @@
+"""``strategy.recompute``: the named sub-modules run under ``nnx.remat``.
+
+Backward then recomputes their activations instead of keeping them
+(``jax.checkpoint`` with a ``jax.checkpoint_policies`` policy). Gradients do
+not change; activation memory drops.
+
+Wrapping gives each named sub-module a subclass of its own type whose
+``__call__`` runs the original one under ``nnx.remat`` (``isinstance`` still
+holds, and the state keeps its paths). Inside a step, the parameters enter
+the rematerialised call already synced: the wrapped model's buckets, read
+outside the checkpoint, are what the sub-module sees, so the gradient
+reduction stays in fleet's buckets and out of the recomputed region.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from fleet import _sync
+from fleet._errors import FleetConfigError
+
+_TYPES: dict[type, type] = {}
+
+
+def _remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    base = type(self).__fleet_base__
+    trace = _sync.current()
+    if trace is None:
+        return base.__call__(self, *args, **kwargs)
+    policy = getattr(jax.checkpoint_policies, self.__fleet_policy__)
+    # The synced values, read here (outside the checkpoint), go in as the raw values.
+    params = [v for _, v in nnx.iter_graph(self) if isinstance(v, _sync.SyncedRead)]
+    raw = [v.get_raw_value() for v in params]
+    for v in params:
+        v.set_raw_value(v.get_value())
+    try:
+        return nnx.remat(lambda m, *a, **k: base.__call__(m, *a, **k), policy=policy)(
+            self, *args, **kwargs)
+    finally:
+        for v, r in zip(params, raw):
+            v.set_raw_value(r)
+
+
+def install(model: nnx.Module, checkpoints: tuple[str, ...], policy: str) -> None:
+    """Turns each named sub-module of ``model`` into its recomputed type, in place."""
+    modules = {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model) if path}
+    missing = [c for c in checkpoints if c not in modules]
+    if missing:
+        raise FleetConfigError(
+            f"recompute_configs.checkpoints names {missing}, which {type(model).__name__} "
+            f"does not have; its sub-modules are: {', '.join(list(modules)[:20])}"
+            + (" ..." if len(modules) > 20 else "")
+        )
+    for name in checkpoints:
+        module = modules[name]
+        cls = type(module)
+        if getattr(cls, "__fleet_base__", None) is None:
+            sub = _TYPES.get((cls, policy))
+            if sub is None:
+                sub = type(f"Recompute{cls.__name__}", (cls,), {
+                    "__call__": _remat_call, "__fleet_base__": cls, "__fleet_policy__": policy})
+                _TYPES[(cls, policy)] = sub
+            module.__class__ = sub
