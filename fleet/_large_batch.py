@@ -65,9 +65,11 @@ class Hparams:
             return f"a {self.kind.upper()} optimizer (swapped in by strategy.{self.kind})"
         lr = "<schedule>" if callable(self.learning_rate) else f"{self.learning_rate:.6g}"
         if self.kind == "adam":
-            args = f"learning_rate={lr}, b1={self.b1:.6g}, b2={self.b2:.6g}, eps={self.eps:.6g}"
-            return (f"optax.inject_hyperparams(optax.adam)({args})" if self.injected
-                    else f"fleet.optimizer.Adam({args})")
+            if self.injected:
+                return (f"optax.inject_hyperparams(optax.adam)(learning_rate={lr}, b1={self.b1:.6g}, "
+                        f"b2={self.b2:.6g}, eps={self.eps:.6g})")
+            return (f"fleet.optimizer.Adam(learning_rate={lr}, beta1={self.b1:.6g}, "
+                    f"beta2={self.b2:.6g}, epsilon={self.eps:.6g})")
         if self.kind == "sgd":
             return f"optax.inject_hyperparams(optax.sgd)(learning_rate={lr}) (no momentum)"
         args = f"learning_rate={lr}, momentum={self.momentum:.6g}"
@@ -90,20 +92,20 @@ def _tag(tx: optax.GradientTransformation, hparams: Hparams) -> TaggedTransforma
     return tagged
 
 
-def _number(what: str, value: Any, low: float = 0.0, low_ok: bool = True) -> float:
+def _number(what: str, value: Any, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
         raise FleetTypeError(f"{what} must be a number, got {value!r} of type "
                              f"{type(value).__name__}")
-    if not (math.isfinite(value) and (value >= low if low_ok else value > low)):
-        raise FleetConfigError(f"{what} must be a finite number {'>=' if low_ok else '>'} "
-                               f"{low:g}, got {value}")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise FleetConfigError(f"{what} must be a finite number {'>' if positive else '>='} 0, "
+                               f"got {value}")
     return float(value)
 
 
 def _learning_rate(where: str, value: Any) -> Any:
     if callable(value):
         return value
-    return _number(f"{where}(learning_rate=...)", value, low_ok=False)
+    return _number(f"{where}(learning_rate=...)", value, positive=True)
 
 
 def Momentum(learning_rate: float | optax.Schedule, momentum: float = 0.9,
@@ -260,7 +262,7 @@ def decay_mask(section: str, names: tuple[str, ...]) -> Callable[[Any], Any]:
 
 
 def _lars(hp: Hparams, configs: Any) -> TaggedTransformation:
-    coeff = _number("strategy.lars_configs.lars_coeff", configs.lars_coeff, low_ok=False)
+    coeff = _number("strategy.lars_configs.lars_coeff", configs.lars_coeff, positive=True)
     decay = _number("strategy.lars_configs.lars_weight_decay", configs.lars_weight_decay)
     eps = _number("strategy.lars_configs.epsilon", configs.epsilon)
     names = _exclude("lars", configs.exclude_from_weight_decay)
@@ -333,8 +335,6 @@ def swap_tx(tx: Any, strategy: Any) -> Any:
         raise _wrong_inner(section, _OPAQUE)
     if hp.kind != ("momentum" if lars else "adam"):
         raise _wrong_inner(section, hp.describe())
-    if lamb and hp.nesterov:
-        raise _wrong_inner(section, hp.describe() + " (Nesterov Adam: LAMB has no nesterov)")
     return _lars(hp, strategy.lars_configs) if lars else _lamb(hp, strategy.lamb_configs)
 
 
