@@ -50,7 +50,7 @@ def _black(path: str, module: Any, black_list: tuple[str, ...]) -> bool:
     return any(b in names or path == b or path.startswith(b + ".") for b in black_list)
 
 
-def apply(model: nnx.Module, policy: Policy) -> int:
+def apply(model: nnx.Module, policy: Policy, name: str) -> int:
     """Sets the computation dtype of the model's layers; returns how many layers
     compute in low precision. A model with none of Flax's ``dtype`` fields is
     refused: amp would change nothing."""
@@ -64,7 +64,7 @@ def apply(model: nnx.Module, policy: Policy) -> int:
         low += dtype == policy.dtype
     if not low:
         raise FleetConfigError(
-            f"strategy.amp is on, but no layer of {type(model).__name__} has a Flax "
+            f"strategy.amp is on, but no layer of {name} has a Flax "
             "`dtype` field that fleet could set (nnx.Linear, nnx.Conv, ...), or all are on "
             "amp_configs.custom_black_list; build the model from Flax layers, or turn "
             "strategy.amp off"

@@ -146,7 +146,7 @@ class DataParallel(nnx.Module):
         _install_hooks(self, self._fleet_buckets)
         strategy = strategy_of_world()
         if self._fleet_amp is not None:
-            _amp.apply(self, self._fleet_amp)
+            _amp.apply(self, self._fleet_amp, type(layers).__name__)
         if strategy.recompute:
             cfg = strategy.recompute_configs
             _recompute.install(self, cfg.checkpoints, cfg.policy)

@@ -138,7 +138,7 @@ class DistributedOptimizer(nnx.Optimizer):
         trace = _sync.current()
         if self.merge_k > 1 and trace is not None:
             trace.merge_updates += 1
-            self.merge_count.value = (self.merge_count.value + 1) % self.merge_k
+            self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
         if _under_no_sync():  # add to the accumulator; nothing steps
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
             return None
@@ -157,10 +157,10 @@ class DistributedOptimizer(nnx.Optimizer):
         super().update(model, grads, **kwargs)
         for v, old in zip(kept, before):
             v.set_raw_value(jnp.where(finite, v.get_raw_value(), old))
-        scale, good, bad = _amp.next_scale(self.loss_scaling.value, self.good_steps.value,
-                                           self.bad_steps.value, finite, self.amp_rules)
-        self.loss_scaling.value, self.good_steps.value, self.bad_steps.value = scale, good, bad
-        self.skipped_steps.value = self.skipped_steps.value + (~finite).astype(jnp.int32)
+        scale, good, bad = _amp.next_scale(self.loss_scaling[...], self.good_steps[...],
+                                           self.bad_steps[...], finite, self.amp_rules)
+        self.loss_scaling[...], self.good_steps[...], self.bad_steps[...] = scale, good, bad
+        self.skipped_steps[...] = self.skipped_steps[...] + (~finite).astype(jnp.int32)
         return None
 
     def _variables(self, model) -> list:

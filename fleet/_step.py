@@ -458,6 +458,14 @@ class DistributedStep:
                         what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
                         if summed else "state that is not a wrapped model's parameters"))
                 record["auto_sum"] = True
+            merge = world().strategy.gradient_merge_configs
+            if (world().strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
+                    and plan.grad_merge is None):
+                raise FleetError(
+                    f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
+                    "distributed optimizer, and this step differentiates the wrapped model "
+                    "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
+                    "wrt=nnx.Param)) to the step and update with it")
             self._records[plan] = record
         out_specs = (state_specs,
                      [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
@@ -537,7 +545,7 @@ class DistributedStep:
             if not isinstance(opt, DistributedOptimizer):
                 continue
             if opt.amp_rules is not None and trace.loss_scale is None:
-                trace.loss_scale = divisor = opt.loss_scaling.value
+                trace.loss_scale = divisor = opt.loss_scaling[...]
             if plan.grad_merge == "final" and opt.merge_avg:
                 k = jnp.asarray(opt.merge_k, jnp.float32)
                 divisor = k if divisor is None else divisor * k

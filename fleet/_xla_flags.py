@@ -49,6 +49,18 @@ comes after both, 60 s) only decide how long the deadlock lasts;
 
 So fleet sets ``PJRT_NPROC`` to ``max(2 * N, cores, any larger value already
 set)`` wherever it sets up CPU devices, before JAX creates its CPU client.
+
+Recomputation on XLA:CPU
+------------------------
+``jax.checkpoint`` (``strategy.recompute``) puts an optimization barrier in
+front of the recomputed forward so that XLA does not merge it back into the
+first forward. XLA:CPU expands barriers early (its ``cse_barrier_expander``
+pass) and CSE then undoes the recomputation: the compiled step keeps every
+activation (measured: temp bytes of a 6-block MLP equal with and without
+``jax.checkpoint``; 20.4 MB against 7.9 MB with the pass off, gradients
+bitwise equal). Where JAX runs on CPU only (``JAX_PLATFORMS=cpu``: fleet's
+launcher, the tests), fleet adds ``--xla_disable_hlo_passes=cse_barrier_expander``
+to ``XLA_FLAGS``. GPU and TPU keep the barrier by themselves.
 """
 
 from __future__ import annotations
@@ -59,6 +71,19 @@ import sys
 from collections.abc import Mapping, MutableMapping
 
 POOL_VARIABLE = "PJRT_NPROC"
+KEEP_BARRIERS = "cse_barrier_expander"
+_DISABLED_PASSES = re.compile(r"--xla_disable_hlo_passes=(\S*)")
+
+
+def keep_remat_barriers(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with XLA:CPU's barrier expander off
+    (see the module docstring); other disabled passes are kept."""
+    found = _DISABLED_PASSES.findall(flags)
+    passes = [p for p in (found[-1].split(",") if found else []) if p]
+    if KEEP_BARRIERS in passes:
+        return flags
+    rest = _DISABLED_PASSES.sub("", flags).split()
+    return " ".join(rest + ["--xla_disable_hlo_passes=" + ",".join(passes + [KEEP_BARRIERS])])
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
@@ -123,6 +148,10 @@ def apply_cpu_collective_environ(environ: MutableMapping[str, str] | None = None
     """
     environ = os.environ if environ is None else environ
     wanted = cpu_collective_environ(None, environ)
+    if environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        flags = keep_remat_barriers(environ.get("XLA_FLAGS", ""))
+        if flags != environ.get("XLA_FLAGS", ""):
+            wanted["XLA_FLAGS"] = flags
     if not wanted:
         return False
     if environ is os.environ and "jax" in sys.modules:

@@ -4,6 +4,8 @@ import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    # strategy.recompute's barriers survive XLA:CPU (fleet/_xla_flags.py)
+    + " --xla_disable_hlo_passes=cse_barrier_expander"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["PJRT_NPROC"] = str(max(16, os.cpu_count() or 1))  # 2 x 8 devices: fleet/_xla_flags.py

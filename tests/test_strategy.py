@@ -1,0 +1,430 @@
+"""The strategy's sections (issue 12), each against a single-device reference.
+
+Where low precision or Adam amplifies float reordering, each case is also
+compared with the split-sum reference (the single-device step whose gradient
+is the average of the replicas' sub-batch gradients): that distance is the
+noise floor, fleet must sit within it, and both distances are printed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+from tests.jaxpr_utils import count_primitives, jaxprs_in_params
+
+
+def strategy(**sections) -> fleet.DistributedStrategy:
+    s = fleet.DistributedStrategy()
+    for name, value in sections.items():
+        setattr(s, name, value)
+    return s
+
+
+def split_grad(grad_fn, x, y, n):
+    """The split-sum gradient: the mean of the gradients of the n sub-batches."""
+    parts = [grad_fn(a, b) for a, b in zip(np.split(x, n), np.split(y, n))]
+    return jax.tree.map(lambda *g: sum(g) / n, *parts)
+
+
+def report(name, got, plain, split):
+    d_plain, d_split = models.max_diff(got, plain), models.max_diff(got, split)
+    floor = models.max_diff(split, plain)
+    print(f"{name}: |fleet - single| = {d_plain:.2e}, |fleet - split-sum| = {d_split:.2e}, "
+          f"noise floor |split-sum - single| = {floor:.2e}")
+    return d_plain, d_split, floor
+
+
+# -- amp ----------------------------------------------------------------------------------
+
+class BF16CNN(models.CNN):
+    """The same CNN with Flax's own mixed precision, written by hand: layers
+    compute in bfloat16, parameters stay float32, the logits are float32."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        for layer in (self.conv1, self.conv2, self.linear):
+            layer.dtype = jnp.bfloat16
+
+    def __call__(self, x):
+        return super().__call__(x).astype(jnp.float32)
+
+
+def single_device(model, tx, data, n_split=None):
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        if n_split:
+            grads = split_grad(
+                lambda a, b: nnx.grad(lambda m: models.loss_of(m(a), b))(model), x, y, n_split)
+        else:
+            grads = nnx.grad(lambda m: models.loss_of(m(x), y))(model)
+        optimizer.update(model, grads)
+
+    for x, y in data:
+        step(model, optimizer, x, y)
+    return models.flat_params(model)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_amp_bf16_equals_the_hand_written_bf16_policy(make_world, n):
+    data = models.batches("cnn", 8, 16)
+    tx = optax.sgd(0.05)
+    plain = single_device(BF16CNN(nnx.Rngs(0)), tx, data)
+    split = single_device(BF16CNN(nnx.Rngs(0)), tx, data, n_split=n)
+
+    make_world(n, strategy(amp=True))
+    model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
+    assert model.conv1.dtype == jnp.bfloat16 and model.conv1.kernel.dtype == jnp.float32
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    losses = [step(model, optimizer, x, y) for x, y in data]
+    assert all(loss.dtype == jnp.float32 for loss in losses)
+    d_plain, d_split, floor = report(f"amp bf16, {n} devices", models.flat_params(model),
+                                     plain, split)
+    # On one device fleet runs the same program as the reference. On more, it
+    # runs the split-sum reference's arithmetic (bf16 per replica, float32 sum).
+    assert d_split < 1e-5
+    assert d_plain <= max(1e-5, 2 * floor)
+    assert fleet.check_replicas(model) == []
+
+
+class NormNet(nnx.Module):
+    def __init__(self, rngs):
+        self.linear1 = nnx.Linear(10, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.head = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.norm(self.linear1(x)))
+
+
+@pytest.mark.parametrize("configs, expected", [
+    ({}, {"linear1": "bfloat16", "norm": "float32", "head": "bfloat16"}),
+    ({"custom_black_list": ["head"]}, {"linear1": "bfloat16", "norm": "float32",
+                                       "head": "float32"}),
+    ({"custom_white_list": ["LayerNorm"]}, {"linear1": "bfloat16", "norm": "bfloat16",
+                                            "head": "bfloat16"}),
+    ({"custom_black_list": ["Linear"]}, {"linear1": "float32", "norm": "float32",
+                                         "head": "float32"}),
+    ({"use_pure_fp16": True}, {"linear1": "float16", "norm": "float16", "head": "float16"}),
+    ({"dtype": "float16"}, {"linear1": "float16", "norm": "float32", "head": "float16"}),
+])
+def test_amp_precision_lists(make_world, configs, expected):
+    """Normalisation layers stay float32 by default; the black list adds module
+    types or paths, the white list forces layers back to low precision."""
+    make_world(2, strategy(amp=True, amp_configs=configs))
+    if all(v == "float32" for v in expected.values()):
+        with pytest.raises(fleet.FleetConfigError, match="no layer of NormNet"):
+            fleet.distributed_model(NormNet(nnx.Rngs(0)))
+        return
+    model = fleet.distributed_model(NormNet(nnx.Rngs(0)))
+    got = {name: jnp.dtype(getattr(model, name).dtype).name for name in expected}
+    assert got == expected
+    out = model(np.ones((2, 10), np.float32))
+    assert out.dtype == jnp.float32
+
+
+# -- amp float16: dynamic loss scaling ------------------------------------------------------
+
+def paddle_scale_rules(finite_steps, scale, incr_every, decr_every, incr, decr):
+    """Paddle's update_loss_scaling, written out in Python."""
+    good = bad = 0
+    out = []
+    for finite in finite_steps:
+        if finite:
+            bad, good = 0, good + 1
+            if good == incr_every:
+                scale = scale * incr if np.isfinite(scale * incr) else scale
+                good = 0
+        else:
+            good, bad = 0, bad + 1
+            if bad == decr_every:
+                scale, bad = max(scale * decr, 1.0), 0
+        out.append(scale)
+    return out
+
+
+FP16 = {"dtype": "float16", "init_loss_scaling": 1024.0, "incr_every_n_steps": 2,
+        "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0, "decr_ratio": 0.5}
+
+
+def test_fp16_a_step_not_finite_on_one_replica_is_skipped_on_all(make_world, tmp_path):
+    make_world(4, strategy(amp=True, amp_configs=FP16))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    finite = [True, True, False, False, True, False, True, True, True, False, True]
+    data = models.batches("linear", len(finite), 8)
+    scales, skipped = [], 0
+    for ok, (x, y) in zip(finite, data):
+        before = (models.flat_params(model),
+                  jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(optimizer.opt_state))),
+                  int(optimizer.step[...]))
+        if not ok:
+            x = x.copy()
+            x[2, 0] = np.inf  # replica 1 of 4 (rows 2..3) only
+        step(model, optimizer, x, y)
+        after = models.flat_params(model)
+        if ok:
+            assert models.max_diff(after, before[0]) > 0
+        else:
+            skipped += 1
+            assert models.max_diff(after, before[0]) == 0
+            state = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(optimizer.opt_state)))
+            jax.tree.map(np.testing.assert_array_equal, state, before[1])
+            assert int(optimizer.step[...]) == before[2]
+        scales.append(float(optimizer.loss_scaling[...]))
+        assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
+    expected = paddle_scale_rules(finite, 1024.0, 2, 2, 2.0, 0.5)
+    print("scales:", scales)
+    assert scales == expected
+    assert int(optimizer.skipped_steps[...]) == skipped
+    assert int(optimizer.step[...]) == len(finite) - skipped
+
+    with fleet.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(len(finite), model=model, optimizer=optimizer)
+    fresh = fleet.distributed_model(models.LinearNet(nnx.Rngs(1)))
+    fresh_opt = fleet.distributed_optimizer(nnx.Optimizer(fresh, optax.adam(1e-2), wrt=nnx.Param))
+    assert float(fresh_opt.loss_scaling[...]) == 1024.0
+    with fleet.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.restore_latest(model=fresh, optimizer=fresh_opt)
+    for name in ("loss_scaling", "good_steps", "bad_steps", "skipped_steps"):
+        assert float(getattr(fresh_opt, name)[...]) == float(getattr(optimizer, name)[...])
+
+
+def test_fp16_loss_scaling_leaves_the_gradient_unchanged(make_world):
+    """The scale multiplies the outputs' cotangent and divides the reduced
+    gradient: with float16 compute, fleet equals Flax's float16 layers on one
+    device with the loss scaled by hand, within float16 noise."""
+    data = models.batches("linear", 6, 16)
+
+    class FP16Net(models.LinearNet):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self._linear1.dtype = self._linear2.dtype = jnp.float16
+
+        def __call__(self, x):
+            return super().__call__(x).astype(jnp.float32)
+
+    reference = FP16Net(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: models.loss_of(m(x), y) * 1024.0)(model)
+        optimizer.update(model, jax.tree.map(lambda g: g / 1024.0, grads))
+
+    make_world(2, strategy(amp=True, amp_configs={**FP16, "use_dynamic_loss_scaling": False}))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in data:
+        ref_step(reference, ref_opt, x, y)
+        step(model, optimizer, x, y)
+    diff = models.max_diff(models.flat_params(model), models.flat_params(reference))
+    print(f"amp fp16 (static scale 1024): |fleet - single device| = {diff:.2e}")
+    assert diff < 1e-3  # float16 has 11 bits; two replicas add in another order
+    assert float(optimizer.loss_scaling[...]) == 1024.0
+
+
+def test_fp16_needs_the_distributed_optimizer_in_the_step(make_world):
+    make_world(2, strategy(amp=True, amp_configs={"dtype": "float16"}))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fleet.distributed_step(models.nnx_train_step)
+    with pytest.raises(fleet.FleetError, match="scales the loss.*fleet.distributed_optimizer"):
+        step(model, optimizer, *models.batches("linear", 1, 8)[0])
+
+
+# -- recompute ------------------------------------------------------------------------------
+
+class Block(nnx.Module):
+    """An MLP block whose hidden activations only backward needs."""
+
+    def __init__(self, width, rngs):
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.down(jnp.tanh(self.up(x))))
+
+
+class MLP6(nnx.Module):
+    """Six MLP blocks."""
+
+    def __init__(self, rngs, width=64):
+        self.embed = nnx.Linear(10, width, rngs=rngs)
+        self.layers = nnx.List([Block(width, rngs) for _ in range(6)])
+        self.head = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def grads_step(model, x, y):
+    return nnx.grad(lambda m: models.loss_of(m(x), y))(model)
+
+
+def test_recompute_keeps_gradients_and_lowers_memory(make_world):
+    x, y = models.batches("linear", 1, 512)[0]
+    results = {}
+    for recompute in (False, True):
+        s = strategy(recompute=recompute, recompute_configs={
+            "checkpoints": [f"layers.{i}" for i in range(6)]})
+        make_world(4, s)
+        model = fleet.distributed_model(MLP6(nnx.Rngs(0)))
+        step = fleet.distributed_step(grads_step)
+        memory = step.lower(model, x, y).compile().memory_analysis()
+        results[recompute] = (models.flat_params(nnx.to_pure_dict(step(model, x, y))),
+                              memory.temp_size_in_bytes)
+    diff = models.max_diff(results[True][0], results[False][0])
+    print(f"recompute: |grads - grads without recompute| = {diff:.2e}; compiled temp bytes "
+          f"{results[False][1]} without, {results[True][1]} with recompute")
+    assert diff <= 1e-6
+    assert results[True][1] < results[False][1]
+
+
+def test_recompute_names_a_missing_sub_module(make_world):
+    make_world(2, strategy(recompute=True, recompute_configs={"checkpoints": ["layer.0"]}))
+    with pytest.raises(fleet.FleetConfigError, match=r"names \['layer.0'\].*layers.0"):
+        fleet.distributed_model(MLP6(nnx.Rngs(0)))
+
+
+# -- gradient_merge -------------------------------------------------------------------------
+
+def merge_reference(data, tx, k, avg, n_split=None):
+    """One single-device step every k batches, on the mean (avg) or the sum of
+    their gradients; with n_split, each batch's gradient is the split-sum one."""
+    model = models.LinearNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def grad(x, y):
+        if n_split:
+            return split_grad(
+                lambda a, b: nnx.grad(lambda m: models.loss_of(m(a), b))(model), x, y, n_split)
+        return nnx.grad(lambda m: models.loss_of(m(x), y))(model)
+
+    for i in range(0, len(data), k):
+        grads = [grad(x, y) for x, y in data[i:i + k]]
+        total = jax.tree.map(lambda *g: sum(g) / (k if avg else 1), *grads)
+        optimizer.update(model, total)
+    return models.flat_params(model)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("avg", [True, False])
+@pytest.mark.parametrize("tx_name", ["sgd", "adam"])
+def test_gradient_merge_equals_the_merged_single_device_step(make_world, k, avg, tx_name):
+    n = 4
+    tx = {"sgd": optax.sgd(0.05), "adam": optax.adam(models.LR)}[tx_name]
+    data = models.batches("linear", 2 * k, 8)
+    plain = merge_reference(data, tx, k, avg)
+    split = merge_reference(data, tx, k, avg, n_split=n)
+
+    make_world(n, strategy(gradient_merge=True, gradient_merge_configs={"k_steps": k, "avg": avg}))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for i, (x, y) in enumerate(data):
+        psums = count_primitives(step.make_jaxpr(model, optimizer, x, y))
+        assert psums == (4 if i % k == k - 1 else 0), (i, psums)  # 4 leaves on the k-th call
+        step(model, optimizer, x, y)
+        assert int(optimizer.step[...]) == (i + 1) // k
+    d_plain, d_split, floor = report(f"gradient_merge k={k} avg={avg} {tx_name}",
+                                     models.flat_params(model), plain, split)
+    assert d_split < 1e-5
+    assert d_plain <= max(1e-5, 2 * floor)
+    assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
+
+
+def test_gradient_merge_save_on_call_k_minus_1_restores_exactly(make_world, tmp_path):
+    k = 4
+    data = models.batches("linear", 2 * k, 8)
+    make_world(4, strategy(gradient_merge=True, gradient_merge_configs={"k_steps": k}))
+
+    def build():
+        model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+        opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(models.LR),
+                                                        wrt=nnx.Param))
+        return model, opt, fleet.distributed_step(models.nnx_train_step)
+
+    model, opt, step = build()
+    for x, y in data:
+        step(model, opt, x, y)
+    straight = models.flat_params(model)
+
+    model, opt, step = build()
+    for x, y in data[:k + k - 1]:  # the save falls on call k-1 of the second cycle
+        step(model, opt, x, y)
+    with fleet.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(k + k - 1, model=model, optimizer=opt)
+    model, opt, step = build()
+    with fleet.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.restore_latest(model=model, optimizer=opt)
+    assert int(opt.merge_count[...]) == k - 1
+    step(model, opt, *data[-1])
+    assert int(opt.step[...]) == 2
+    assert models.max_diff(models.flat_params(model), straight) == 0
+
+
+def test_gradient_merge_needs_the_distributed_optimizer(make_world):
+    make_world(2, strategy(gradient_merge=True, gradient_merge_configs={"k_steps": 2}))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fleet.distributed_step(models.nnx_train_step)
+    with pytest.raises(fleet.FleetError, match="gradient_merge.*fleet.distributed_optimizer"):
+        step(model, optimizer, *models.batches("linear", 1, 8)[0])
+
+
+# -- fp16_allreduce -------------------------------------------------------------------------
+
+def psum_bytes(jaxpr) -> dict:
+    """Bytes of the psum operands in a jaxpr, by dtype."""
+    out: dict = {}
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name in ("psum", "psum_invariant"):
+                for v in eqn.invars:
+                    aval = v.aval
+                    out[str(aval.dtype)] = out.get(str(aval.dtype), 0) + aval.size * \
+                        aval.dtype.itemsize
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return out
+
+
+def test_fp16_allreduce_halves_the_bytes_within_bf16_rounding(make_world):
+    data = models.batches("cnn", 30, 16)
+    runs = {}
+    for compress in (False, True):
+        make_world(4, strategy(fp16_allreduce=compress))
+        model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
+        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.05),
+                                                              wrt=nnx.Param))
+        step = fleet.distributed_step(models.nnx_train_step)
+        wire = psum_bytes(step.make_jaxpr(model, optimizer, *data[0]))
+        for x, y in data:
+            step(model, optimizer, x, y)
+        runs[compress] = (models.flat_params(model), wire)
+    diff = models.max_diff(runs[True][0], runs[False][0])
+    scale = max(float(np.abs(v).max()) for v in runs[False][0].values())
+    print(f"fp16_allreduce: |bf16 buckets - fp32 buckets| after 30 steps = {diff:.2e} "
+          f"(largest parameter {scale:.2f}); psum bytes per step {runs[False][1]} -> "
+          f"{runs[True][1]}")
+    assert set(runs[True][1]) == {"bfloat16"} and set(runs[False][1]) == {"float32"}
+    assert runs[True][1]["bfloat16"] * 2 == runs[False][1]["float32"]
+    assert 0 < diff < 2 ** -8 * scale  # bf16 keeps 8 bits: within its rounding, not equal
