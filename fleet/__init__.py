@@ -17,7 +17,7 @@ from fleet._xla_flags import apply_cpu_collective_environ as _apply_cpu_collecti
 
 _apply_cpu_collective_environ()
 
-from fleet import _world, io
+from fleet import _world, io, optimizer
 from fleet._agree import FleetTimeoutError
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
 from fleet._context import BucketConfig
@@ -77,6 +77,7 @@ __all__ = [
     "distributed_step",
     "fused_allreduce_gradients",
     "io",
+    "optimizer",
     "DistributedStrategy",
     "FleetAttributeError",
     "FleetConfigError",

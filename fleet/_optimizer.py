@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fleet import _amp, _sync
+from fleet import _amp, _large_batch, _sync
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import replicate_in_place
@@ -196,13 +196,18 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         >>> tx = fleet.distributed_optimizer(optax.adam(1e-3))  # doctest: +SKIP
         >>> opt = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
     """
+    from fleet._model import strategy_of_world
+
     del strategy
+    strategy = strategy_of_world()
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer
     if isinstance(optimizer, nnx.Optimizer):
+        # strategy.lars / strategy.lamb: Paddle swaps Momentum for LARS, Adam for LAMB.
+        _large_batch.swap_optimizer_state(optimizer, _large_batch.swap_tx(optimizer.tx, strategy))
         return DistributedOptimizer(optimizer)
     if isinstance(optimizer, optax.GradientTransformation):
-        return _distributed_tx(optimizer)
+        return _distributed_tx(_large_batch.swap_tx(optimizer, strategy))
     raise FleetTypeError(
         f"fleet.distributed_optimizer takes an optax.GradientTransformation or an "
         f"nnx.Optimizer, got {type(optimizer).__name__}; build one with e.g. "
