@@ -136,7 +136,7 @@ class DistributedOptimizer(nnx.Optimizer):
 
     def update(self, model, grads, /, **kwargs):
         trace = _sync.current()
-        if self.merge_k > 1 and trace is not None:
+        if self.merge_k > 1 and trace is not None and trace.merge_counts:
             trace.merge_updates += 1
             self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
         if _under_no_sync():  # add to the accumulator; nothing steps

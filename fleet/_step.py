@@ -550,6 +550,7 @@ class DistributedStep:
                 k = jnp.asarray(opt.merge_k, jnp.float32)
                 divisor = k if divisor is None else divisor * k
         trace.grad_divisor = divisor
+        trace.merge_counts = plan.grad_merge is not None
 
     def _replicated_state(self, new: Any, plan: _Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: buffers averaged, anything else varying refused."""

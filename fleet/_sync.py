@@ -75,6 +75,7 @@ class SyncTrace:
     wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced in this trace
     tx_calls: int = 0  # distributed optimizer updates in this trace
     merge_updates: int = 0  # updates of an optimizer that merges gradients (gradient_merge)
+    merge_counts: bool = False  # this call counts in gradient_merge's cycle (not explicit no_sync)
     tx_grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
     auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
     check_finite: bool = False  # strategy.check_nan_inf: record what must be finite

@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 
 
-def fleetrun(tmp_path, *args, timeout=240):
+def fleetrun(tmp_path, *args, timeout=240, worker="contract_train.py"):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     start = time.monotonic()
     proc = subprocess.run(
         [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "2", "--log_dir",
-         str(tmp_path / "log"), str(ROOT / "tests/workers/contract_train.py"), *args],
+         str(tmp_path / "log"), str(ROOT / "tests/workers" / worker), *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=timeout)
     logs = "".join((tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2))
