@@ -3,10 +3,10 @@
 Paddle warns on a misspelt field and goes on with the default; fleet fails at
 once, naming the closest valid fields. Each field has a type and a default. A
 feature section is a switch (``strategy.amp = True``) plus a small config
-dataclass (``strategy.amp_configs = {...}``) validated key by key; sections that
-fleet does not run yet are accepted as configuration but refused by
-``fleet.init`` with a clear "not supported" error, so scripts fail loudly
-instead of silently training without the feature.
+dataclass (``strategy.amp_configs = {...}``) validated key by key;
+:meth:`DistributedStrategy.check` (called by ``fleet.init``) checks the
+sections switched on together, and refuses those fleet does not run
+(:data:`UNSUPPORTED`), saying what to use instead.
 """
 
 from __future__ import annotations
@@ -304,9 +304,12 @@ class DistributedStrategy:
             loss) or whose wrapped model's gradients hold a NaN or an infinity
             raises, naming the first such leaf, and leaves the state as it was
             before that step (off by default: it reads flags back every step).
-        amp, gradient_merge, recompute, lars, lamb, sharding (+ ``*_configs``):
-            Paddle's feature sections; configurable, not run yet (``fleet.init``
-            refuses a strategy that turns one on).
+        fp16_allreduce: gradient buckets travel as 16-bit floats (bfloat16;
+            float16 under float16 amp), divided by the replica count first.
+        amp, recompute, gradient_merge, lars, lamb (+ ``*_configs``): Paddle's
+            feature sections (see the README's Strategy section).
+        sharding, dgc, localsgd, pipeline, tensor_parallel (+ ``*_configs``):
+            configurable, not run: ``fleet.init`` refuses them.
     """
 
     fuse_all_reduce_ops: bool = True
