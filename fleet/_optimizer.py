@@ -207,6 +207,17 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         _large_batch.swap_optimizer_state(optimizer, _large_batch.swap_tx(optimizer.tx, strategy))
         return DistributedOptimizer(optimizer)
     if isinstance(optimizer, optax.GradientTransformation):
+        needs = [name for name, on in (
+            (f"gradient_merge (k_steps={strategy.gradient_merge_configs.k_steps})",
+             strategy.gradient_merge and strategy.gradient_merge_configs.k_steps > 1),
+            ("float16 amp (its loss scale)", strategy.amp and _amp.policy_of(strategy).loss_scaling),
+        ) if on]
+        if needs:
+            raise FleetUnsupportedError(
+                f"strategy {' and '.join(needs)} lives in a distributed nnx.Optimizer, and "
+                "this is an optax transformation: write fleet.distributed_optimizer("
+                "nnx.Optimizer(model, tx, wrt=nnx.Param)) (for a Linen TrainState, use "
+                "optax.MultiSteps to merge gradients)")
         return _distributed_tx(_large_batch.swap_tx(optimizer, strategy))
     raise FleetTypeError(
         f"fleet.distributed_optimizer takes an optax.GradientTransformation or an "

@@ -458,6 +458,11 @@ class DistributedStep:
                         what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
                         if summed else "state that is not a wrapped model's parameters"))
                 record["auto_sum"] = True
+                if world().strategy.amp:
+                    raise FleetError(
+                        "strategy.amp sets the computation dtype of a wrapped model's layers, "
+                        "and this step trains raw parameters (no wrapped model): wrap an NNX "
+                        "model with fleet.distributed_model, or turn strategy.amp off")
             merge = world().strategy.gradient_merge_configs
             if (world().strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
                     and plan.grad_merge is None):

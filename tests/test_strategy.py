@@ -428,3 +428,60 @@ def test_fp16_allreduce_halves_the_bytes_within_bf16_rounding(make_world):
     assert set(runs[True][1]) == {"bfloat16"} and set(runs[False][1]) == {"float32"}
     assert runs[True][1]["bfloat16"] * 2 == runs[False][1]["float32"]
     assert 0 < diff < 2 ** -8 * scale  # bf16 keeps 8 bits: within its rounding, not equal
+
+
+# -- sections refused where they cannot act -------------------------------------------------
+
+@pytest.mark.parametrize("sections, match", [
+    ({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}},
+     r"gradient_merge \(k_steps=2\) lives in a distributed nnx.Optimizer"),
+    ({"amp": True, "amp_configs": {"dtype": "float16"}}, "float16 amp"),
+])
+def test_sections_that_need_the_nnx_optimizer_refuse_an_optax_transformation(
+        make_world, sections, match):
+    make_world(2, strategy(**sections))
+    with pytest.raises(fleet.FleetUnsupportedError, match=match + ".*nnx.Optimizer\\(model"):
+        fleet.distributed_optimizer(optax.sgd(0.1))
+
+
+def test_amp_refuses_a_step_on_raw_parameters(make_world):
+    """amp acts through a wrapped model's layers; raw parameters would silently
+    train in float32."""
+    make_world(2, strategy(amp=True))
+    model = models.LinearNet(nnx.Rngs(0))
+    tx = fleet.distributed_optimizer(optax.sgd(0.1))
+    params = nnx.state(model, nnx.Param)
+    graphdef = nnx.graphdef(model)
+    opt_state = tx.init(params)
+
+    @fleet.distributed_step(batch_argnums=(2, 3))
+    def step(params, opt_state, x, y):
+        grads = jax.grad(lambda p: models.loss_of(nnx.merge(graphdef, p)(x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with pytest.raises(fleet.FleetError, match="strategy.amp.*raw parameters.*distributed_model"):
+        step(params, opt_state, *models.batches("linear", 1, 8)[0])
+
+
+def test_an_explicit_no_sync_call_accumulates_without_counting_in_the_merge(make_world):
+    """gradient_merge k=2 with a no_sync call in between: three calls, one
+    optimizer step, on the sum of all three local gradients divided by k."""
+    data = models.batches("linear", 3, 8)
+    reference = models.LinearNet(nnx.Rngs(0))
+    grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference) for x, y in data]
+    expected = {key: value - sum(models.flat_params(nnx.to_pure_dict(g))[key] for g in grads) / 2
+                for key, value in models.flat_params(reference).items()}
+    make_world(4, strategy(gradient_merge=True, gradient_merge_configs={"k_steps": 2}))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    step(model, optimizer, *data[0])
+    with model.no_sync():
+        step(model, optimizer, *data[1])
+    assert int(optimizer.step[...]) == 0
+    step(model, optimizer, *data[2])
+    assert int(optimizer.step[...]) == 1
+    diff = models.max_diff(models.flat_params(model), expected)
+    print(f"gradient_merge + no_sync: |fleet - expected| = {diff:.2e}")
+    assert diff < 1e-5
