@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -85,10 +86,17 @@ class TaggedTransformation(optax.GradientTransformationExtraArgs):
     fleet_hparams: Hparams
 
 
+# The ``init`` of every transformation the swap built: a wrapper that keeps it
+# (fleet.distributed_optimizer's) is recognised as swapped already.
+_SWAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _tag(tx: optax.GradientTransformation, hparams: Hparams) -> TaggedTransformation:
     tx = optax.with_extra_args_support(tx)
     tagged = TaggedTransformation(tx.init, tx.update)
     tagged.fleet_hparams = hparams
+    if hparams.kind in ("lars", "lamb"):
+        _SWAPPED[tx.init] = hparams
     return tagged
 
 
@@ -217,6 +225,12 @@ def hparams_of(tx: Any) -> Hparams | None:
     tagged = getattr(tx, "fleet_hparams", None)
     if isinstance(tagged, Hparams):
         return tagged
+    try:
+        swapped = _SWAPPED.get(getattr(tx, "init", None))
+    except TypeError:  # no init, or one that cannot be weakly referenced
+        swapped = None
+    if swapped is not None:
+        return swapped
     if isinstance(tx, optax.GradientTransformation):
         return _injected_hparams(tx)
     return None
@@ -310,7 +324,8 @@ def swap_tx(tx: Any, strategy: Any) -> Any:
     momentum and nesterov kept); with ``lamb``, an Adam becomes ``optax.lamb``
     (``lamb_weight_decay`` -> ``weight_decay``, the betas and eps kept). The
     learning rate is kept; ``exclude_from_weight_decay`` names parameters that
-    get no weight decay. An optimizer already swapped is returned as it is.
+    get no weight decay. An optimizer already swapped (also inside
+    ``fleet.distributed_optimizer``'s wrapper) is returned as it is.
 
     Raises:
         FleetConfigError: both sections on; an inner optimizer of another kind

@@ -3,12 +3,18 @@
 Paddle swaps a Momentum optimizer for LARS and an Adam for LAMB, keeping the
 learning rate. Each case trains 10 steps with the swapped transformation and
 with ``optax.lars`` / ``optax.lamb`` written out by hand from the mapped configs
-(weight-decay masks as explicit trees), and asserts the parameters agree within
-1e-6; the exclusion list is shown to change the result. Every refusal is tested
+(weight-decay masks written out), and asserts the parameters agree within 1e-6;
+the exclusion list is shown to change the result. Through fleet (``fleet.init``
+with the strategy, ``fleet.distributed_optimizer``, a 4-device
+``fleet.distributed_step``), the result matches single-device ``optax.lars`` /
+``optax.lamb`` on the same global batch within 1e-5, and is far from the run
+without the exclusions and from the unswapped optimizer. Every refusal is tested
 with the fix its message names.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training.train_state import TrainState
 
 import fleet
 from fleet._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
@@ -303,3 +310,109 @@ def test_state_swap_without_parameter_shaped_state_is_refused():
     with pytest.raises(fleet.FleetConfigError, match=r"holds nothing shaped like the parameters.*"
                        r"fleet.optimizer.Momentum\(learning_rate=0.1, momentum=0.9\)"):
         swap_optimizer_state(optimizer, optax.lars(0.1))
+
+
+# -- Through fleet: fleet.init(strategy) -> distributed_optimizer -> distributed_step, 4 devices
+
+N_DEVICES, DIST_TOL = 4, 1e-5
+INNER = {"lars": lambda: fleet.optimizer.Momentum(0.1), "lamb": lambda: fleet.optimizer.Adam(1e-2)}
+DECAY = {"lars": 0.1, "lamb": 0.5}  # large enough that the exclusions show in the numbers
+
+
+def configs(section: str, exclude: list[str]) -> dict:
+    if section == "lars":
+        return dict(lars_coeff=0.01, lars_weight_decay=DECAY["lars"], exclude_from_weight_decay=exclude)
+    return dict(lamb_weight_decay=DECAY["lamb"], exclude_from_weight_decay=exclude)
+
+
+def reference_tx(section: str, mask):
+    """optax.lars / optax.lamb written out from ``configs`` (and the inner optimizer's values)."""
+    if section == "lars":
+        return optax.lars(0.1, weight_decay=DECAY["lars"], weight_decay_mask=mask, trust_coefficient=0.01,
+                          momentum=0.9)
+    return optax.lamb(1e-2, eps=1e-8, weight_decay=DECAY["lamb"], mask=mask)
+
+
+def no_decay_on_biases_and_linear2(params):
+    """The hand-written NNX mask for exclude_from_weight_decay=["bias", "_linear2"]."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(n in jax.tree_util.keystr(path) for n in ("bias", "_linear2")),
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@functools.cache
+def single_device(section: str, variant: str) -> dict:
+    """The single-device NNX run with optax.lars / optax.lamb (``"swapped"``), the
+    same without the exclusions (``"no mask"``), or the inner optimizer unswapped."""
+    tx = {"swapped": lambda: reference_tx(section, no_decay_on_biases_and_linear2),
+          "no mask": lambda: reference_tx(section, True if section == "lars" else None),
+          "unswapped": INNER[section]}[variant]()
+    model = models.LinearNet(nnx.Rngs(0))
+    return nnx_train(nnx.Optimizer(model, tx, wrt=nnx.Param), model)
+
+
+@pytest.mark.parametrize("section", ["lars", "lamb"])
+@pytest.mark.parametrize("wrap", ["nnx.Optimizer", "tx", "both"])
+def test_distributed_nnx_equals_single_device_optax(make_world, section, wrap):
+    data = models.batches("linear", STEPS, BATCH)
+    make_world(N_DEVICES, strategy(section, **configs(section, ["bias", "_linear2"])))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    if wrap == "nnx.Optimizer":
+        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, INNER[section](), wrt=nnx.Param))
+    else:
+        tx = fleet.distributed_optimizer(INNER[section]())
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        if wrap == "both":
+            optimizer = fleet.distributed_optimizer(optimizer)
+    step = fleet.distributed_step(models.nnx_train_step, batch_argnums=(2, 3))
+    for x, y in data:
+        step(model, optimizer, x, y)
+    got = models.flat_params(model)
+    d = models.max_diff(got, single_device(section, "swapped"))
+    d_mask = models.max_diff(got, single_device(section, "no mask"))
+    d_inner = models.max_diff(got, single_device(section, "unswapped"))
+    print(f"{section}, fleet.distributed_optimizer on the {wrap}, {N_DEVICES} devices: "
+          f"|fleet - single-device optax.{section}| = {d:.2e} (without the exclusions: "
+          f"{d_mask:.2e}, the inner optimizer unswapped: {d_inner:.2e})")
+    assert d < DIST_TOL
+    assert d_mask > 10 * DIST_TOL and d_inner > 10 * DIST_TOL  # the comparison can tell
+    assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
+
+
+@pytest.mark.parametrize("section", ["lars", "lamb"])
+def test_distributed_linen_train_state_equals_single_device_optax(make_world, section):
+    data = models.batches("linear", STEPS, BATCH)
+    make_world(N_DEVICES, strategy(section, **configs(section, ["bias", "Dense_1"])))
+    model = fleet.distributed_model(models.LinenLinearNet())
+    params = model.init(jax.random.key(0), data[0][0][:1])["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params,
+                              tx=fleet.distributed_optimizer(INNER[section]()))
+    step = fleet.distributed_step(models.linen_train_step)
+    for x, y in data:
+        state, _ = step(state, x, y)
+    mask = {"Dense_0": {"kernel": True, "bias": False}, "Dense_1": {"kernel": False, "bias": False}}
+
+    def single_device(mask):
+        ref = TrainState.create(apply_fn=model.apply, params=params, tx=reference_tx(section, mask))
+        ref_step = jax.jit(models.linen_train_step)
+        for x, y in data:
+            ref, _ = ref_step(ref, x, y)
+        return models.flat_params(ref.params)
+
+    got = models.flat_params(state.params)
+    d = models.max_diff(got, single_device(mask))
+    d_mask = models.max_diff(got, single_device(True if section == "lars" else None))
+    print(f"{section}, Linen TrainState, {N_DEVICES} devices: |fleet - single-device "
+          f"optax.{section}| = {d:.2e} (without the exclusions: {d_mask:.2e})")
+    assert d < DIST_TOL and d_mask > 10 * DIST_TOL
+    assert fleet.check_replicas(state) == []
+
+
+def test_distributed_optimizer_refuses_the_wrong_inner_optimizer(make_world):
+    make_world(N_DEVICES, strategy("lamb"))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    with pytest.raises(fleet.FleetConfigError, match=r"strategy.lamb replaces an Adam optimizer.*"
+                       r"got fleet.optimizer.Momentum.*Build it with fleet.optimizer.Adam"):
+        fleet.distributed_optimizer(nnx.Optimizer(model, fleet.optimizer.Momentum(0.1), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetConfigError, match=r"cannot read.*fleet.optimizer.Adam"):
+        fleet.distributed_optimizer(optax.adam(1e-3))
