@@ -8,10 +8,12 @@ local device, and on several processes::
     python examples/mnist/train.py --dataset fashion             # Debian's dataset-fashion-mnist
     python examples/mnist/train.py --data-dir ~/data/mnist        # any MNIST-format IDX files
     fleetrun --nproc_per_node 2 examples/mnist/train.py --dataset fashion
+    python examples/mnist/train.py --dataset fashion --amp        # bfloat16 mixed precision
 
 ``--batch-size`` is per device, as in Paddle where it is per card: the global batch
 is ``batch_size x devices``. ``XLA_FLAGS=--xla_force_host_platform_device_count=4``
-fakes 4 devices on a CPU.
+fakes 4 devices on a CPU. ``--amp`` turns on ``strategy.amp`` (bfloat16): the layers
+compute in bfloat16, the parameters and the loss stay float32.
 """
 
 from __future__ import annotations
@@ -63,11 +65,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dropout rate (the seed's 0.2; each replica draws its own masks, so "
                         "only --dropout 0 trains exactly the single-device model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--amp", action="store_true",
+                   help="bfloat16 mixed precision (strategy.amp; parameters stay float32)")
     p.add_argument("--num-train", type=int, help="train on the first N images only")
     p.add_argument("--log-freq", type=int, default=100)
     p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--metrics-out", help="write the final metrics here (JSON)")
     return p.parse_args(argv)
+
+
+def strategy_of(args: argparse.Namespace) -> fleet.DistributedStrategy:
+    """The run's strategy: ``--amp`` turns on ``strategy.amp`` (bfloat16 by default)."""
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = args.amp
+    return strategy
 
 
 def main(argv=None) -> dict:
@@ -85,6 +96,7 @@ def main(argv=None) -> dict:
     except DataError as e:
         sys.exit(f"error: {e}")
 
+    fleet.init(is_collective=True, strategy=strategy_of(args))
     model = fleet.Model(MLP(nnx.Rngs(args.seed), args.dropout))
     model.prepare(optax.adam(args.lr), optax.softmax_cross_entropy_with_integer_labels,
                   fleet.metric.Accuracy())
@@ -94,12 +106,14 @@ def main(argv=None) -> dict:
     summary = {
         "dataset": NAMES[args.dataset], "devices": fleet.num_replicas(),
         "processes": fleet.worker_num(), "global_batch": args.batch_size * fleet.num_replicas(),
-        "train_images": len(train_set), "test_images": len(test_set), **result,
+        "train_images": len(train_set), "test_images": len(test_set),
+        "amp": "bfloat16" if args.amp else None, **result,
     }
     if fleet.is_first_worker():
         print(f"test accuracy: {result['acc']:.4f}  loss: {result['loss']:.4f}  "
               f"({NAMES[args.dataset]}, {len(test_set)} images, {summary['devices']} devices, "
-              f"{summary['processes']} processes)", flush=True)
+              f"{summary['processes']} processes{', bfloat16 amp' if args.amp else ''})",
+              flush=True)
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(summary, indent=2))
     return summary

@@ -12,7 +12,13 @@
 
 Every process runs every callback (a checkpoint is a collective step); printing
 and writing files happen on the first worker only. ``logs`` holds ``loss``, the
-metric values by name, ``step`` and ``batch_size`` (the global batch rows).
+metric values by name, ``step`` and ``batch_size`` (the global batch rows). In
+training, with float16 ``strategy.amp`` (when the distributed optimizer scales the
+loss), it also holds ``loss_scaling`` (the scale after the step) and
+``skipped_steps`` (the steps skipped for non-finite gradients since the optimizer
+was built). The training ``loss`` and these two are device arrays: ``float(...)``
+reads them, and waits for the step; a callback that reads them every step makes
+every step wait.
 """
 
 from __future__ import annotations

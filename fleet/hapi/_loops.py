@@ -9,7 +9,11 @@ the step, and bring its per-example rows to the host with the loader's
 metrics, evaluation losses and predictions count every sample exactly once.
 
 Training brings a step's metric rows to the host only once the next step is
-queued, so the devices never wait for the host.
+queued, so the devices never wait for the host. For the same reason a training
+step's logs hold the loss, and with float16 amp the loss scale and the count of
+skipped steps (:func:`amp_logs`), as device arrays: they are read, a wait for the
+devices, only where they are printed or kept (the progress bar every
+``log_freq`` steps, the epoch's record), not every step.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
             n = global_rows(inputs)
             loss_sum, count = loss_sum + loss * n, count + n  # stays on the device
             logs["loss"] = loss
+            logs.update(amp_logs(model.optimizer))
         elif mode == "eval":
             losses, rows = loader.gather_for_metrics(model.eval_step(inputs, labels))
             _update(metrics, rows)
@@ -95,6 +100,18 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
     return logs, outputs
 
 
+AMP_LOGS = ("loss_scaling", "skipped_steps")
+
+
+def amp_logs(optimizer: Any) -> dict[str, Any]:
+    """float16 amp's ``loss_scaling`` and ``skipped_steps`` (the distributed
+    optimizer's state after the step, as device arrays), or ``{}`` when the
+    optimizer does not scale the loss."""
+    if getattr(optimizer, "amp_rules", None) is None:
+        return {}
+    return {name: getattr(optimizer, name)[...] for name in AMP_LOGS}
+
+
 def _update(metrics: list, rows: tuple) -> None:
     for m, r in zip(metrics, rows):
         m.update(*r)
@@ -113,10 +130,16 @@ def metric_logs(metrics: list) -> dict[str, Any]:
 
 
 def public(logs: dict[str, Any]) -> dict[str, Any]:
-    """The logs a caller gets: floats (lists for several values), no bookkeeping keys."""
+    """The logs a caller gets: floats (ints for integer values, such as
+    ``skipped_steps``; lists for several values), no bookkeeping keys."""
     out = {}
     for k, v in logs.items():
         if k in ("step", "batch_size") or k.startswith("_"):
             continue
-        out[k] = [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+        out[k] = [_number(x) for x in v] if isinstance(v, (list, tuple)) else _number(v)
     return out
+
+
+def _number(value: Any) -> float | int:
+    value = np.asarray(value)
+    return int(value) if np.issubdtype(value.dtype, np.integer) else float(value)

@@ -90,7 +90,9 @@ class Model:
         Args:
             optimizer: an optax transformation (``optax.adam(1e-3)``; applied to the
                 network's ``nnx.Param`` variables) or an ``nnx.Optimizer`` built on
-                the network. ``None`` is enough for ``evaluate`` / ``predict``.
+                the network; either becomes a ``fleet.DistributedOptimizer`` (which
+                holds float16 amp's loss scale). ``None`` is enough for ``evaluate``
+                / ``predict``.
             loss: ``loss(outputs, *labels)`` returning one value per example (as
                 optax's losses do) or their mean. ``fit`` minimises its mean.
             metrics: a :class:`fleet.metric.Metric` or a list of them.
@@ -190,7 +192,8 @@ class Model:
 
         Returns:
             One dict per epoch: ``epoch``, the training ``loss`` (mean over the
-            epoch's examples) and metrics, and ``eval_*`` values when evaluated.
+            epoch's examples) and metrics, with float16 amp ``loss_scaling`` and
+            ``skipped_steps`` at the epoch's end, and ``eval_*`` values when evaluated.
         """
         check_ready(self, "fit", need_optimizer=True, need_loss=True)
         batch_size, epochs, eval_freq, log_freq, accumulate = (

@@ -15,13 +15,17 @@ import numpy as np
 
 from fleet import _world
 from fleet.hapi._callbacks import Callback
+from fleet.hapi._loops import AMP_LOGS
 
 
 def format_value(value: Any) -> str:
-    """``0.1235``, ``1.2e-05``, or a list of those."""
+    """``0.1235``, ``1.2e-05``, ``3`` (integers), or a list of those."""
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(format_value(v) for v in value) + "]"
-    value = float(np.asarray(value))
+    value = np.asarray(value)  # a device array is read here, when printed
+    if np.issubdtype(value.dtype, np.integer):
+        return str(int(value))
+    value = float(value)
     if value != 0 and abs(value) < 1e-3:
         return f"{value:.4e}"
     return f"{value:.4f}"
@@ -106,9 +110,11 @@ class ProgBarLogger(Callback):
     """Prints training and evaluation progress (Paddle's ``ProgBarLogger``).
 
     ``Epoch 1/5``, then every ``log_freq`` steps and at each epoch's last step:
-    the step, the current batch's loss, the metrics so far this epoch, and the
-    samples/s (global batch rows over wall time) since the previous line.
-    Evaluation prints its exact values at its last step and the sample count.
+    the step, the current batch's loss, the metrics so far this epoch, with
+    float16 amp the loss scale and the steps skipped so far (``loss_scaling``,
+    ``skipped_steps``), and the samples/s (global batch rows over wall time) since
+    the previous line. Evaluation prints its exact values at its last step and the
+    sample count. Values still on the devices are read only for the lines printed.
 
     Args:
         log_freq: print every ``log_freq`` steps.
@@ -150,7 +156,7 @@ class ProgBarLogger(Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.epochs = self.params.get("epochs")
         self.steps = self.params.get("steps")
-        self.names = ["loss", *self.params.get("metrics", [])]
+        self.names = ["loss", *self.params.get("metrics", []), *AMP_LOGS]  # those in logs
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._print(f"Epoch {epoch + 1}/{self.epochs}")
