@@ -42,3 +42,18 @@ def test_run_ahead_all_reduce_loop_completes_with_fleets_environment():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "completed 2000 steps" in run.stdout
+
+
+def test_remat_barriers_are_kept_on_cpu_and_other_disabled_passes_stay():
+    keep = _xla_flags.keep_remat_barriers
+    assert keep("") == "--xla_disable_hlo_passes=cse_barrier_expander"
+    assert keep("--xla_foo=1 --xla_disable_hlo_passes=a,b") == (
+        "--xla_foo=1 --xla_disable_hlo_passes=a,b,cse_barrier_expander")
+    flags = "--xla_disable_hlo_passes=cse_barrier_expander --xla_foo=1"
+    assert keep(flags) == flags
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_foo=1"}
+    assert _xla_flags.apply_cpu_collective_environ(env)
+    assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_disable_hlo_passes=cse_barrier_expander"
+    env = {"XLA_FLAGS": "--xla_foo=1"}  # a GPU may be there: leave XLA alone
+    _xla_flags.apply_cpu_collective_environ(env)
+    assert env["XLA_FLAGS"] == "--xla_foo=1"
