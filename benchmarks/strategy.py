@@ -6,14 +6,14 @@ Adam optimizer:
 * ``fp32``: ``fleet.DistributedStrategy()`` (the defaults);
 * ``amp bf16``: ``strategy.amp = True`` (``amp_configs.dtype`` "bfloat16");
 * ``amp + recompute``: amp, and ``strategy.recompute = True`` (``policy``
-  "nothing_saveable") on the MLP's six blocks, or on the CNN's three
+  "nothing_saveable") on the MLP's three blocks, or on the CNN's three
   convolutions and first linear layer;
 * ``fp16_allreduce``: ``strategy.fp16_allreduce = True`` (the gradient
   buckets travel as bfloat16).
 
 Two models: the seed's CIFAR-10 CNN (examples/cifar10, global batch 128) and
-an MLP of 25M parameters (six 2048 x 2048 blocks, Linear + ReLU each, and a
-10-way head; global batch 256). On 4 CPU devices by default; ``--device-count
+an MLP of 25M parameters (six 2048 x 2048 Linear + ReLU layers in three
+blocks of two, and a 10-way head; global batch 256). On 4 CPU devices by default; ``--device-count
 1`` runs on whatever ``jax.devices()`` gives (one GPU).
 
 Variants run interleaved, round after round (``--repeats``), each timing
@@ -23,7 +23,8 @@ ratios against fp32 (above 1: faster), and the compiled step's memory per
 device (``memory_analysis()``: temporaries, arguments, outputs). XLA places
 temporaries (gradients, activations) in the output buffers of the new state
 while those are still free, so ``temp MB`` can read near zero (the MLP on
-CPU); the outputs are shown beside it.
+CPU); the outputs are shown beside it, and ``grad temp MB`` is the temporary
+memory of a step that only computes the gradient (activations, mostly).
 
 On CPU, bfloat16 matmuls usually run slower than float32 (no bf16 units), so
 amp is expected to lose there; the target on a GPU is amp bf16 >= 1.5x the
@@ -85,18 +86,23 @@ DEPTH = 6
 
 
 class Block(nnx.Module):
+    """Two layers: recomputing the block drops the activations between them (a
+    one-layer block would save nothing: its input is kept either way)."""
+
     def __init__(self, width, rngs):
-        self.linear = nnx.Linear(width, width, rngs=rngs)
+        self.linear1 = nnx.Linear(width, width, rngs=rngs)
+        self.linear2 = nnx.Linear(width, width, rngs=rngs)
 
     def __call__(self, x):
-        return nnx.relu(self.linear(x))
+        return nnx.relu(self.linear2(nnx.relu(self.linear1(x))))
 
 
 class MLP(nnx.Module):
-    """DEPTH blocks of WIDTH x WIDTH and a 10-way head: 25.2M parameters at 2048."""
+    """DEPTH layers of WIDTH x WIDTH in blocks of two, and a 10-way head: 25.2M
+    parameters at 2048."""
 
     def __init__(self, rngs):
-        self.blocks = nnx.List([Block(WIDTH, rngs) for _ in range(DEPTH)])
+        self.blocks = nnx.List([Block(WIDTH, rngs) for _ in range(DEPTH // 2)])
         self.head = nnx.Linear(WIDTH, 10, rngs=rngs)
 
     def __call__(self, x):
@@ -107,7 +113,7 @@ class MLP(nnx.Module):
 
 MODELS = {  # name -> (constructor, input shape per example, global batch, recomputed modules)
     "cnn": (CifarCNN, (32, 32, 3), 128, ["conv1", "conv2", "conv3", "linear1"]),
-    "mlp": (MLP, (WIDTH,), 64 if args.quick else 256, [f"blocks.{i}" for i in range(DEPTH)]),
+    "mlp": (MLP, (WIDTH,), 64 if args.quick else 256, [f"blocks.{i}" for i in range(DEPTH // 2)]),
 }
 
 
@@ -135,6 +141,10 @@ def train_step(model, optimizer, x, y):
     return loss
 
 
+def grad_step(model, x, y):
+    return nnx.grad(lambda m: loss_of(m(x), y))(model)
+
+
 def devices():
     return jax.devices()[: args.device_count]
 
@@ -150,8 +160,9 @@ def make_fleet(make, x, y, strategy):
     w = fleet.world()
     xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
     memory = step.lower(model, optimizer, xs, ys).compile().memory_analysis()
-
-    return lambda: step(model, optimizer, xs, ys), memory, step
+    # The gradient alone: no new state whose free output buffers hide the activations.
+    grads = fleet.distributed_step(grad_step).lower(model, xs, ys).compile().memory_analysis()
+    return lambda: step(model, optimizer, xs, ys), (memory, grads), step
 
 
 def use(strategy):
@@ -194,13 +205,14 @@ def measure(name: str) -> None:
           f"{len(devices())} x {jax.devices()[0].platform}, "
           f"{args.repeats} rounds x {args.steps} step{'s' * (args.steps != 1)}; memory per device")
     print(f"{'variant':18s} {'ms/step':>8s} {'images/s':>9s} {'vs fp32':>8s} "
-          f"{'temp MB':>8s} {'args MB':>8s} {'out MB':>8s}")
+          f"{'temp MB':>8s} {'args MB':>8s} {'out MB':>8s} {'grad temp MB':>13s}")
     for v, t in times.items():
         t = np.array(t)
-        memory = variants[v][1]
+        memory, grads = variants[v][1]
         print(f"{v:18s} {np.median(t) * 1e3:8.2f} {batch / np.median(t):9.1f} "
               f"{np.median(fp32 / t):8.3f} {mb(memory, 'temp_size_in_bytes')} "
-              f"{mb(memory, 'argument_size_in_bytes')} {mb(memory, 'output_size_in_bytes')}")
+              f"{mb(memory, 'argument_size_in_bytes')} {mb(memory, 'output_size_in_bytes')} "
+              f"{mb(grads, 'temp_size_in_bytes'):>13s}")
     print(f"  (load average over 1 min: {load:.1f} before, {os.getloadavg()[0]:.1f} after, "
           f"on {os.cpu_count()} cores)")
     if retraced:

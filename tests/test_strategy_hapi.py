@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import os
 import re
 import sys
 from pathlib import Path
@@ -29,9 +28,10 @@ import fleet
 from fleet import _world
 from fleet.io import TensorDataset
 from tests import models
+from tests.test_example_mnist import FASHION, require_fashion_mnist
+from tests.test_strategy import FP16, paddle_scale_rules
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mnist"
-FASHION = Path("/usr/share/datasets/fashion-mnist")
 
 
 def strategy(**sections) -> fleet.DistributedStrategy:
@@ -60,27 +60,6 @@ class Record(fleet.callbacks.Callback):
 
 
 # -- float16: the distributed optimizer and the logs --------------------------------------------
-
-FP16 = {"dtype": "float16", "init_loss_scaling": 1024.0, "incr_every_n_steps": 2,
-        "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0, "decr_ratio": 0.5}
-
-
-def paddle_scale_rules(finite_steps, scale, incr_every, decr_every, incr, decr):
-    """Paddle's update_loss_scaling, written out in Python: the scale after each step."""
-    good = bad = 0
-    out = []
-    for finite in finite_steps:
-        if finite:
-            bad, good = 0, good + 1
-            if good == incr_every:
-                scale, good = (scale * incr if np.isfinite(scale * incr) else scale), 0
-        else:
-            good, bad = 0, bad + 1
-            if bad == decr_every:
-                scale, bad = max(scale * decr, 1.0), 0
-        out.append(scale)
-    return out
-
 
 @pytest.mark.parametrize("given", ["optax", "nnx.Optimizer"])
 def test_prepare_builds_the_distributed_optimizer_that_holds_the_scale(make_world, given):
@@ -186,12 +165,7 @@ def fashion_runs():
     Fashion-MNIST training images, on 4 devices, in float32 and with ``--amp``
     (bfloat16); same seed, same shuffled batches. Each run's per-step losses and
     its accuracy on the 10,000 test images."""
-    if not (FASHION / "t10k-labels-idx1-ubyte.gz").exists():
-        reason = (f"Fashion-MNIST is not installed in {FASHION}: "
-                  "apt-get install -y dataset-fashion-mnist")
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run this test: {reason}")
-        pytest.skip(reason)
+    require_fashion_mnist()
     _, train = _load_example()
     train_set = train.dataset(str(FASHION), "train", NUM_TRAIN)
     test_set = train.dataset(str(FASHION), "test", None)
