@@ -13,10 +13,15 @@ does not reduce them again. What it adds:
   transpose of using a replicated value with per-replica data); the step sees
   it in the program it traced, and this optimizer divides them by the replica
   count: the global-batch gradient again (one all-reduce per leaf, merged by
-  XLA, instead of fleet's buckets).
+  XLA, instead of fleet's buckets);
+* the strategy's optimizer sections: ``lars`` / ``lamb`` swap the inner
+  optimizer (:mod:`fleet._large_batch`); ``gradient_merge`` steps once every
+  ``k_steps`` calls; float16 ``amp`` keeps the loss scale and skips steps whose
+  gradients are not finite.
 
-Its state is exactly the inner optimizer's state, so checkpoints move freely
-between single-device and distributed runs.
+Its state is the inner optimizer's state, plus what those sections keep
+(``grad_accum``, ``merge_count``, the loss scale), so with none of them on,
+checkpoints move freely between single-device and distributed runs.
 """
 
 from __future__ import annotations
