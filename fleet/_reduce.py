@@ -87,7 +87,7 @@ def strategy_buckets() -> BucketConfig:
     s = world().strategy
     wire = None
     if s.fp16_allreduce:
-        wire = "float16" if s.amp and s.amp_configs.compute_dtype == "float16" else "bfloat16"
+        wire = "float16" if s.amp_configs.compute_dtype == "float16" else "bfloat16"
     return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops,
                         wire)
 

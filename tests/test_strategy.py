@@ -485,3 +485,14 @@ def test_an_explicit_no_sync_call_accumulates_without_counting_in_the_merge(make
     diff = models.max_diff(models.flat_params(model), expected)
     print(f"gradient_merge + no_sync: |fleet - expected| = {diff:.2e}")
     assert diff < 1e-5
+
+
+@pytest.mark.parametrize("amp_configs, wire", [({}, "bfloat16"), ({"dtype": "float16"}, "float16"),
+                                               ({"use_pure_fp16": True}, "float16")])
+def test_fp16_allreduce_travels_in_float16_when_amp_configs_say_so(make_world, amp_configs, wire):
+    make_world(2, strategy(fp16_allreduce=True, amp_configs=amp_configs))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    assert set(psum_bytes(step.make_jaxpr(model, optimizer, *models.batches("linear", 1, 8)[0]))) \
+        == {wire}

@@ -218,3 +218,28 @@ def test_bf16_fashion_mnist_loss_curve_within_2_percent_of_fp32(fashion_runs):
     assert step.max() > 0  # bfloat16 did change the computation
     assert smooth32[-1] < 0.5 * fp32[0]  # the curve falls: it is a training curve
     assert curve <= 0.02
+
+
+def test_the_composed_strategy_through_fleet_model_equals_the_low_level_loop(make_world):
+    """fleet.Model with amp, recompute, gradient_merge, LAMB and fp16_allreduce
+    (and one update=False call, its no_sync) trains what the low-level loop with
+    the same strategy trains (tests/workers/strategy_train.py, the fleetrun run's
+    reference)."""
+    from tests.workers import strategy_train as worker
+
+    make_world(4, worker.strategy())
+    expected = worker.train()
+
+    make_world(4, worker.strategy())
+    model = fleet.Model(models.CNN(nnx.Rngs(0)))
+    model.prepare(fleet.optimizer.Adam(learning_rate=1e-2),
+                  optax.softmax_cross_entropy_with_integer_labels)
+    losses = [model.train_batch(x, y, update=i not in worker.NO_SYNC_CALLS)[0]
+              for i, (x, y) in enumerate(models.batches("cnn", worker.STEPS, worker.BATCH))]
+    got = {"p" + k: v for k, v in models.flat_params(model.network).items()}
+    d_params = models.max_diff(got, {k: expected[k] for k in got})
+    d_loss = float(np.abs(np.ravel(losses) - expected["losses"]).max())
+    print(f"composed strategy, fleet.Model vs the low-level loop: |params| = {d_params:.2e}, "
+          f"|losses| = {d_loss:.2e}")
+    assert int(model.optimizer.step[...]) == int(expected["optimizer_steps"]) == 3
+    assert d_params < 1e-6 and d_loss < 1e-6
