@@ -10,7 +10,8 @@ Adam, on 4 CPU devices (or the local GPUs with ``--platform gpu``). Baselines:
   all-reduce).
 
 fleet runs with its defaults, 1 MB buckets, fusion off, and ``check_nan_inf``
-(which reads a flag vector back after every step). Variants run interleaved, round after round, each timing ``--steps`` steps; the
+(which reads a flag vector back after every step). Variants run interleaved,
+round after round, each timing ``--steps`` steps; the
 table shows the median ms per step and the median of the per-round ratios
 against each baseline and against the faster of the two.
 
@@ -48,8 +49,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "cifar10"))
-import fleet  # noqa: E402
 from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cifar10)
+
+import fleet  # noqa: E402
 
 SIZES = (784, 1024, 1024, 256, 10)  # 2.1M parameters
 

@@ -120,7 +120,9 @@ def test_unwrapped_nnx_model_is_refused(make_world):
     model = models.LinearNet(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = fleet.distributed_step(models.nnx_train_step)
-    with pytest.raises(fleet.FleetError, match=r"differentiates argument 0 \(LinearNet\) variable '_linear1.*sums such gradients over the 4 replicas.*distributed_model"):
+    with pytest.raises(fleet.FleetError,
+                       match=r"differentiates argument 0 \(LinearNet\) variable '_linear1.*"
+                             r"sums such gradients over the 4 replicas.*distributed_model"):
         step(model, optimizer, *models.batches("linear", 1, 8)[0])
 
 

@@ -8,8 +8,8 @@ import importlib.util
 import io
 import json
 import os
-import re
 import pickle
+import re
 import socket
 import subprocess
 import sys
