@@ -200,39 +200,87 @@ def test_fp16_a_step_not_finite_on_one_replica_is_skipped_on_all(make_world, tmp
         assert float(getattr(fresh_opt, name)[...]) == float(getattr(optimizer, name)[...])
 
 
-def test_fp16_loss_scaling_leaves_the_gradient_unchanged(make_world):
+class FP16Net(models.LinearNet):
+    """LinearNet with Flax's float16 layers and float32 outputs, written by hand."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self._linear1.dtype = self._linear2.dtype = jnp.float16
+
+    def __call__(self, x):
+        return super().__call__(x).astype(jnp.float32)
+
+
+def fp16_reference(data, k, n_split=None, scale=1024.0):
+    """One single-device step every k batches on the mean of their gradients,
+    the loss scaled by hand; with n_split, each gradient is the split-sum one."""
+    model = FP16Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def grad(x, y):
+        def one(a, b):
+            return nnx.grad(lambda m: models.loss_of(m(a), b) * scale)(model)
+        return split_grad(one, x, y, n_split) if n_split else one(x, y)
+
+    for i in range(0, len(data), k):
+        grads = [grad(x, y) for x, y in data[i:i + k]]
+        optimizer.update(model, jax.tree.map(lambda *g: sum(g) / (k * scale), *grads))
+    return models.flat_params(model)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fp16_loss_scaling_leaves_the_gradient_unchanged(make_world, k):
     """The scale multiplies the outputs' cotangent and divides the reduced
     gradient: with float16 compute, fleet equals Flax's float16 layers on one
-    device with the loss scaled by hand, within float16 noise."""
-    data = models.batches("linear", 6, 16)
-
-    class FP16Net(models.LinearNet):
-        def __init__(self, rngs):
-            super().__init__(rngs)
-            self._linear1.dtype = self._linear2.dtype = jnp.float16
-
-        def __call__(self, x):
-            return super().__call__(x).astype(jnp.float32)
-
-    reference = FP16Net(nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
-
-    @nnx.jit
-    def ref_step(model, optimizer, x, y):
-        grads = nnx.grad(lambda m: models.loss_of(m(x), y) * 1024.0)(model)
-        optimizer.update(model, jax.tree.map(lambda g: g / 1024.0, grads))
-
-    make_world(2, strategy(amp=True, amp_configs={**FP16, "use_dynamic_loss_scaling": False}))
+    device with the loss scaled by hand; also with gradient_merge."""
+    n, data = 2, models.batches("linear", 6, 16)
+    plain, split = fp16_reference(data, k), fp16_reference(data, k, n_split=n)
+    s = strategy(amp=True, amp_configs={**FP16, "use_dynamic_loss_scaling": False})
+    if k > 1:
+        s.gradient_merge, s.gradient_merge_configs = True, {"k_steps": k}
+    make_world(n, s)
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     step = fleet.distributed_step(models.nnx_train_step)
     for x, y in data:
-        ref_step(reference, ref_opt, x, y)
         step(model, optimizer, x, y)
-    diff = models.max_diff(models.flat_params(model), models.flat_params(reference))
-    print(f"amp fp16 (static scale 1024): |fleet - single device| = {diff:.2e}")
-    assert diff < 1e-3  # float16 has 11 bits; two replicas add in another order
+    d_plain, d_split, floor = report(f"amp fp16, static scale 1024, k={k}",
+                                     models.flat_params(model), plain, split)
+    assert d_split < 1e-6
+    assert d_plain <= max(1e-6, 2 * floor)
     assert float(optimizer.loss_scaling[...]) == 1024.0
+    assert int(optimizer.step[...]) == len(data) // k
+
+
+class BF16NormNet(NormNet):
+    """NormNet with Flax's own policy written by hand: the linear layers in
+    bfloat16, the LayerNorm in float32, float32 outputs."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.linear1.dtype = self.head.dtype = jnp.bfloat16
+        self.norm.dtype = jnp.float32
+
+    def __call__(self, x):
+        return super().__call__(x).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_amp_keeps_normalisation_in_float32_as_the_hand_written_policy(make_world, n):
+    data = models.batches("linear", 6, 16)
+    tx = optax.sgd(0.05)
+    plain = single_device(BF16NormNet(nnx.Rngs(0)), tx, data)
+    split = single_device(BF16NormNet(nnx.Rngs(0)), tx, data, n_split=n)
+    make_world(n, strategy(amp=True))
+    model = fleet.distributed_model(NormNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in data:
+        step(model, optimizer, x, y)
+    d_plain, d_split, floor = report(f"amp bf16 with LayerNorm, {n} devices",
+                                     models.flat_params(model), plain, split)
+    assert d_split < 1e-6
+    assert d_plain <= max(1e-6, 2 * floor)
 
 
 def test_fp16_needs_the_distributed_optimizer_in_the_step(make_world):
