@@ -73,29 +73,6 @@ def single_device(model, tx, data, n_split=None):
     return models.flat_params(model)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_amp_bf16_equals_the_hand_written_bf16_policy(make_world, n):
-    data = models.batches("cnn", 8, 16)
-    tx = optax.sgd(0.05)
-    plain = single_device(BF16CNN(nnx.Rngs(0)), tx, data)
-    split = single_device(BF16CNN(nnx.Rngs(0)), tx, data, n_split=n)
-
-    make_world(n, strategy(amp=True))
-    model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
-    assert model.conv1.dtype == jnp.bfloat16 and model.conv1.kernel.dtype == jnp.float32
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
-    step = fleet.distributed_step(models.nnx_train_step)
-    losses = [step(model, optimizer, x, y) for x, y in data]
-    assert all(loss.dtype == jnp.float32 for loss in losses)
-    d_plain, d_split, floor = report(f"amp bf16, {n} devices", models.flat_params(model),
-                                     plain, split)
-    # On one device fleet runs the same program as the reference. On more, it
-    # runs the split-sum reference's arithmetic (bf16 per replica, float32 sum).
-    assert d_split < 1e-5
-    assert d_plain <= max(1e-5, 2 * floor)
-    assert fleet.check_replicas(model) == []
-
-
 class NormNet(nnx.Module):
     def __init__(self, rngs):
         self.linear1 = nnx.Linear(10, 16, rngs=rngs)
@@ -265,22 +242,33 @@ class BF16NormNet(NormNet):
         return super().__call__(x).astype(jnp.float32)
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_amp_keeps_normalisation_in_float32_as_the_hand_written_policy(make_world, n):
-    data = models.batches("linear", 6, 16)
+@pytest.mark.parametrize("net, hand_written, kind, n", [
+    (models.CNN, BF16CNN, "cnn", 1), (models.CNN, BF16CNN, "cnn", 2),
+    (models.CNN, BF16CNN, "cnn", 4),
+    (NormNet, BF16NormNet, "linear", 1), (NormNet, BF16NormNet, "linear", 4),
+])
+def test_amp_bf16_equals_the_hand_written_flax_policy(make_world, net, hand_written, kind, n):
+    """strategy.amp trains what Flax's own mixed precision, written by hand,
+    trains: layers in bfloat16, the LayerNorm in float32, float32 parameters."""
+    data = models.batches(kind, 8, 16)
     tx = optax.sgd(0.05)
-    plain = single_device(BF16NormNet(nnx.Rngs(0)), tx, data)
-    split = single_device(BF16NormNet(nnx.Rngs(0)), tx, data, n_split=n)
+    plain = single_device(hand_written(nnx.Rngs(0)), tx, data)
+    split = single_device(hand_written(nnx.Rngs(0)), tx, data, n_split=n)
+
     make_world(n, strategy(amp=True))
-    model = fleet.distributed_model(NormNet(nnx.Rngs(0)))
+    model = fleet.distributed_model(net(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
     step = fleet.distributed_step(models.nnx_train_step)
-    for x, y in data:
-        step(model, optimizer, x, y)
-    d_plain, d_split, floor = report(f"amp bf16 with LayerNorm, {n} devices",
-                                     models.flat_params(model), plain, split)
+    losses = [step(model, optimizer, x, y) for x, y in data]
+    got = models.flat_params(model)
+    assert all(loss.dtype == jnp.float32 for loss in losses)
+    assert all(v.dtype == np.float32 for v in got.values())
+    d_plain, d_split, floor = report(f"amp bf16, {net.__name__}, {n} devices", got, plain, split)
+    # On one device fleet runs the same program as the reference. On more, it
+    # runs the split-sum reference's arithmetic (bf16 per replica, float32 sum).
     assert d_split < 1e-6
     assert d_plain <= max(1e-6, 2 * floor)
+    assert fleet.check_replicas(model) == []
 
 
 def test_fp16_needs_the_distributed_optimizer_in_the_step(make_world):
