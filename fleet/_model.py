@@ -38,15 +38,7 @@ from fleet._tree import (
     replicate_in_place,
     state_dict,
 )
-from fleet._world import world
-
-
-def strategy_of_world() -> Any:
-    """The strategy given to ``fleet.init`` (the defaults before it)."""
-    from fleet._world import is_initialized
-    from fleet.strategy import DistributedStrategy
-
-    return world().strategy if is_initialized() else DistributedStrategy()
+from fleet._world import current_strategy, world
 
 
 def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:
@@ -135,7 +127,7 @@ class DataParallel(nnx.Module):
                 f"find_unused_parameters must be a bool, got {find_unused_parameters!r}"
             )
         self._fleet_buckets = _bucket_config(comm_buffer_size, last_comm_buffer_size)
-        self._fleet_amp = _amp.policy_of(strategy_of_world())
+        self._fleet_amp = _amp.policy_of(current_strategy())
         self._adopt(layers)
 
     def _adopt(self, layers: nnx.Module) -> None:
@@ -144,7 +136,7 @@ class DataParallel(nnx.Module):
                 object.__setattr__(self, name, value)
         replicate_in_place(layers)
         _install_hooks(self, self._fleet_buckets)
-        strategy = strategy_of_world()
+        strategy = current_strategy()
         if self._fleet_amp is not None:
             _amp.apply(self, self._fleet_amp, type(layers).__name__)
         if strategy.recompute:
@@ -254,7 +246,8 @@ class LinenDataParallel(DataParallel):
         find_unused_parameters: bool = False,
     ):
         self.module = layers
-        if strategy_of_world().amp or strategy_of_world().recompute:
+        strategy = current_strategy()
+        if strategy.amp or strategy.recompute:
             raise FleetUnsupportedError(
                 "strategy.amp and strategy.recompute run on Flax NNX models; for a Linen "
                 "module set its layers' dtype=jnp.bfloat16 and use nn.remat yourself, or "

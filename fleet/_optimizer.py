@@ -38,6 +38,7 @@ from fleet import _amp, _large_batch, _sync
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import replicate_in_place
+from fleet._world import current_strategy
 
 
 class _AllReduceThen(optax.GradientTransformationExtraArgs):
@@ -97,9 +98,7 @@ class DistributedOptimizer(nnx.Optimizer):
     ``skipped_steps``) and skips a step whose gradients are not finite."""
 
     def __init__(self, optimizer: nnx.Optimizer):  # pylint: disable=super-init-not-called
-        from fleet._model import strategy_of_world
-
-        strategy = strategy_of_world()
+        strategy = current_strategy()
         # Share the wrapped optimizer's state; only the transformation changes.
         self.graph = optimizer.graph
         self.step = optimizer.step
@@ -147,7 +146,7 @@ class DistributedOptimizer(nnx.Optimizer):
         if _under_no_sync():  # add to the accumulator; nothing steps
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
             return None
-        if self.amp_rules is None or _sync.current() is None:
+        if self.amp_rules is None or trace is None:
             return super().update(model, grads, **kwargs)
         return self._update_or_skip(model, grads, **kwargs)
 
@@ -201,10 +200,8 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         >>> tx = fleet.distributed_optimizer(optax.adam(1e-3))  # doctest: +SKIP
         >>> opt = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
     """
-    from fleet._model import strategy_of_world
-
     del strategy
-    strategy = strategy_of_world()
+    strategy = current_strategy()
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer
     if isinstance(optimizer, nnx.Optimizer):

@@ -80,11 +80,9 @@ def allreduce_mean(leaves: list, config: BucketConfig) -> list:
 
 def strategy_buckets() -> BucketConfig:
     """The buckets of the strategy given to ``fleet.init`` (the defaults before it)."""
-    from fleet._world import is_initialized, world
+    from fleet._world import current_strategy
 
-    if not is_initialized():
-        return BucketConfig()
-    s = world().strategy
+    s = current_strategy()
     wire = None
     if s.fp16_allreduce:
         wire = "float16" if s.amp_configs.compute_dtype == "float16" else "bfloat16"

@@ -439,6 +439,7 @@ class DistributedStep:
         args = (state, trees, batch, repl)
         record = self._records.get(plan)
         if record is None:
+            strategy = world().strategy
             _guards.check_on_one_device(
                 functools.partial(self._body, plan, record={}, probe=True), plan.mesh, args, specs)
             record = {}
@@ -458,13 +459,13 @@ class DistributedStep:
                         what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
                         if summed else "state that is not a wrapped model's parameters"))
                 record["auto_sum"] = True
-                if world().strategy.amp:
+                if strategy.amp:
                     raise FleetError(
                         "strategy.amp sets the computation dtype of a wrapped model's layers, "
                         "and this step trains raw parameters (no wrapped model): wrap an NNX "
                         "model with fleet.distributed_model, or turn strategy.amp off")
-            merge = world().strategy.gradient_merge_configs
-            if (world().strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
+            merge = strategy.gradient_merge_configs
+            if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
                     and plan.grad_merge is None):
                 raise FleetError(
                     f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "

@@ -145,6 +145,11 @@ def is_initialized() -> bool:
     return _WORLD is not None
 
 
+def current_strategy() -> DistributedStrategy:
+    """The strategy given to ``fleet.init`` (the defaults before it)."""
+    return _WORLD.strategy if _WORLD is not None else DistributedStrategy()
+
+
 def worker_index() -> int:
     """Index of this process in the job (Paddle's trainer id)."""
     return jax.process_index()

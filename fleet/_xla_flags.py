@@ -141,7 +141,8 @@ def cpu_collective_environ(num_devices: int | None = None,
 
 def apply_cpu_collective_environ(environ: MutableMapping[str, str] | None = None) -> bool:
     """Sets :func:`cpu_collective_environ` in ``environ`` (``os.environ``) if JAX has not
-    created its backends yet; returns whether it changed anything.
+    created its backends yet, and where JAX runs on CPU only (``JAX_PLATFORMS=cpu``)
+    :func:`keep_remat_barriers` in its ``XLA_FLAGS``; returns whether it changed anything.
 
     Call it before the first JAX computation (``import fleet`` does). Once the CPU
     client exists its pool size is fixed, and this does nothing.

@@ -17,7 +17,7 @@ from flax import nnx
 
 import fleet
 from tests import models
-from tests.jaxpr_utils import count_primitives, jaxprs_in_params
+from tests.jaxpr_utils import count_primitives, psum_bytes
 
 
 def strategy(**sections) -> fleet.DistributedStrategy:
@@ -424,24 +424,6 @@ def test_gradient_merge_needs_the_distributed_optimizer(make_world):
 
 
 # -- fp16_allreduce -------------------------------------------------------------------------
-
-def psum_bytes(jaxpr) -> dict:
-    """Bytes of the psum operands in a jaxpr, by dtype."""
-    out: dict = {}
-
-    def walk(jp):
-        for eqn in jp.eqns:
-            if eqn.primitive.name in ("psum", "psum_invariant"):
-                for v in eqn.invars:
-                    aval = v.aval
-                    out[str(aval.dtype)] = out.get(str(aval.dtype), 0) + aval.size * \
-                        aval.dtype.itemsize
-            for sub in jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return out
-
 
 def test_fp16_allreduce_halves_the_bytes_within_bf16_rounding(make_world):
     data = models.batches("cnn", 30, 16)
