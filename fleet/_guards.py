@@ -41,6 +41,37 @@ def foreign_psums(jaxpr: Any) -> int:
     return total
 
 
+def placeholder_uses(jaxpr: Any) -> list[str]:
+    """What reads the gradient placeholders of a sharded step (the outputs of
+    ``fleet_shard_grad``): the primitives that take them, or ``"the step's
+    output"``. A ``jit`` that returns them passes the mark on to its outputs."""
+    from jax.extend.core import jaxprs_in_params
+
+    found: list[str] = []
+
+    def walk(jaxpr: Any, marked: set, top: bool = False) -> set:
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        for eqn in jaxpr.eqns:
+            if eqn.params.get("name") == "fleet_shard_grad":
+                marked.update(id(v) for v in eqn.outvars)
+                continue
+            reads = [i for i, v in enumerate(eqn.invars) if id(v) in marked]
+            subs = list(jaxprs_in_params(eqn.params))
+            if reads:
+                found.append(eqn.params.get("name") or eqn.primitive.name)
+            for sub in subs:
+                inner = walk(sub, set())
+                outs = getattr(sub, "jaxpr", sub).outvars
+                if len(subs) == 1 and len(outs) == len(eqn.outvars):
+                    marked.update(id(o) for o, i in zip(eqn.outvars, outs) if id(i) in inner)
+        if top:
+            found.extend("the step's output" for v in jaxpr.outvars if id(v) in marked)
+        return marked
+
+    walk(jaxpr, set(), top=True)
+    return found
+
+
 IMPLICIT_SUM = (
     "the step differentiates {what}, which is not a wrapped model's parameter: JAX sums "
     "such gradients over the {n} replicas (N times the single-device gradient) instead of "

@@ -231,6 +231,9 @@ def hparams_of(tx: Any) -> Hparams | None:
         swapped = None
     if swapped is not None:
         return swapped
+    inner = getattr(tx, "inner", None)  # a distributed transformation (fleet._optimizer)
+    if inner is not None:
+        return hparams_of(inner)
     if isinstance(tx, optax.GradientTransformation):
         return _injected_hparams(tx)
     return None

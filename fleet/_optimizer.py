@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fleet import _amp, _large_batch, _sync
+from fleet import _amp, _large_batch, _sharding, _sync
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import replicate_in_place
@@ -55,6 +55,15 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
         return inner
     inner = optax.with_extra_args_support(inner)
     buckets = strategy_buckets()
+    shard = _sharding.config()
+
+    def init(params):
+        state = inner.init(params)
+        if shard is None:
+            return state
+        # strategy.sharding: the parameter-shaped state, split over the replicas.
+        _sharding.verify(inner, params, shard)
+        return _sharding.shard_state(state, _sharding.plan(inner.init, params, shard))
 
     def update(grads, state, params=None, **extra):
         if _under_no_sync():
@@ -79,9 +88,13 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
                 grads = jax.tree.map(
                     lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
                     else g / n, grads)
+        if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))):
+            return _sharding.update(inner, grads, state, params, **extra)
         return inner.update(reduce_gradients(grads, buckets), state, params, **extra)
 
-    return _AllReduceThen(inner.init, update)
+    tx = _AllReduceThen(inner.init if shard is None else init, update)
+    tx.inner = inner
+    return tx
 
 
 class MergeCount(nnx.Variable):
@@ -115,9 +128,53 @@ class DistributedOptimizer(nnx.Optimizer):
         if self.amp_rules is not None:
             for name, var in _amp.scale_state(strategy.amp_configs.init_loss_scaling).items():
                 setattr(self, name, var)
+        # strategy.sharding: the state is split at the first step, where the model's
+        # parameters are known (ensure_sharded).
+        self.shard_pending = strategy.sharding and not self.sharded
         # Replicate the state on the mesh now (Adam's counters and ``step`` sit on
         # one device otherwise), equal on every replica.
         replicate_in_place(self)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether its state is split over the replicas (``strategy.sharding``)."""
+        return any(isinstance(v, _sharding.ShardedState) for v in self._state_variables())
+
+    def _state_variables(self) -> list:
+        return jax.tree.leaves(self.opt_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def ensure_sharded(self, candidates: list) -> bool:
+        """``strategy.sharding``: splits the parameter-shaped state over the
+        replicas, for the parameters of the first of ``candidates`` (the step's
+        other NNX objects) whose ``wrt`` state it was built on. Returns whether it
+        did (the graph changed)."""
+        if not self.shard_pending:
+            return False
+        inner = self.tx.inner
+        state = nnx.as_pure(self.opt_state)
+        want = jax.tree.structure(state)
+        for obj in candidates:
+            params = nnx.as_pure(nnx.state(obj, self.wrt, graph=self.graph))
+            if not jax.tree.leaves(params):
+                continue
+            try:
+                shapes = jax.eval_shape(inner.init, params)
+            except Exception:  # noqa: BLE001 - not this object's parameters
+                continue
+            if jax.tree.structure(shapes) != want or any(
+                    a.shape != jnp.shape(b) for a, b in zip(jax.tree.leaves(shapes),
+                                                            jax.tree.leaves(state))):
+                continue
+            cfg = _sharding.config()
+            layouts = _sharding.plan(inner.init, params, cfg)
+            _sharding.verify(inner, params, cfg)
+            for var, layout in zip(self._state_variables(), layouts):
+                if layout is not None:
+                    var.set_value(_sharding.to_shards(var.get_value(), layout))
+                    _sharding.mark_sharded(var, layout)
+            self.shard_pending = False
+            return True
+        return False
 
     def ensure_accumulator(self, params: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
         """Creates ``grad_accum`` (zeros, one local sum per replica) for the wrapped
@@ -147,18 +204,42 @@ class DistributedOptimizer(nnx.Optimizer):
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
             return None
         if self.amp_rules is None or trace is None:
-            return super().update(model, grads, **kwargs)
+            return self._apply(model, grads, **kwargs)
         return self._update_or_skip(model, grads, **kwargs)
+
+    def _apply(self, model, grads, /, **kwargs):
+        if not self.sharded:
+            return super().update(model, grads, **kwargs)
+        # nnx.Optimizer.update, with the sharded leaves handed to the optax update
+        # as fleet._sharding.Shard nodes.
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        variables = self._state_variables()
+        layouts = [_sharding.layout_of(v) for v in variables]
+        treedef = jax.tree.structure(nnx.as_pure(self.opt_state))
+        state = jax.tree.unflatten(treedef, [
+            v.get_value() if lay is None else _sharding.Shard(v.get_value(), lay)
+            for v, lay in zip(variables, layouts)])
+        updates, new_state = self.tx.update(grad_arrays, state, params, **nnx.as_pure(kwargs))
+        nnx.update(model, optax.apply_updates(params, updates))
+        for var, new in zip(variables, jax.tree.leaves(new_state, is_leaf=_sharding.is_shard)):
+            var.set_value(new.value if _sharding.is_shard(new) else new)
+        self.step[...] += 1
+        return updates
 
     def _update_or_skip(self, model, grads, **kwargs):
         """float16 amp: the update, kept only where every gradient is finite (the
         gradients are averaged over replicas, so all replicas agree); the scale
         moves by Paddle's rules either way."""
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)
-                                    if jnp.issubdtype(g.dtype, jnp.inexact)]))
         kept = self._variables(model)
         before = [v.get_raw_value() for v in kept]
-        super().update(model, grads, **kwargs)
+        self._apply(model, grads, **kwargs)
+        trace = _sync.current()
+        if trace.shard_finite is not None:  # sharded: agreed over the slices' owners
+            finite = trace.shard_finite
+        else:
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)
+                                        if jnp.issubdtype(g.dtype, jnp.inexact)]))
         for v, old in zip(kept, before):
             v.set_raw_value(jnp.where(finite, v.get_raw_value(), old))
         scale, good, bad = _amp.next_scale(self.loss_scaling[...], self.good_steps[...],

@@ -14,6 +14,7 @@ from flax import nnx
 
 from fleet import _sync
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._sharding import is_shard
 from fleet._tree import dotted
 from fleet._world import DATA_AXIS
 
@@ -72,10 +73,14 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
     rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
     declared = _declared_reduces(out, out_reduce)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
-        out, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+        out, is_leaf=lambda x: isinstance(x, nnx.Pytree) or is_shard(x))
     leaves, reduces = [], []
     for (path, x), reduce in zip(with_path, declared):
         name = dotted(path) or "the output"
+        if is_shard(x):  # sharded optimizer state (a new TrainState's): stays per replica
+            leaves.append(x.value)
+            reduces.append(("shard", x.layout))
+            continue
         if isinstance(x, nnx.Pytree):
             raise FleetTypeError(
                 f"the step returned an NNX object at {name}; NNX objects passed to the "

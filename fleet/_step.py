@@ -70,9 +70,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _context, _guards, _roles, _sync, _worker
+from fleet import _context, _guards, _roles, _sharding, _sync, _worker
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._replicas import check_replicas
 from fleet._tree import dotted
@@ -96,6 +97,8 @@ class _Plan:
     check_nan_inf: bool
     mesh: Any
     grad_merge: str | None = None  # strategy.gradient_merge: "local" calls, then "final"
+    sharded: bool = False  # strategy.sharding: the step holds sharded optimizer state
+    tree_shards: Any = None  # the trees' structure, with sharded leaves (fleet._sharding.Shard)
 
     def _key(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -142,9 +145,11 @@ class _GraphCache:
         self.state_treedef = jax.tree_util.tree_structure(state)
         self.synced = [isinstance(v, _sync.SyncedRead) for v in self.variables]
         # Per-replica state (no_sync accumulators): sharded over data, varying inside.
-        self.per_replica = tuple(isinstance(v, _sync.GradAccumulator) for v in self.variables)
-        self.accum_keys = [p[-1].key.replace(":", ".") if pr else None
-                           for (p, _), pr in zip(with_path, self.per_replica)]
+        self.per_replica = tuple(isinstance(v, _sync.PerReplica) for v in self.variables)
+        self.accum_keys = [p[-1].key.replace(":", ".")
+                           if isinstance(v, _sync.GradAccumulator) else None
+                           for p, v in with_path]
+        self.sharded = any(isinstance(v, _sharding.ShardedState) for v in self.variables)
         self.fast = all(map(_plain_array_variable, self.variables)) and (
             self.state_treedef.num_leaves == len(self.variables)
         )
@@ -201,6 +206,32 @@ def _prepare_accumulators(objs: tuple) -> bool:
     return any([o.ensure_accumulator(params) for o in optimizers])
 
 
+def _prepare_sharding(objs: tuple) -> bool:
+    """``strategy.sharding``: before the first step, each distributed optimizer
+    splits its state for the parameters of the model it gets here. Returns
+    whether a graph changed."""
+    from fleet._optimizer import DistributedOptimizer
+
+    changed = False
+    for opt in objs:
+        if isinstance(opt, DistributedOptimizer) and opt.shard_pending:
+            changed |= opt.ensure_sharded([o for o in objs if o is not opt])
+    return changed
+
+
+def _tree_specs(trees: list) -> list:
+    """shard_map specs of the tree arguments: sharded optimizer state over ``data``."""
+    return [jax.tree.map(lambda x: P(DATA_AXIS) if _sharding.is_shard(x) else P(), t,
+                         is_leaf=_sharding.is_shard) for t in trees]
+
+
+def _tree_rows(trees: list, *, enter: bool) -> list:
+    """Sharded tree leaves entering the body (the replica's row) or leaving it."""
+    return jax.tree.map(
+        lambda x: _sharding.Shard(x.value[0] if enter else x.value[None], x.layout)
+        if _sharding.is_shard(x) else x, trees, is_leaf=_sharding.is_shard)
+
+
 class DistributedStep:
     """A step function run data-parallel; see :func:`distributed_step`."""
 
@@ -249,7 +280,7 @@ class DistributedStep:
         (nothing runs): ``.compile().memory_analysis()`` gives its memory."""
         plan, call_args = self._prepare(args, kwargs)
         self._compiled(plan)
-        return self._jitted[plan.mesh].lower(plan, *call_args)
+        return self._jitted[(plan.mesh, plan.tree_shards)].lower(plan, *call_args)
 
     def _check_replicas(self, out: Any) -> None:
         state = dict(zip(self._graph.names, (v.get_raw_value() for v in self._graph.variables)))
@@ -282,9 +313,20 @@ class DistributedStep:
             no_sync = grad_merge == "local"
         if no_sync and _prepare_accumulators(objs):
             self._graph = None
+        if w.strategy.sharding and _prepare_sharding(objs):
+            self._graph = None
         if self._graph is None or not self._graph.holds(objs):
             self._graph = _GraphCache(objs, positions)
+        trees = [v for v, k in zip(values, kinds) if k == _roles.TREE]
+        tree_shards = None
+        if w.strategy.sharding and trees:
+            leaves, structure = jax.tree.flatten(trees, is_leaf=_sharding.is_shard)
+            flags = tuple(map(_sharding.is_shard, leaves))
+            if any(flags):
+                tree_shards = (structure, flags)
         plan = self._plan(
+            sharded=self._graph.sharded or tree_shards is not None,
+            tree_shards=tree_shards,
             kinds=kinds,
             kw_names=names,
             statics=tuple(v for v, k in zip(values, kinds) if k == _roles.STATIC),
@@ -305,7 +347,7 @@ class DistributedStep:
             self._last_repl = _guards.agree_replicated(self._fn, kinds, repl, self._last_repl)
         call_args = (
             self._graph.read(),
-            [v for v, k in zip(values, kinds) if k == _roles.TREE],
+            trees,
             [self._check_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
              if k == _roles.BATCH],
             [v for v, k in zip(values, kinds) if k == _roles.REPL],
@@ -404,16 +446,21 @@ class DistributedStep:
         return jax.tree.map(check, value)
 
     def _compiled(self, plan: _Plan) -> Callable:
-        jitted = self._jitted.get(plan.mesh)
+        jitted = self._jitted.get((plan.mesh, plan.tree_shards))
         if jitted is None:
             w = world()
             repl, batch = w.replicated, w.batch
+            trees = repl
+            if plan.tree_shards is not None:
+                data = NamedSharding(plan.mesh, P(DATA_AXIS))
+                structure, flags = plan.tree_shards
+                trees = jax.tree.unflatten(structure, [data if f else repl for f in flags])
             jitted = jax.jit(
                 self._global,
                 static_argnums=0,
-                in_shardings=(None, repl, batch, repl),
+                in_shardings=(None, trees, batch, repl),
             )
-            self._jitted[plan.mesh] = jitted
+            self._jitted[(plan.mesh, plan.tree_shards)] = jitted
 
         def run(state, trees, batch, repl):
             try:
@@ -424,7 +471,12 @@ class DistributedStep:
                 # Arrays committed elsewhere (a new TrainState's step counter, arrays
                 # made on one device): place them on the mesh and go on.
                 w = world()
-                trees, repl = jax.device_put((trees, repl), w.replicated)
+                repl = jax.device_put(repl, w.replicated)
+                data = NamedSharding(w.mesh, P(DATA_AXIS))
+                trees = jax.tree.map(
+                    lambda x: _sharding.Shard(jax.device_put(x.value, data), x.layout)
+                    if _sharding.is_shard(x) else jax.device_put(x, w.replicated),
+                    trees, is_leaf=_sharding.is_shard)
                 state = [x if pr else jax.device_put(x, w.replicated)
                          for x, pr in zip(state, self._graph.per_replica)]
                 return jitted(plan, state, trees, batch, repl)
@@ -435,7 +487,8 @@ class DistributedStep:
 
     def _global(self, plan: _Plan, state, trees, batch, repl):
         state_specs = [P(DATA_AXIS) if pr else P() for pr in self._graph.per_replica]
-        specs = (state_specs, P(), P(DATA_AXIS), P())
+        specs = (state_specs, _tree_specs(trees) if plan.tree_shards is not None else P(),
+                 P(DATA_AXIS), P())
         args = (state, trees, batch, repl)
         record = self._records.get(plan)
         if record is None:
@@ -464,6 +517,17 @@ class DistributedStep:
                         "strategy.amp sets the computation dtype of a wrapped model's layers, "
                         "and this step trains raw parameters (no wrapped model): wrap an NNX "
                         "model with fleet.distributed_model, or turn strategy.amp off")
+            if record["shard_grads"]:
+                used = _guards.placeholder_uses(jaxpr)
+                if used:
+                    raise FleetError(
+                        "strategy.sharding: the step reads the wrapped model's gradients "
+                        f"outside optimizer.update ({', '.join(used[:3])}). Under sharding "
+                        "each replica holds only its slice of the reduced gradient, and "
+                        "nnx.grad / jax.grad return placeholders, so a gradient norm, a "
+                        "returned gradient or a hand-made change would be wrong. Do it in "
+                        "the optax chain (optax.clip_by_global_norm), or turn "
+                        "strategy.sharding off")
             merge = strategy.gradient_merge_configs
             if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
                     and plan.grad_merge is None):
@@ -485,7 +549,8 @@ class DistributedStep:
         # Stacked per-replica values are combined here, outside the per-device body,
         # so the body's only collectives are the gradient buckets and buffer means.
         out_leaves = [
-            x.mean(0) if r == "mean" else x.sum(0) if r == "sum" else x
+            x.mean(0) if r == "mean" else x.sum(0) if r == "sum"
+            else _sharding.Shard(x, r[1]) if isinstance(r, tuple) else x
             for x, r in zip(out_leaves, record["out"])
         ]
         return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), finite
@@ -493,6 +558,8 @@ class DistributedStep:
     def _body(self, plan: _Plan, state, trees, batch, repl, *, record, probe):
         per_replica = self._graph.per_replica
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
+        if plan.tree_shards is not None:
+            trees = _tree_rows(trees, enter=True)
         original = state
         if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
             state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x
@@ -533,9 +600,11 @@ class DistributedStep:
         if probe:
             record.update(finite=[n for n, _ in trace.finite])
             record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
-                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates)
+                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
+                          shard_grads=len(trace.shard_grads))
             return ()
-        out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum") else x)
+        out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum")
+                                                   or isinstance(r, tuple) else x)
                       for x, r in zip(leaves, reduces)]
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
         return new_state, out_leaves, flags
@@ -557,6 +626,8 @@ class DistributedStep:
                 divisor = k if divisor is None else divisor * k
         trace.grad_divisor = divisor
         trace.merge_counts = plan.grad_merge is not None
+        if plan.sharded:
+            trace.shard = _sharding.config(replicas=plan.mesh.devices.size)
 
     def _replicated_state(self, new: Any, plan: _Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: buffers averaged, anything else varying refused."""

@@ -82,6 +82,9 @@ class SyncTrace:
     grad_divisor: Any = None  # synced gradients are divided by it (loss scale, merge avg)
     loss_scale: Any = None  # float16 amp: the distributed optimizer's scale, this step
     finite: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
+    shard: Any = None  # strategy.sharding (fleet._sharding.Config) when the step shards
+    shard_grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> grad
+    shard_finite: Any = None  # float16 amp under sharding: all replicas' slices finite
 
     def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
         if self.check_finite:
@@ -110,7 +113,7 @@ def tracing(trace: SyncTrace) -> Iterator[SyncTrace]:
 
 #: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
 #: knows every other psum in a step is not fleet's (see fleet._step).
-FLEET_CALLS = ("fleet_bucket", "fleet_psum")
+FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_scatter", "fleet_gather")
 
 
 @jax.jit
@@ -165,6 +168,8 @@ def _make_bucket_sync(keys: tuple, wire: str | None):
             for k in keys:
                 if k in trace.accum_in:
                     trace.accum_out[k] = None  # consumed
+        if trace is not None and trace.shard is not None:
+            return _sharded_bwd(trace, keys, cts)
         out = mean_over_replicas(list(cts), wire)
         if trace is not None and trace.grad_divisor is not None:
             out = [g / trace.grad_divisor.astype(g.dtype) for g in out]
@@ -174,6 +179,30 @@ def _make_bucket_sync(keys: tuple, wire: str | None):
 
     sync.defvjp(fwd, bwd)
     return sync
+
+
+@functools.partial(jax.jit, static_argnames="specs")
+def fleet_shard_grad(specs: tuple) -> list:
+    """Placeholders (zeros) for the gradients of a sharded step: the reduced
+    gradient exists only as slices (see :mod:`fleet._sharding`). A ``jit``
+    named so in the jaxpr: the step refuses a program that reads them."""
+    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+
+
+def _sharded_bwd(trace: SyncTrace, keys: tuple, cts: list) -> tuple:
+    """strategy.sharding: stage 2 reduce-scatters the bucket now, stage 1 keeps
+    the local gradients for the optimizer; both return placeholders."""
+    from fleet._sharding import reduce_slices
+
+    if trace.shard.stage == 2:
+        values = reduce_slices(cts, trace.shard, trace.grad_divisor)
+        trace.record_finite([f"gradient of {k!r}" for k in keys], values)
+    else:
+        values = cts
+    held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
+    for k, h, v in zip(keys, held, values):
+        trace.shard_grads[id(h)] = (k, v, trace.shard.stage == 2)
+    return tuple(held)
 
 
 def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list:
@@ -197,7 +226,15 @@ def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list
     return out
 
 
-class GradAccumulator(nnx.Variable):
+class PerReplica:
+    """Mixin of state variables each replica holds its own part of: a global
+    array of shape ``(replicas, ...)`` sharded over ``data``; inside the step,
+    the replica's row (varying)."""
+
+    __slots__ = ()
+
+
+class GradAccumulator(PerReplica, nnx.Variable):
     """Per-replica gradients accumulated under ``no_sync`` (a distributed
     optimizer's ``grad_accum``): a global array of shape ``(replicas, *param)``,
     sharded over ``data``, so each replica holds its own local sum. Part of the

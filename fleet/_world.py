@@ -112,6 +112,8 @@ def init(
     env = WorkerEnv.from_environ()
     initialize_distributed(env)
     if _WORLD is not None and devices is None:
+        if strategy.sharding:
+            strategy.sharding_configs.degree(_WORLD.num_replicas)
         _WORLD = dataclasses.replace(_WORLD, strategy=strategy)
         return _WORLD
     if devices is None:
@@ -123,6 +125,8 @@ def init(
             "pick them from jax.devices()"
         )
     mesh = Mesh(np.array(devices), (DATA_AXIS,))
+    if strategy.sharding:
+        strategy.sharding_configs.degree(len(devices))
     _WORLD = World(mesh=mesh, strategy=strategy, env=env)
     return _WORLD
 

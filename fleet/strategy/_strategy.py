@@ -166,8 +166,31 @@ class LambConfigs:
 
 @dataclasses.dataclass
 class ShardingConfigs:
-    sharding_degree: int = 8
+    """ZeRO sharding (``strategy.sharding``): ``stage`` 1 splits the optimizer
+    state over ``sharding_degree`` replicas (0, the default: all of them; a
+    divisor of the replica count shards inside groups and replicates across
+    them), stage 2 the gradients too; ``segment_broadcast_MB`` is the bucket size
+    of the parameter all-gather."""
+
+    stage: int = 1
+    sharding_degree: int = 0
     segment_broadcast_MB: float = 32.0
+
+    def check(self) -> None:
+        _one_of("sharding_configs.stage", self.stage, (1, 2))
+        _positive("sharding_configs.sharding_degree", self.sharding_degree, strict=False)
+        _positive("sharding_configs.segment_broadcast_MB", self.segment_broadcast_MB)
+
+    def degree(self, num_replicas: int) -> int:
+        """The number of replicas the state is split over, checked against the
+        replica count."""
+        degree = self.sharding_degree or num_replicas
+        if degree > num_replicas or num_replicas % degree:
+            divisors = [d for d in range(1, num_replicas + 1) if num_replicas % d == 0]
+            raise FleetConfigError(
+                f"sharding_configs.sharding_degree={self.sharding_degree} does not divide the "
+                f"{num_replicas} replicas; use one of {divisors} (or 0: all replicas)")
+        return degree
 
 
 @dataclasses.dataclass
@@ -211,8 +234,6 @@ _SECTIONS: dict[str, type] = {
 
 #: Sections fleet does not run, and what to use instead.
 UNSUPPORTED: dict[str, str] = {
-    "sharding": "fleet does not shard optimizer state yet; train without it (plain data "
-                "parallelism keeps a full copy on each device)",
     "dgc": "deep gradient compression is not available; use strategy.fp16_allreduce = True to "
            "halve the gradient traffic",
     "localsgd": "local SGD is not available; use strategy.gradient_merge (k_steps) to "

@@ -1,0 +1,550 @@
+"""``strategy.sharding``: ZeRO stage 1 and 2 on the ``data`` axis.
+
+Every parameter-shaped leaf of the optimizer state (Adam's moments, a momentum
+trace) is split over ``degree`` replicas: flattened, padded with zeros to
+``degree * chunk`` and cut into ``degree`` chunks; replica ``r`` owns chunk
+``r % degree``. Outside the step such a leaf is a global ``(replicas, chunk)``
+array sharded over ``data`` (each device holds its chunk); inside the step it is
+the replica's ``(chunk,)`` slice. Scalars (Adam's count) stay replicated.
+
+One step, inside the per-device body:
+
+1. the wrapped model's bucket backward (:mod:`fleet._sync`) gets each
+   replica's local gradients. Stage 2 reduce-scatters them there, bucket by
+   bucket (``jax.lax.psum_scatter``), so a bucket's reduced slice is the only
+   gradient memory kept past it; stage 1 keeps the local gradients and
+   reduce-scatters them, in the same buckets, when the optimizer updates. Both
+   hand ``nnx.grad`` / ``jax.grad`` placeholders (zeros): the reduced gradient
+   exists only as slices, and a step that reads the placeholders is refused;
+2. the optimizer runs the inner optax update on the slices (its own slices of
+   the parameters and state). Whole-tensor norms (LAMB / LARS trust ratios,
+   ``optax.clip_by_global_norm``) are computed from the slices plus a ``psum``
+   of squared norms; any other transformation that is not elementwise is
+   caught by a probe (:func:`verify`) before the first step and refused;
+3. the updates are all-gathered in buckets of ``segment_broadcast_MB`` and
+   applied to the full parameters, replicated as in plain data parallelism.
+
+A ``sharding_degree`` below the replica count shards inside groups of that
+size and replicates across them; without grouped collectives it reduces with
+an all-reduce and gathers over all replicas, so it saves memory but not
+traffic.
+
+Checkpoints hold the logical (unsharded) layout (:func:`to_logical`,
+:func:`to_shards`), so they restore onto any replica count, with or without
+sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fleet import _sync
+from fleet._errors import FleetError, FleetUnsupportedError
+from fleet._world import DATA_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one logical array of ``shape`` is split: ``degree`` chunks of ``chunk``
+    elements (zero padded), laid out over ``replicas`` rows."""
+
+    shape: tuple[int, ...]
+    degree: int
+    replicas: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def chunk(self) -> int:
+        return max(1, -(-self.size // self.degree))
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.degree
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The sharding of one step: from ``strategy.sharding_configs`` and the world."""
+
+    stage: int
+    degree: int
+    replicas: int
+    gather_bytes: int
+    wire: str | None = None
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        return Layout(tuple(shape), self.degree, self.replicas)
+
+
+def config(strategy: Any = None, replicas: int | None = None) -> Config | None:
+    """The current strategy's sharding (``None`` when ``strategy.sharding`` is off)."""
+    from fleet._reduce import strategy_buckets
+    from fleet._world import current_strategy, world
+
+    strategy = strategy or current_strategy()
+    if not strategy.sharding:
+        return None
+    replicas = replicas or world().num_replicas
+    cfg = strategy.sharding_configs
+    return Config(stage=cfg.stage, degree=cfg.degree(replicas), replicas=replicas,
+                  gather_bytes=int(cfg.segment_broadcast_MB * 2**20),
+                  wire=strategy_buckets().wire_dtype)
+
+
+# --------------------------------------------------------------------------- the state
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Shard:
+    """A sharded optimizer-state leaf in an optax state (the ``GradientTransformation``
+    path, e.g. a Linen ``TrainState``): ``value`` is the global ``(replicas,
+    chunk)`` array outside the step and the replica's ``(chunk,)`` slice inside."""
+
+    __slots__ = ("value", "layout")
+
+    def __init__(self, value: Any, layout: Layout):
+        self.value = value
+        self.layout = layout
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), self.layout
+
+    def tree_flatten(self):
+        return (self.value,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: Layout, children: Sequence) -> Shard:
+        return cls(children[0], layout)
+
+    def __repr__(self) -> str:
+        return f"Shard({getattr(self.value, 'shape', self.value)}, {self.layout})"
+
+
+def is_shard(x: Any) -> bool:
+    return isinstance(x, Shard)
+
+
+class ShardedState(_sync.PerReplica):
+    """Mixin of an NNX optimizer-state variable that fleet shards (variable
+    metadata ``fleet_shard``: its :class:`Layout`); its state dict key is the
+    unsharded one, so checkpoints carry the logical layout under the same keys."""
+
+    __slots__ = ()
+
+
+_SHARDED_TYPES: dict[type, type] = {}
+
+
+def mark_sharded(variable: nnx.Variable, layout: Layout) -> None:
+    cls = type(variable)
+    if not issubclass(cls, ShardedState):
+        sharded = _SHARDED_TYPES.get(cls)
+        if sharded is None:
+            sharded = type(f"Sharded{cls.__name__}", (ShardedState, cls), {"__slots__": ()})
+            _SHARDED_TYPES[cls] = sharded
+        variable.__class__ = sharded
+    variable.set_metadata("fleet_shard", layout)
+
+
+def layout_of(variable: nnx.Variable) -> Layout | None:
+    return variable.get_metadata("fleet_shard") if isinstance(variable, ShardedState) else None
+
+
+@functools.cache
+def _converters(layout: Layout, mesh: Any) -> tuple[Any, Any]:
+    def shards(x):
+        flat = jnp.pad(jnp.ravel(x), (0, layout.padded - layout.size))
+        return jnp.tile(flat.reshape(layout.degree, layout.chunk),
+                        (layout.replicas // layout.degree, 1))
+
+    def logical(x):
+        return x[:layout.degree].reshape(-1)[:layout.size].reshape(layout.shape)
+
+    return (jax.jit(shards, out_shardings=NamedSharding(mesh, P(DATA_AXIS))),
+            jax.jit(logical, out_shardings=NamedSharding(mesh, P())))
+
+
+def to_shards(x: Any, layout: Layout) -> jax.Array:
+    """A logical array as the global ``(replicas, chunk)`` array sharded over ``data``."""
+    from fleet._world import world
+
+    return _converters(layout, world().mesh)[0](x)
+
+
+def to_logical(x: jax.Array, layout: Layout) -> jax.Array:
+    """The logical array (replicated) of a sharded one; the padding is dropped."""
+    from fleet._world import world
+
+    return _converters(layout, world().mesh)[1](x)
+
+
+_PROBE_LENGTH = 1_000_003  # a probe parameter i gets this + i elements
+
+
+def plan(init: Any, params: Any, cfg: Config) -> list[Layout | None]:
+    """For each leaf of ``init(params)``: its :class:`Layout` if it is shaped like
+    a parameter (sharded), ``None`` if not (kept replicated). Found by
+    initialising on probe parameters of distinct lengths; a leaf shaped any
+    other way (Adafactor's factored moments) is refused."""
+    p_leaves, p_def = jax.tree.flatten(params)
+    full = jax.eval_shape(init, params)
+    probe = jax.eval_shape(init, jax.tree.unflatten(p_def, [
+        jax.ShapeDtypeStruct((_PROBE_LENGTH + i,), jnp.result_type(p))
+        for i, p in enumerate(p_leaves)]))
+    full_leaves, full_def = jax.tree.flatten(full)
+    probe_leaves, probe_def = jax.tree.flatten(probe)
+    if full_def != probe_def:
+        raise FleetUnsupportedError(
+            "strategy.sharding: the optimizer's state changes structure with the "
+            "parameters' shapes, so fleet cannot split it; use an optimizer whose state "
+            "is shaped like the parameters (sgd, momentum, adam, adamw, lamb, lars...) or "
+            "turn strategy.sharding off")
+    out: list[Layout | None] = []
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
+    for path, f, q in zip(paths, full_leaves, probe_leaves):
+        if f.shape == q.shape:
+            out.append(None)
+            continue
+        i = q.shape[0] - _PROBE_LENGTH if len(q.shape) == 1 else -1
+        if not (0 <= i < len(p_leaves) and f.shape == jnp.shape(p_leaves[i])):
+            raise FleetUnsupportedError(
+                f"strategy.sharding: optimizer state leaf {jax.tree_util.keystr(path)} has "
+                f"shape {f.shape}, which is not the shape of a parameter, so fleet cannot "
+                "split it (factored or per-row statistics, as in Adafactor); use an "
+                "optimizer whose state is shaped like the parameters (adam, sgd, lamb...) "
+                "or turn strategy.sharding off")
+        out.append(cfg.layout(f.shape))
+    return out
+
+
+def shard_state(state: Any, layouts: list[Layout | None]) -> Any:
+    """An optax state (logical) with its parameter-shaped leaves as :class:`Shard` s."""
+    leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, [
+        x if lay is None else Shard(to_shards(x, lay), lay) for x, lay in zip(leaves, layouts)])
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _shard_index(layout_degree: int) -> Any:
+    return jax.lax.axis_index(DATA_AXIS) % layout_degree
+
+
+def _rows(x: Any, layout: Layout) -> Any:
+    """A full (per-replica) array as ``(degree, chunk)``: flattened and padded."""
+    return jnp.pad(jnp.ravel(x), (0, layout.padded - layout.size)).reshape(
+        layout.degree, layout.chunk)
+
+
+def own_slice(x: Any, layout: Layout) -> Any:
+    """This replica's chunk of a full array."""
+    return jax.lax.dynamic_index_in_dim(_rows(x, layout), _shard_index(layout.degree),
+                                        keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("wire", "scatter"))
+def fleet_scatter(*leaves: Any, wire: str | None = None, scatter: bool = True) -> list:
+    """One bucket's reduce-scatter: ``(degree, chunk)`` rows summed over the
+    replicas, each replica keeping its chunk, then divided by the replica count
+    (the mean). ``scatter=False`` (hybrid sharding, or the one-device trace):
+    an all-reduce, then the replica's chunk."""
+    n = jax.lax.axis_size(DATA_AXIS)
+    sent = [(x / n).astype(wire) if wire else x for x in leaves]
+    if scatter:
+        out = jax.lax.psum_scatter(sent, DATA_AXIS, scatter_dimension=0, tiled=False)
+    else:
+        summed = jax.lax.psum(sent, DATA_AXIS)
+        out = [jax.lax.dynamic_index_in_dim(s, jax.lax.axis_index(DATA_AXIS) % s.shape[0],
+                                            keepdims=False) for s in summed]
+    if wire:
+        return [o.astype(x.dtype) for o, x in zip(out, leaves)]
+    return [o / n for o in out]
+
+
+@jax.jit
+def fleet_gather(*slices: Any) -> list:
+    """One all-gather bucket: the replicas' chunks, concatenated, gathered once
+    (invariant: every replica gets the same rows)."""
+    sizes = [s.shape[0] for s in slices]
+    rows = jax.lax.all_gather(jnp.concatenate(slices) if len(slices) > 1 else slices[0],
+                              DATA_AXIS, to="invarying")
+    out, offset = [], 0
+    for size in sizes:
+        out.append(rows[:, offset:offset + size])
+        offset += size
+    return out
+
+
+def reduce_slices(leaves: Sequence, cfg: Config, divisor: Any = None) -> list:
+    """The reduced (mean) gradient slices of per-replica local gradients, one
+    reduce-scatter per gradient bucket (``fuse_grad_size_in_MB``)."""
+    from fleet._reduce import plan_buckets, strategy_buckets
+
+    layouts = [cfg.layout(jnp.shape(x)) for x in leaves]
+    scatter = cfg.degree == cfg.replicas == jax.lax.axis_size(DATA_AXIS)
+    out: list = [None] * len(leaves)
+    nbytes = [x.size * x.dtype.itemsize for x in leaves]
+    for bucket in plan_buckets(nbytes, strategy_buckets()):
+        rows = [_rows(leaves[i], layouts[i]) for i in bucket]
+        if scatter or jax.lax.axis_size(DATA_AXIS) == cfg.replicas:
+            reduced = fleet_scatter(*rows, wire=cfg.wire, scatter=scatter)
+        else:  # the single-device trace of the step (fleet._guards.check_on_one_device)
+            reduced = [r[0] for r in rows]
+        for i, s in zip(bucket, reduced):
+            out[i] = s if divisor is None else s / divisor.astype(s.dtype)
+    return out
+
+
+def gather(slices: Sequence, layouts: Sequence[Layout], gather_bytes: int) -> list:
+    """Full arrays from the replicas' slices, in all-gather buckets of
+    ``gather_bytes`` (``segment_broadcast_MB``)."""
+    out: list = [None] * len(slices)
+    bucket: list[int] = []
+    size = 0
+    buckets = []
+    for i, s in enumerate(slices):
+        nbytes = s.size * s.dtype.itemsize
+        if bucket and (size + nbytes > gather_bytes
+                       or s.dtype != slices[bucket[0]].dtype):
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(i)
+        size += nbytes
+    if bucket:
+        buckets.append(bucket)
+    for bucket in buckets:
+        rows = fleet_gather(*[slices[i] for i in bucket])
+        for i, r in zip(bucket, rows):
+            lay = layouts[i]
+            if r.shape[0] != lay.replicas:  # the single-device trace
+                r = jnp.tile(r, (lay.replicas, 1))
+            out[i] = r[:lay.degree].reshape(-1)[:lay.size].reshape(lay.shape)
+    return out
+
+
+# --------------------------------------------------------------------------- norms
+
+
+_active = threading.local()
+
+
+@contextlib.contextmanager
+def sliced_norms(cfg: Config, *, every_array: bool = False) -> Iterator[None]:
+    """Inside: optax's whole-tensor norms of varying (sliced) arrays are computed
+    from the slices plus a psum of squared norms (see :func:`_install_norms`).
+    ``every_array``: every array is a slice (the probe, under ``jax.vmap``,
+    where arrays carry no vma type)."""
+    _install_norms()
+    stack = _active.__dict__.setdefault("stack", [])
+    stack.append((cfg, every_array))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _current_norms() -> Config | None:
+    stack = getattr(_active, "stack", None)
+    return stack[-1][0] if stack else None
+
+
+def _sum_over_slices(x: Any, cfg: Config) -> Any:
+    """Sum of a per-slice value over the shard group (each group's slices are
+    copies across the ``replicas // degree`` groups)."""
+    total = _sync.psum([x])[0]
+    copies = jax.lax.axis_size(DATA_AXIS) // cfg.degree
+    return total / copies if copies > 1 else total
+
+
+def _sliced(x: Any) -> bool:
+    stack = getattr(_active, "stack", None)
+    return bool(stack) and (stack[-1][1] or _sync.is_varying(x))
+
+
+_INSTALLED = False
+
+
+def _install_norms() -> None:
+    """Wraps ``optax``'s ``safe_norm`` (LAMB / LARS trust ratios) and
+    ``optax.tree.norm`` (``clip_by_global_norm``): outside :func:`sliced_norms`
+    they are the originals."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from optax import tree as optax_tree
+    from optax._src import numerics
+
+    safe_norm, tree_norm = numerics.safe_norm, optax_tree.norm
+
+    def sliced_safe_norm(x, min_norm, ord=None, axis=None, keepdims=False):  # noqa: A002
+        if ord is not None or axis is not None or not _sliced(x):
+            return safe_norm(x, min_norm, ord=ord, axis=axis, keepdims=keepdims)
+        sq = _sum_over_slices(jnp.sum(jnp.square(x)), _current_norms())
+        norm = jnp.sqrt(sq)
+        norm = jnp.where(norm <= min_norm, jnp.asarray(min_norm, norm.dtype), norm)
+        return norm.reshape((1,) * jnp.ndim(x)) if keepdims else norm
+
+    def sliced_tree_norm(tree, ord=None, squared=False):  # noqa: A002
+        leaves = jax.tree.leaves(tree)
+        if ord not in (None, 2) or not leaves or not all(_sliced(x) for x in leaves):
+            return tree_norm(tree, ord=ord, squared=squared)
+        sq = sum(jnp.sum(jnp.square(jnp.abs(x))) for x in leaves)
+        sq = _sum_over_slices(sq, _current_norms())
+        return sq if squared else jnp.sqrt(sq)
+
+    numerics.safe_norm = sliced_safe_norm
+    optax_tree.norm = sliced_tree_norm
+    _INSTALLED = True
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tuple[Any, Any]:
+    """The sharded update of ``inner`` inside a step: returns the full (gathered)
+    updates and the new state (its :class:`Shard` leaves the new slices)."""
+    trace = _sync.current()
+    if trace is None or trace.shard is None:
+        raise FleetError(
+            "this optimizer's state is sharded (strategy.sharding), and it updates only "
+            "inside a fleet.distributed_step that differentiates the wrapped model")
+    cfg: Config = trace.shard
+    g_leaves, g_def = jax.tree.flatten(grads)
+    found = [trace.shard_grads.get(id(g)) for g in g_leaves]
+    missing = [i for i, f in enumerate(found) if f is None]
+    if missing:
+        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(grads)[0][missing[0]][0])
+        raise FleetError(
+            f"strategy.sharding: the optimizer got a gradient ({path}) that is not the one "
+            "the wrapped model's backward pass returned: it was changed after nnx.grad / "
+            "jax.grad (clipped, scaled, added to) or computed another way. Under sharding "
+            "each replica holds only its slice of the reduced gradient, so make such "
+            "changes inside the optax chain (optax.clip_by_global_norm, optax.scale...), "
+            "or turn strategy.sharding off")
+    layouts = [cfg.layout(jnp.shape(g)) for g in g_leaves]
+    slices: list = [None] * len(found)
+    local = [i for i, (_, value, reduced) in enumerate(found) if not reduced]
+    for i, (_, value, reduced) in enumerate(found):
+        if reduced:
+            slices[i] = value
+    if local:  # stage 1: reduce-scatter now, in the gradient buckets
+        for i, s in zip(local, reduce_slices([found[i][1] for i in local], cfg,
+                                             trace.grad_divisor)):
+            slices[i] = s
+    trace.record_finite([f"gradient of {found[i][0]!r}" for i in local],
+                        [slices[i] for i in local])
+    if trace.loss_scale is not None:  # float16 amp: every shard agrees (psum of the flags)
+        bad = sum(jnp.sum(~jnp.isfinite(s)).astype(jnp.int32) for s in slices)
+        trace.shard_finite = _sync.psum([bad])[0] == 0
+    s_leaves, s_def = jax.tree.flatten(state, is_leaf=is_shard)
+    inner_state = jax.tree.unflatten(s_def, [x.value if is_shard(x) else x for x in s_leaves])
+    p_slices = None
+    if params is not None:
+        p_slices = jax.tree.unflatten(g_def, [own_slice(p, lay) for p, lay in
+                                              zip(jax.tree.leaves(params), layouts)])
+    with sliced_norms(cfg):
+        u_slices, new_inner = inner.update(jax.tree.unflatten(g_def, slices), inner_state,
+                                           p_slices, **extra)
+    new_leaves = jax.tree.leaves(new_inner)
+    new_state = jax.tree.unflatten(s_def, [
+        Shard(v, x.layout) if is_shard(x) else v for v, x in zip(new_leaves, s_leaves)])
+    u_leaves = jax.tree.leaves(u_slices)
+    updates = jax.tree.unflatten(g_def, gather(u_leaves, layouts, cfg.gather_bytes))
+    return updates, new_state
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
+    """Refuses a transformation whose update on slices is not the slice of its
+    update: two steps on small probe parameters of the same tree, run once whole
+    and once split over ``degree`` simulated replicas (``jax.vmap`` over
+    ``data``)."""
+    rng = np.random.default_rng(0)
+    p_leaves, p_def = jax.tree.flatten(params)
+    shapes = [tuple(min(d, 3) for d in jnp.shape(p)) for p in p_leaves]
+    dtypes = [jnp.result_type(p) for p in p_leaves]
+    d = cfg.degree
+    probe_cfg = dataclasses.replace(cfg, replicas=d)
+    layouts = [probe_cfg.layout(s) for s in shapes]
+
+    def draw(scale=1.0):
+        return [jnp.asarray(rng.standard_normal(s) * scale, dt) for s, dt in zip(shapes, dtypes)]
+
+    p0 = draw()
+    grads = [draw(0.1) for _ in range(steps)]
+    try:
+        full_state = inner.init(jax.tree.unflatten(p_def, p0))
+        state_layouts = plan(inner.init, jax.tree.unflatten(p_def, p0), probe_cfg)
+        ref_updates, p = [], p0
+        state = full_state
+        for g in grads:
+            u, state = inner.update(jax.tree.unflatten(p_def, g), state,
+                                    jax.tree.unflatten(p_def, p))
+            u = jax.tree.leaves(u)
+            ref_updates.append(u)
+            p = [a + b for a, b in zip(p, u)]
+
+        def replica(r, state_leaves):
+            del r
+            p_r = [own_slice(x, lay) for x, lay in zip(p0, layouts)]
+            s_def = jax.tree.structure(full_state)
+            st = jax.tree.unflatten(s_def, list(state_leaves))
+            outs = []
+            with sliced_norms(probe_cfg, every_array=True):
+                for g in grads:
+                    g_r = [own_slice(x, lay) for x, lay in zip(g, layouts)]
+                    u, st = inner.update(jax.tree.unflatten(p_def, g_r), st,
+                                         jax.tree.unflatten(p_def, p_r))
+                    u = jax.tree.leaves(u)
+                    outs.append(u)
+                    p_r = [a + b for a, b in zip(p_r, u)]
+            return outs
+
+        s_full = jax.tree.leaves(full_state)
+        s_rows = [jnp.broadcast_to(x, (d, *jnp.shape(x))) if lay is None else
+                  _rows(x, lay) for x, lay in zip(s_full, state_layouts)]
+        got = jax.vmap(replica, axis_name=DATA_AXIS)(jnp.arange(d), s_rows)
+    except FleetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure means fleet cannot split it
+        raise FleetUnsupportedError(
+            f"strategy.sharding could not run the optimizer on parameter slices "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use an "
+            "elementwise optax optimizer (adam, sgd, lamb, lars...) or turn "
+            "strategy.sharding off") from e
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(params)[0]]
+    for step, (ref, rows) in enumerate(zip(ref_updates, got)):
+        for path, want, r, lay in zip(paths, ref, rows, layouts):
+            have = np.asarray(r).reshape(-1)[:lay.size].reshape(lay.shape)
+            want = np.asarray(want)
+            tol = 1e-5 * (1.0 + float(np.max(np.abs(want), initial=0.0)))
+            if not np.allclose(have, want, rtol=0, atol=tol):
+                raise FleetUnsupportedError(
+                    f"strategy.sharding: the optimizer's update of parameter {path} on "
+                    f"slices differs from the slice of its whole update (step {step + 1} of "
+                    "a probe, max difference "
+                    f"{float(np.max(np.abs(have - want))):.2e}): it is not elementwise and "
+                    "uses a whole-tensor quantity fleet cannot split (only optax's "
+                    "safe_norm and tree norm are computed across slices). Use an "
+                    "elementwise optimizer, LAMB, LARS or optax.clip_by_global_norm, or "
+                    "turn strategy.sharding off")
