@@ -12,8 +12,10 @@ One step, inside the per-device body:
 1. the wrapped model's bucket backward (:mod:`fleet._sync`) gets each
    replica's local gradients. Stage 2 reduce-scatters them there, bucket by
    bucket (``jax.lax.psum_scatter``), so a bucket's reduced slice is the only
-   gradient memory kept past it; stage 1 keeps the local gradients and
-   reduce-scatters them, in the same buckets, when the optimizer updates. Both
+   gradient memory kept past it; stage 1 keeps the whole local gradient and
+   reduce-scatters it, in the same buckets, after the backward pass (when the
+   optimizer updates; an optimization barrier keeps XLA from scheduling the
+   scatters earlier, which would make it stage 2). Both
    hand ``nnx.grad`` / ``jax.grad`` placeholders (zeros): the reduced gradient
    exists only as slices, and a step that reads the placeholders is refused;
 2. the optimizer runs the inner optax update on the slices (its own slices of
@@ -444,9 +446,11 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
     for i, (_, value, reduced) in enumerate(found):
         if reduced:
             slices[i] = value
-    if local:  # stage 1: reduce-scatter now, in the gradient buckets
-        for i, s in zip(local, reduce_slices([found[i][1] for i in local], cfg,
-                                             trace.grad_divisor)):
+    if local:  # stage 1: reduce-scatter now, after the whole backward, in the buckets
+        # The barrier keeps XLA from moving the scatters into the backward pass
+        # (which would be stage 2): stage 1 holds the whole local gradient.
+        held = jax.lax.optimization_barrier([found[i][1] for i in local])
+        for i, s in zip(local, reduce_slices(held, cfg, trace.grad_divisor)):
             slices[i] = s
     trace.record_finite([f"gradient of {found[i][0]!r}" for i in local],
                         [slices[i] for i in local])

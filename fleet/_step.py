@@ -206,6 +206,14 @@ def _prepare_accumulators(objs: tuple) -> bool:
     return any([o.ensure_accumulator(params) for o in optimizers])
 
 
+_SHARD_GRADS_READ = (
+    "strategy.sharding: the step reads the wrapped model's gradients outside "
+    "optimizer.update ({what}). Under sharding each replica holds only its slice of the "
+    "reduced gradient, and nnx.grad / jax.grad return placeholders, so a gradient norm, "
+    "a returned gradient or a hand-made change would be wrong. Do it in the optax chain "
+    "(optax.clip_by_global_norm), or turn strategy.sharding off")
+
+
 def _prepare_sharding(objs: tuple) -> bool:
     """``strategy.sharding``: before the first step, each distributed optimizer
     splits its state for the parameters of the model it gets here. Returns
@@ -520,14 +528,7 @@ class DistributedStep:
             if record["shard_grads"]:
                 used = _guards.placeholder_uses(jaxpr)
                 if used:
-                    raise FleetError(
-                        "strategy.sharding: the step reads the wrapped model's gradients "
-                        f"outside optimizer.update ({', '.join(used[:3])}). Under sharding "
-                        "each replica holds only its slice of the reduced gradient, and "
-                        "nnx.grad / jax.grad return placeholders, so a gradient norm, a "
-                        "returned gradient or a hand-made change would be wrong. Do it in "
-                        "the optax chain (optax.clip_by_global_norm), or turn "
-                        "strategy.sharding off")
+                    raise FleetError(_SHARD_GRADS_READ.format(what=", ".join(used[:3])))
             merge = strategy.gradient_merge_configs
             if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
                     and plan.grad_merge is None):
@@ -586,6 +587,8 @@ class DistributedStep:
                 )
             new_state = self._replicated_state(new, plan, entered, original)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self._out_reduce)
+        if trace.shard_grads and any(id(x) in trace.shard_grads for x in jax.tree.leaves(out)):
+            raise FleetError(_SHARD_GRADS_READ.format(what="the step returns them"))
         if trace.auto_sum and any(id(x) in trace.tx_grads for x in jax.tree.leaves(out)):
             raise FleetError(
                 "the step returns gradients of raw parameters, which JAX summed over the "

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fleet import _sharding
 from fleet._tree import module_variables
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
@@ -40,17 +41,26 @@ class Part:
     leaves: dict[str, Any]
     treedef: Any = None  # a pytree part (rebuilt on restore)
     variables: dict[str, nnx.Variable] | None = None  # an NNX part (set in place)
+    # strategy.sharding: the sharded leaves' layouts; they are saved and restored
+    # in their logical (unsharded) layout, so any replica count can read them.
+    layouts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, obj: Any) -> Part:
         if isinstance(obj, nnx.Pytree):
             variables = module_variables(obj)
-            return cls(name, obj, {k: v.get_value() for k, v in variables.items()},
-                       variables=variables)
+            layouts = {k: _sharding.layout_of(v) for k, v in variables.items()
+                       if _sharding.layout_of(v) is not None}
+            leaves = {k: _sharding.to_logical(v.get_value(), layouts[k]) if k in layouts
+                      else v.get_value() for k, v in variables.items()}
+            return cls(name, obj, leaves, variables=variables, layouts=layouts)
         try:
             leaves, treedef = _tree.flatten(obj)
         except ValueError as e:
             raise FleetCheckpointError(f"{name}: {e}") from None
+        layouts = {k: v.layout for k, v in leaves.items() if _sharding.is_shard(v)}
+        leaves = {k: _sharding.to_logical(v.value, v.layout) if _sharding.is_shard(v) else v
+                  for k, v in leaves.items()}
         bad = [k for k, v in leaves.items()
                if not isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, bool))]
         if bad:
@@ -59,7 +69,7 @@ class Part:
                 f"{type(leaves[bad[0]]).__name__}; {name} must be an NNX object or a "
                 "pytree of arrays and numbers (a TrainState, a dict of parameters, a key)"
             )
-        return cls(name, obj, leaves, treedef=treedef)
+        return cls(name, obj, leaves, treedef=treedef, layouts=layouts)
 
     def signatures(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {k: _tree.signature(v) for k, v in self.leaves.items()}
@@ -81,6 +91,10 @@ class Part:
         """Puts restored ``values`` back: NNX variables in place; returns the object
         (a new pytree for a pytree part)."""
         new = {k: _tree.restored(values[k], leaf) for k, leaf in self.leaves.items()}
+        for key, layout in self.layouts.items():
+            new[key] = _sharding.to_shards(new[key], layout)
+            if self.variables is None:
+                new[key] = _sharding.Shard(new[key], layout)
         if self.variables is not None:
             for key, var in self.variables.items():
                 var.set_value(new[key])

@@ -30,8 +30,12 @@ def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
 
 
 def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
-    """``({dotted path: leaf}, treedef)`` of a pytree; a lone leaf is ``"value"``."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    """``({dotted path: leaf}, treedef)`` of a pytree; a lone leaf is ``"value"``.
+    Sharded optimizer state (``fleet._sharding.Shard``) is one leaf, at the path
+    the unsharded array has."""
+    from fleet._sharding import is_shard
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_shard)
     leaves = {(_dotted(path) or "value"): leaf for path, leaf in flat}
     if len(leaves) != len(flat):
         raise ValueError("two leaves of the tree have the same dotted path")
