@@ -11,7 +11,6 @@ compares, then restores CKPT there.
 import os
 import sys
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
