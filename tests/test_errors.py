@@ -53,14 +53,14 @@ def test_parameter_server_mode_is_refused():
 
 
 @pytest.mark.parametrize("section, instead", [
-    ("sharding", "plain data parallelism"),
     ("dgc", "fp16_allreduce"),
     ("localsgd", "gradient_merge"),
     ("pipeline", "recompute"),
     ("tensor_parallel", "jax.sharding"),
 ])
 def test_a_section_fleet_does_not_run_is_refused_with_what_to_use(section, instead):
-    # Issue 12 turned amp, recompute, gradient_merge, lars and lamb on; these stay refused.
+    # Issue 12 turned amp, recompute, gradient_merge, lars and lamb on, issue 13
+    # sharding; these stay refused.
     strategy = fleet.DistributedStrategy()
     setattr(strategy, section, True)
     with pytest.raises(fleet.FleetUnsupportedError,
@@ -78,6 +78,10 @@ def test_a_section_fleet_does_not_run_is_refused_with_what_to_use(section, inste
     ("amp", {"use_pure_fp16": True, "use_pure_bf16": True}, "choose one"),
     ("gradient_merge", {"k_steps": 0}, "k_steps must be a finite number greater than 0"),
     ("recompute", {"policy": "everything"}, "policy must be one of 'nothing_saveable'"),
+    ("sharding", {"stage": 3}, "sharding_configs.stage must be one of 1, 2, got 3"),
+    ("sharding", {"sharding_degree": -2}, "sharding_degree must be a finite number at least 0"),
+    ("sharding", {"segment_broadcast_MB": 0}, "segment_broadcast_MB must be a finite number "
+                                              "greater than 0"),
 ])
 def test_section_configs_are_checked_key_by_key(section, configs, match):
     with pytest.raises(fleet.FleetConfigError, match=match):

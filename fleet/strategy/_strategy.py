@@ -327,9 +327,9 @@ class DistributedStrategy:
             before that step (off by default: it reads flags back every step).
         fp16_allreduce: gradient buckets travel as 16-bit floats (bfloat16;
             float16 under float16 amp), divided by the replica count first.
-        amp, recompute, gradient_merge, lars, lamb (+ ``*_configs``): Paddle's
-            feature sections (see the README's Strategy section).
-        sharding, dgc, localsgd, pipeline, tensor_parallel (+ ``*_configs``):
+        amp, recompute, gradient_merge, lars, lamb, sharding (+ ``*_configs``):
+            Paddle's feature sections (see the README's Strategy section).
+        dgc, localsgd, pipeline, tensor_parallel (+ ``*_configs``):
             configurable, not run: ``fleet.init`` refuses them.
     """
 
