@@ -423,7 +423,13 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
     """The sharded update of ``inner`` inside a step: returns the full (gathered)
     updates and the new state (its :class:`Shard` leaves the new slices)."""
     trace = _sync.current()
-    if trace is None or trace.shard is None:
+    if trace is not None and trace.shard is None:
+        raise FleetError(
+            "this optimizer state was split by fleet.distributed_optimizer(tx).init "
+            "(strategy.sharding) and is held where the step cannot see it (an nnx.Optimizer "
+            "built on a distributed optax transformation); for NNX write "
+            "fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))")
+    if trace is None:
         raise FleetError(
             "this optimizer's state is sharded (strategy.sharding), and it updates only "
             "inside a fleet.distributed_step that differentiates the wrapped model")
