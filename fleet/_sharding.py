@@ -150,17 +150,8 @@ class ShardedState(_sync.PerReplica):
     __slots__ = ()
 
 
-_SHARDED_TYPES: dict[type, type] = {}
-
-
 def mark_sharded(variable: nnx.Variable, layout: Layout) -> None:
-    cls = type(variable)
-    if not issubclass(cls, ShardedState):
-        sharded = _SHARDED_TYPES.get(cls)
-        if sharded is None:
-            sharded = type(f"Sharded{cls.__name__}", (ShardedState, cls), {"__slots__": ()})
-            _SHARDED_TYPES[cls] = sharded
-        variable.__class__ = sharded
+    _sync.add_mixin(variable, ShardedState, "Sharded")
     variable.set_metadata("fleet_shard", layout)
 
 

@@ -281,18 +281,25 @@ class SyncedRead:
         return super().get_value(index=index)
 
 
-_SYNCED_TYPES: dict[type, type] = {}
+_MIXED_TYPES: dict[tuple[type, type], type] = {}
+
+
+def add_mixin(variable: Any, mixin: type, prefix: str) -> None:
+    """Gives a variable ``mixin`` in place: its class becomes a subclass of
+    ``mixin`` and of its own class (``isinstance`` still holds for both), named
+    ``prefix + its class name``, made once per class."""
+    cls = type(variable)
+    if not issubclass(cls, mixin):
+        mixed = _MIXED_TYPES.get((mixin, cls))
+        if mixed is None:
+            mixed = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__slots__": ()})
+            _MIXED_TYPES[(mixin, cls)] = mixed
+        variable.__class__ = mixed
 
 
 def make_synced(variable: Any, spec: SyncSpec) -> None:
     """Turns a parameter into its synced type, in place (see :class:`SyncedRead`)."""
-    cls = type(variable)
-    if not issubclass(cls, SyncedRead):
-        synced = _SYNCED_TYPES.get(cls)
-        if synced is None:
-            synced = type(f"Synced{cls.__name__}", (SyncedRead, cls), {"__slots__": ()})
-            _SYNCED_TYPES[cls] = synced
-        variable.__class__ = synced
+    add_mixin(variable, SyncedRead, "Synced")
     variable.set_metadata("fleet_sync", spec)
 
 
