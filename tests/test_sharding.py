@@ -287,7 +287,7 @@ def test_bad_configs_are_refused(make_world):
 def _grad_norm_step(model, optimizer, x, y):
     grads = nnx.grad(lambda m: models.loss_of(m(x), y))(model)
     optimizer.update(model, grads)
-    return optax.global_norm(grads)
+    return optax.tree.norm(grads)
 
 
 def _clipped_step(model, optimizer, x, y):
@@ -439,3 +439,20 @@ def test_fleet_model_with_sharding_equals_the_low_level_loop(make_world, tmp_pat
     print(f"fleet.Model, stage 2: |params| = {d:.2e}")
     assert model.optimizer.sharded
     assert d < 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
+    """strategy.check_nan_inf checks the reduced gradient slices, names the
+    parameter, and leaves the parameters and the sharded state as they were."""
+    make_world(4, strategy(stage, check_nan_inf=True))
+    data = models.batches("linear", 2, 16)
+    model, opt, step, _ = train_nnx("linear", data[:1], optax.adam(1e-2))
+    before, state = models.flat_params(model), logical_opt_state(opt)
+    bad = data[1][0].copy()
+    bad[5, 3] = np.nan
+    with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
+                                               r"holds NaN or infinity after call 2"):
+        step(model, opt, bad, data[1][1])
+    assert models.max_diff(models.flat_params(model), before) == 0
+    assert models.max_diff(logical_opt_state(opt), state) == 0
