@@ -456,3 +456,23 @@ def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
         step(model, opt, bad, data[1][1])
     assert models.max_diff(models.flat_params(model), before) == 0
     assert models.max_diff(logical_opt_state(opt), state) == 0
+
+
+def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monkeypatch):
+    """DeepSpeed#490 replayed: with LAMB's norms taken per slice (the psum of
+    squared norms switched off) the probe refuses the optimizer; with the probe
+    switched off too, the parameters leave the unsharded run's by far more
+    than the 1e-6 the equivalence tests allow."""
+    data = models.batches("linear", 10, 16)
+    make_world(4, strategy())
+    ref, _, _, _ = train_nnx("linear", data, optax.lamb(1e-2))
+    monkeypatch.setattr(_sharding, "_sliced", lambda x: False)
+    make_world(4, strategy(2))
+    with pytest.raises(fleet.FleetUnsupportedError, match="differs from the slice"):
+        train_nnx("linear", data, optax.lamb(1e-2))
+    monkeypatch.setattr(_sharding, "verify", lambda *a, **k: None)
+    make_world(4, strategy(2))
+    wrong, _, _, _ = train_nnx("linear", data, optax.lamb(1e-2))
+    d = models.max_diff(models.flat_params(wrong), models.flat_params(ref))
+    print(f"LAMB with per-slice norms, 10 steps: |params - unsharded| = {d:.2e}")
+    assert d > 1e-3
