@@ -51,7 +51,12 @@ can differ by up to a few times 1e-5 (lr 1e-3 times a few percent): those whose
 first gradient was exactly zero (a ReLU unit inactive on the whole batch) have
 Adam second moments near zero, so a later gradient of rounding-noise size gets
 an update of ``lr * g / (sqrt(v) + eps)`` that magnifies the rounding. Stage 1
-and stage 2 reduce identically and agree exactly.
+and stage 2 reduce identically and agree exactly. To show that this is the noise
+floor, the script then runs the single-device step on the global batch and the
+split-sum reference (the gradient averaged over the replicas' sub-batches) for
+the same steps, and prints each variant's distance from both: a variant is
+within the floor when its distance from the split-sum reference is below
+``|split-sum - single device|``.
 
     python benchmarks/sharding.py [--rounds 5] [--steps 2] [--batch 32]
     python benchmarks/sharding.py --quick                  # smoke run, MLP of width 512
@@ -90,6 +95,7 @@ if args.device_count > 1:
 
 import flax  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -189,6 +195,33 @@ def differences(params, base):
     return max(float(d.max()) for d in diffs), int(sum((d > 1e-6).sum() for d in diffs))
 
 
+def single_device(x, y, steps, split):
+    """The single-device script's parameters after ``steps`` steps on the global
+    batch; ``split``: the split-sum reference (the gradient averaged over the
+    replicas' sub-batches), which shows the float-reordering noise floor."""
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def loss_of(m, a, b):
+        return optax.softmax_cross_entropy_with_integer_labels(m(a), b).mean()
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        if split:
+            parts = [nnx.grad(loss_of)(model, a, b)
+                     for a, b in zip(jnp.split(x, split), jnp.split(y, split))]
+            grads = jax.tree.map(lambda *g: sum(g) / split, *parts)
+        else:
+            grads = nnx.grad(loss_of)(model, x, y)
+        optimizer.update(model, grads)
+
+    device = jax.devices()[0]
+    x, y = jax.device_put(x, device), jax.device_put(y, device)
+    for _ in range(steps):
+        step(model, optimizer, x, y)
+    return [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
 def mb(value):
     return f"{value / 2**20:8.1f}" if value is not None else f"{'n/a':>8s}"
 
@@ -275,6 +308,23 @@ def main():
           f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores)")
     if retraced:
         print(f"  (retraced while timed: {', '.join(retraced)})")
+
+    # The noise floor of this model: the same steps on one device, on the global
+    # batch and split-sum; the variants sit within it if their distance from the
+    # split-sum reference is below the floor.
+    finals = {name: [np.asarray(p) for p in v.params()] for name, v in variants.items()}
+    del variants, base, v
+    single = single_device(x, y, steps_run, None)
+    split = single_device(x, y, steps_run, len(devices()))
+    floor, floor_n = differences(split, single)
+    print(f"  noise floor after {steps_run} steps: |split-sum - single device| = {floor:.2e} "
+          f"({floor_n:,} parameters > 1e-6)")
+    for name, params in finals.items():
+        d_split, n_split = differences(params, split)
+        d_single, _ = differences(params, single)
+        print(f"  {name}: |{name} - split-sum| = {d_split:.2e} ({n_split:,} > 1e-6), "
+              f"|{name} - single device| = {d_single:.2e}: "
+              f"{'within' if d_split <= floor else 'NOT within'} the noise floor")
 
 
 if __name__ == "__main__":
