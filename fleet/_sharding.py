@@ -94,12 +94,12 @@ class Config:
         return Layout(tuple(shape), self.degree, self.replicas)
 
 
-def config(strategy: Any = None, replicas: int | None = None) -> Config | None:
+def config(replicas: int | None = None) -> Config | None:
     """The current strategy's sharding (``None`` when ``strategy.sharding`` is off)."""
     from fleet._reduce import strategy_buckets
     from fleet._world import current_strategy, world
 
-    strategy = strategy or current_strategy()
+    strategy = current_strategy()
     if not strategy.sharding:
         return None
     replicas = replicas or world().num_replicas

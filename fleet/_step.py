@@ -227,17 +227,17 @@ def _prepare_sharding(objs: tuple) -> bool:
     return changed
 
 
-def _tree_specs(trees: list) -> list:
-    """shard_map specs of the tree arguments: sharded optimizer state over ``data``."""
-    return [jax.tree.map(lambda x: P(DATA_AXIS) if _sharding.is_shard(x) else P(), t,
-                         is_leaf=_sharding.is_shard) for t in trees]
+def _tree_layout(tree_shards: tuple, sharded: Any, other: Any) -> list:
+    """The tree arguments' structure with ``sharded`` at their sharded optimizer
+    state (fleet._sharding.Shard) and ``other`` elsewhere: their specs or shardings."""
+    structure, flags = tree_shards
+    return jax.tree.unflatten(structure, [sharded if f else other for f in flags])
 
 
-def _tree_rows(trees: list, *, enter: bool) -> list:
-    """Sharded tree leaves entering the body (the replica's row) or leaving it."""
-    return jax.tree.map(
-        lambda x: _sharding.Shard(x.value[0] if enter else x.value[None], x.layout)
-        if _sharding.is_shard(x) else x, trees, is_leaf=_sharding.is_shard)
+def _tree_rows(trees: list) -> list:
+    """Sharded tree leaves entering the body: the replica's row."""
+    return jax.tree.map(lambda x: _sharding.Shard(x.value[0], x.layout)
+                        if _sharding.is_shard(x) else x, trees, is_leaf=_sharding.is_shard)
 
 
 class DistributedStep:
@@ -458,11 +458,8 @@ class DistributedStep:
         if jitted is None:
             w = world()
             repl, batch = w.replicated, w.batch
-            trees = repl
-            if plan.tree_shards is not None:
-                data = NamedSharding(plan.mesh, P(DATA_AXIS))
-                structure, flags = plan.tree_shards
-                trees = jax.tree.unflatten(structure, [data if f else repl for f in flags])
+            trees = repl if plan.tree_shards is None else _tree_layout(
+                plan.tree_shards, NamedSharding(plan.mesh, P(DATA_AXIS)), repl)
             jitted = jax.jit(
                 self._global,
                 static_argnums=0,
@@ -495,8 +492,9 @@ class DistributedStep:
 
     def _global(self, plan: _Plan, state, trees, batch, repl):
         state_specs = [P(DATA_AXIS) if pr else P() for pr in self._graph.per_replica]
-        specs = (state_specs, _tree_specs(trees) if plan.tree_shards is not None else P(),
-                 P(DATA_AXIS), P())
+        tree_specs = P() if plan.tree_shards is None else _tree_layout(
+            plan.tree_shards, P(DATA_AXIS), P())
+        specs = (state_specs, tree_specs, P(DATA_AXIS), P())
         args = (state, trees, batch, repl)
         record = self._records.get(plan)
         if record is None:
@@ -560,7 +558,7 @@ class DistributedStep:
         per_replica = self._graph.per_replica
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
-            trees = _tree_rows(trees, enter=True)
+            trees = _tree_rows(trees)
         original = state
         if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
             state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x

@@ -115,6 +115,30 @@ def test_cnn_and_hybrid_degree_equal_the_unsharded_run(make_world, stage):
         assert held < full / (degree or 4) + 2048
 
 
+def test_hybrid_degree_takes_norms_once_per_group_and_keeps_groups_equal(make_world):
+    """sharding_degree=2 of 4: the psum of squared slice norms sums every slice
+    twice (once per group) and is halved; LAMB's trust ratios and a binding
+    global-norm clip give the unsharded run's parameters, the parameters are
+    equal on every device, and the two groups hold the same state rows."""
+    data = models.batches("cnn", 10, 16)
+
+    def tx():
+        return optax.chain(optax.clip_by_global_norm(0.05), optax.lamb(1e-2))
+
+    make_world(4, strategy())
+    ref, _, _, _ = train_nnx("cnn", data, tx())
+    make_world(4, strategy(2, 2))
+    got, opt, _, _ = train_nnx("cnn", data, tx())
+    d = models.max_diff(models.flat_params(got), models.flat_params(ref))
+    print(f"hybrid degree 2 of 4, clip + LAMB, stage 2: |params| = {d:.2e}")
+    assert d < 1e-6
+    assert fleet.check_replicas(got) == []
+    for v in jax.tree.leaves(nnx.state(opt), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        if isinstance(v, _sharding.ShardedState):
+            rows = np.asarray(v.get_value())
+            assert np.array_equal(rows[:2], rows[2:])
+
+
 def test_clip_by_global_norm_is_taken_over_whole_tensors(make_world):
     """The global norm comes from a psum of the slices' squared norms: a clip
     that binds on every step gives the unsharded run's parameters."""

@@ -49,8 +49,8 @@ class Part:
     def of(cls, name: str, obj: Any) -> Part:
         if isinstance(obj, nnx.Pytree):
             variables = module_variables(obj)
-            layouts = {k: _sharding.layout_of(v) for k, v in variables.items()
-                       if _sharding.layout_of(v) is not None}
+            layouts = {k: lay for k, v in variables.items()
+                       if (lay := _sharding.layout_of(v)) is not None}
             leaves = {k: _sharding.to_logical(v.get_value(), layouts[k]) if k in layouts
                       else v.get_value() for k, v in variables.items()}
             return cls(name, obj, leaves, variables=variables, layouts=layouts)
