@@ -1,6 +1,9 @@
-"""Test set-up: 8 fake CPU devices, set before anything imports jax."""
+"""Test set-up: 8 fake CPU devices, set before anything imports jax, and JAX's
+persistent compilation cache, shared with every process the tests start."""
 
 import os
+import signal
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -10,10 +13,32 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["PJRT_NPROC"] = str(max(16, os.cpu_count() or 1))  # 2 x 8 devices: fleet/_xla_flags.py
 
+# The same programs compile in many tests and in every launched worker: JAX keeps
+# them in one directory of the checkout (ignored by git), so a worker loads what
+# another process compiled, and a second run of the suite compiles little. The
+# variables reach the workers through their inherited environment.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(Path(__file__).resolve().parents[1] / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, "conftest must run before jax is imported"
+
+
+@pytest.fixture
+def sigint_default():
+    """Ctrl-C raises KeyboardInterrupt during the test, as in a foreground terminal.
+
+    A shell starts background jobs (``nohup pytest ... &``, some CI runners) with
+    SIGINT ignored, and Python then installs no handler of its own: a test that
+    sends SIGINT would see nothing happen. The processes the test starts inherit
+    the default action (a handler is reset at exec), so they behave alike."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture

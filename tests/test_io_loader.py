@@ -284,7 +284,8 @@ def test_a_killed_worker_is_reported(world, no_leftover_children):
 
 
 @pytest.mark.parametrize("how", ["break", "exception", "keyboard_interrupt"])
-def test_leaving_the_loop_leaves_no_worker_behind(world, no_leftover_children, how):
+def test_leaving_the_loop_leaves_no_worker_behind(world, no_leftover_children, how,
+                                                  sigint_default):
     loader = DataLoader(FlipDataset(400), batch_size=1, num_workers=2)
 
     def train():
@@ -568,7 +569,7 @@ class StuckDataset(Dataset):
 
 
 def test_ctrl_c_while_waiting_for_a_stuck_worker_leaves_no_worker_behind(
-        world, no_leftover_children):
+        world, no_leftover_children, sigint_default):
     dataset = StuckDataset()
     it = iter(DataLoader(dataset, batch_size=1, num_workers=2))
 

@@ -225,7 +225,7 @@ def test_max_restarts(jobs, tmp_path):
 
 # -- signals to the launcher ------------------------------------------------------------------
 
-def test_ctrl_c_stops_jax_workers(jobs):
+def test_ctrl_c_stops_jax_workers(jobs, sigint_default):
     job = jobs("--nproc_per_node", "2", "--cpu_devices", "1", LOOP)
     for rank in (0, 1):
         job.wait_for_log(rank, r"step:2\t")

@@ -114,7 +114,7 @@ def test_bad_gpus_fail_before_start(monkeypatch):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
-def test_children_end_with_their_parent(tmp_path, signum):
+def test_children_end_with_their_parent(tmp_path, signum, sigint_default):
     """Ctrl-C in the parent stops the children; a parent killed outright takes them along."""
     job_id = f"test-{uuid.uuid4().hex[:10]}"
     out = tmp_path / "out.txt"
