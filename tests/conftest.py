@@ -25,6 +25,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.jobs import jobs  # noqa: E402,F401 (a fixture: starts fleetrun jobs)
+
 assert len(jax.devices()) == 8, "conftest must run before jax is imported"
 
 

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 import fleet
-from tests import models
-from tests.test_contract_multiprocess import fleetrun
+from tests import jobs, models
+from tests.test_contract_multiprocess import WORKER
 
 
 def _model():
@@ -95,7 +95,8 @@ def test_nan_goes_unnamed_without_check_nan_inf(make_world):
 
 def test_a_scalar_argument_that_differs_by_process(tmp_path):
     """Replicated step arguments must be equal on every process (2 processes x 2)."""
-    code, log, seconds = fleetrun(tmp_path, "-", "scalar", timeout=120)
+    job = jobs.two_processes(tmp_path, WORKER, "-", "scalar", timeout=120, ok=False)
+    code, log, seconds = job.returncode, job.text(), job.seconds
     assert code != 0, log[-3000:]
     assert "the step ran" not in log
     assert ("step argument 2 is 1.0 on process 1 but 100.0 on process 0" in log
@@ -103,11 +104,12 @@ def test_a_scalar_argument_that_differs_by_process(tmp_path):
     print(f"per-process scalar: job ended in {seconds:.1f} s")
 
 
-def test_a_collective_call_on_one_rank_only(tmp_path, monkeypatch):
+def test_a_collective_call_on_one_rank_only(tmp_path):
     """Wrapping the model on rank 0 only: rank 0 does not wait forever; it names the
     call and rank 1 (FLEET_AGREE_TIMEOUT=10 keeps the test short)."""
-    monkeypatch.setenv("FLEET_AGREE_TIMEOUT", "10")
-    code, log, seconds = fleetrun(tmp_path, "-", "rank0-only", timeout=120)
+    job = jobs.two_processes(tmp_path, WORKER, "-", "rank0-only", timeout=120, ok=False,
+                             env={"FLEET_AGREE_TIMEOUT": "10"})
+    code, log, seconds = job.returncode, job.text(), job.seconds
     assert code != 0, log[-3000:]
     assert "placing replicated state" in log and "rank(s) [1] did not make it" in log, log[-3000:]
     print(f"collective call on one rank: job ended in {seconds:.1f} s")

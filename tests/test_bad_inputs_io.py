@@ -6,12 +6,8 @@ processes' datasets differ in length) is a real ``fleetrun`` job that must end b
 itself within 60 s, with the message checked on every process.
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -25,8 +21,7 @@ from fleet.io import (
     FleetDataError,
     TensorDataset,
 )
-
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
+from tests import jobs
 
 
 class Samples(Dataset):
@@ -151,24 +146,13 @@ def test_datasets_of_different_lengths_raise_on_every_process(tmp_path):
     """40 samples on process 0 and 44 on process 1 would give 5 and 6 batches, then hang
     in the step; the samplers compare lengths when they start, and both processes raise."""
     (tmp_path / "worker.py").write_text(UNEVEN)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    started = time.monotonic()
-    job = subprocess.Popen(
-        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "1", "--log_dir", "log",
-         "--job_id", "io-uneven-datasets", "worker.py"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = job.communicate(timeout=90)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    elapsed = time.monotonic() - started
+    job = jobs.two_processes(tmp_path, "worker.py", devices=1, timeout=90, ok=False)
+    output, elapsed = job.output, job.seconds
     assert job.returncode != 0, output[-3000:]
     assert elapsed < 60, f"the job ended after {elapsed:.1f} s"
     want = (r"FleetConfigError: DistributedBatchSampler: the processes' datasets differ in "
             r"length \(len\(dataset\) = 40 on process\(es\) \[0\]; len\(dataset\) = 44 on "
             r"process\(es\) \[1\]\); every process must build the same dataset")
     for rank in (0, 1):
-        log = (tmp_path / "log" / f"workerlog.{rank}").read_text()
+        log = job.log(rank)
         assert "FINISHED" not in log and re.search(want, log), log[-3000:]

@@ -20,7 +20,6 @@ import spawn_targets  # noqa: E402
 
 import fleet  # noqa: E402
 from fleet.launch import spawn  # noqa: E402
-from tests.test_launch_run import jobs  # noqa: E402,F401 (the fixture)
 
 LOOP = str(SCRIPTS / "train_loop.py")
 ONE_RANK_COLLECTIVE = str(SCRIPTS / "collective_on_one_rank.py")
@@ -51,7 +50,7 @@ JOBS = {
 
 
 @pytest.mark.parametrize("case", list(JOBS))
-def test_job_ends_by_itself(jobs, case):  # noqa: F811 (the fixture)
+def test_job_ends_by_itself(jobs, case):
     args, code, message, seconds = JOBS[case]
     job = jobs(*args)
     assert job.wait(timeout=seconds + 30) == code, job.output

@@ -6,47 +6,27 @@ every process alike."""
 
 import os
 import re
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fleet.checkpoint import CheckpointManager
+from tests import jobs
 from tests.workers import ckpt_jobs
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from job_processes import wait_until_gone  # noqa: E402
 
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 WORKER = str(ckpt_jobs.ROOT / "tests/workers/ckpt_collective.py")
 
 
 def fleetrun(tmp_path: Path, case: str, timeout: float = 60) -> tuple[int, str, list[str], float]:
     """Runs the worker's ``case`` as a fleetrun job; returns (exit code, console,
     each rank's log, seconds). Kills the job if it outlives ``timeout``."""
-    job_id = f"ckpt-{case}-{uuid.uuid4().hex[:8]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "XLA_"))}
-    env["FLEET_AGREE_TIMEOUT"] = "10"
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "2", "--log_dir", "log",
-         "--job_id", job_id, WORKER, case, str(tmp_path)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    finally:
-        proc.kill()
-        proc.wait()
-        for p in wait_until_gone(job_id):
-            p.kill()
-    seconds = time.monotonic() - start
-    logs = [(tmp_path / "log" / f"workerlog.{r}").read_text(errors="replace")
-            for r in range(2) if (tmp_path / "log" / f"workerlog.{r}").exists()]
-    return proc.returncode, output, logs, seconds
+    job = jobs.two_processes(tmp_path, WORKER, case, str(tmp_path), timeout=timeout, ok=False,
+                             env={"FLEET_AGREE_TIMEOUT": "10"})
+    return job.returncode, job.output, [log for log in job.logs(2) if log], job.seconds
 
 
 def assert_loaded_bitwise(tmp_path: Path) -> None:
@@ -64,8 +44,9 @@ def test_fleet_save_from_any_rank_writes_the_full_data(tmp_path, case):
     assert code == 0, out[-4000:]
     assert_loaded_bitwise(tmp_path)
     # No temporary or set-aside copies left, whoever saved.
-    assert "leftovers: ['expected.npz', 'loaded-0.npz', 'loaded-1.npz', 'log', 'model.pdparams']" \
-        in out, out[-4000:]
+    # (job.out and job-log/ are the launcher's console and logs, tests/jobs.py)
+    assert ("leftovers: ['expected.npz', 'job-log', 'job.out', 'loaded-0.npz', 'loaded-1.npz', "
+            "'model.pdparams']") in out, out[-4000:]
 
 
 @pytest.mark.parametrize("case, call", [

@@ -11,23 +11,19 @@ snapshots taken right after a restore leave the loader out; the snapshot one
 step later checks the position.
 """
 
-import os
 import re
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fleet.checkpoint import CheckpointManager
+from tests import jobs
 from tests.workers import ckpt_common, ckpt_jobs
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from job_processes import wait_until_gone  # noqa: E402
 
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 STEPS, MIDDLE = 14, 7
 
 
@@ -101,27 +97,19 @@ def test_fleetrun_restart_resumes_from_the_last_checkpoint(uninterrupted, tmp_pa
     """Acceptance 4: rank 1 is killed (SIGKILL) after step 8; the restarted job
     resumes from the last complete checkpoint and ends bitwise like the
     uninterrupted run."""
-    job_id = f"ckpt-{uuid.uuid4().hex[:10]}"
     out = tmp_path / "final.npz"
-    proc = subprocess.Popen(
-        [FLEETRUN, "--job_id", job_id, "--log_dir", str(tmp_path / "log"),
-         "--nproc_per_node", "2", "--cpu_devices", "2", "--max_restarts", "1",
-         ckpt_jobs.WORKER, "--steps", str(STEPS), "--dir", str(tmp_path / "ckpt"),
-         "--save-every", "3", "--resume", "--kill-at", "8", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "XLA_"))})
+    job = jobs.Job(tmp_path, "--nproc_per_node", "2", "--cpu_devices", "2", "--max_restarts", "1",
+                   ckpt_jobs.WORKER, "--steps", str(STEPS), "--dir", str(tmp_path / "ckpt"),
+                   "--save-every", "3", "--resume", "--kill-at", "8", "--out", str(out))
     try:
-        text = proc.communicate(timeout=150)[0]
+        job.wait(timeout=150)
     finally:
-        proc.kill()
-        proc.wait()
-        left = wait_until_gone(job_id)
-        for p in left:
-            p.kill()
-    assert proc.returncode == 0, text
-    assert not left, f"processes of job {job_id} remain: {left}"
+        left = job.end()
+    text = job.output
+    assert job.returncode == 0, text
+    assert not left, f"processes of job {job.job_id} remain: {left}"
     assert "restarting all 2 workers (restart 1 of 1)" in text, text
-    logs = [(tmp_path / "log" / f"workerlog.{rank}").read_text() for rank in (0, 1)]
+    logs = job.logs(2)
     assert "killing myself" in logs[1]
     # The last complete checkpoint: 6, or 3 if the asynchronous save of step 6 was
     # still being written when rank 1 died.

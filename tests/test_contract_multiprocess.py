@@ -1,10 +1,7 @@
 """The core contract across processes (issue 9, acceptance 1h and 4), through the
-real launcher: 2 processes x 2 CPU devices, gloo collectives on loopback."""
+real launcher: 2 processes x 2 CPU devices, gloo collectives on loopback. The
+step shapes' equivalence runs in the one job of tests/test_two_processes.py."""
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -13,23 +10,10 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from tests import models
+from tests import jobs, models
 from tests.workers import contract_train as worker
 
-ROOT = Path(__file__).resolve().parents[1]
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
-
-
-def fleetrun(tmp_path, *args, timeout=240, worker="contract_train.py"):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    start = time.monotonic()
-    proc = subprocess.run(
-        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "2", "--log_dir",
-         str(tmp_path / "log"), str(ROOT / "tests/workers" / worker), *args],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=timeout)
-    logs = "".join((tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2))
-    return proc.returncode, proc.stdout + logs, time.monotonic() - start
+WORKER = Path(worker.__file__)
 
 
 def mnist_split_reference(data):
@@ -47,26 +31,6 @@ def mnist_split_reference(data):
     return out
 
 
-def test_step_shapes_across_two_processes(tmp_path):
-    """(a), (b) and (e) on 2 processes x 2 devices equal the single-device steps."""
-    out = tmp_path / "result.npz"
-    code, log, _ = fleetrun(tmp_path, str(out), "shapes")
-    assert code == 0, log[-4000:]
-    got = dict(np.load(out))
-    expected = {}
-    data = models.batches("linear", worker.STEPS, worker.BATCH)
-    expected.update({"a" + k: v for k, v in models.nnx_reference("linear", data)[1].items()})
-    expected.update({"b" + k: v for k, v in models.linen_reference("linear", data)[1].items()})
-    expected.update(mnist_split_reference(models.batches("cnn", 3, worker.BATCH)))
-    for prefix in ("a", "b", "egrad", "e"):
-        part = {k: v for k, v in got.items() if k.startswith(prefix) and
-                not (prefix == "e" and k.startswith("egrad"))}
-        ref = {k: v for k, v in expected.items() if k in part}
-        d = models.max_diff(part, ref)
-        print(f"({prefix}) 2 processes x 2 devices: |fleet - single device| = {d:.2e}")
-        assert d < 1e-5, prefix
-
-
 @pytest.mark.parametrize("fault, field", [
     ("buckets", "'strategy'"),
     ("batch", "'batch shapes (per process)'"),
@@ -74,7 +38,8 @@ def test_step_shapes_across_two_processes(tmp_path):
 def test_program_guard_names_the_ranks_and_the_field(tmp_path, fault, field):
     """Rank 1 compiles another step: every process raises, naming both ranks and
     the field, and the job ends within 30 s of starting its step."""
-    code, log, seconds = fleetrun(tmp_path, "-", fault, timeout=120)
+    job = jobs.two_processes(tmp_path, WORKER, "-", fault, timeout=120, ok=False)
+    code, log, seconds = job.returncode, job.text(), job.seconds
     assert code != 0, log[-3000:]
     assert "the step ran" not in log
     assert f"rank 0 and rank 1 differ in {field}" in log or \

@@ -34,11 +34,13 @@ VALUES = {"nproc_per_node": "3", "gpus": "0,1", "cpu_devices": "2", "nnodes": "2
           "node_rank": "1", "master": "10.0.0.1:6070", "ips": "10.0.0.1,10.0.0.2",
           "log_dir": "mylogs", "max_restarts": "4", "job_id": "exp7",
           "progress_timeout": "12.5", "node_ip": "10.0.0.2", "started_port": "6170",
+          "first_step_min": "4", "uneven_grace": "1.5",
           "verbose_env": None}  # None: an on/off flag (its variable: 1)
 PARSED = {"nproc_per_node": 3, "gpus": ("0", "1"), "cpu_devices": 2, "nnodes": 2,
           "node_rank": 1, "master": "10.0.0.1:6070", "ips": ("10.0.0.1", "10.0.0.2"),
           "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5,
-          "node_ip": "10.0.0.2", "started_port": 6170, "verbose_env": True}
+          "node_ip": "10.0.0.2", "started_port": 6170, "first_step_min": 4.0,
+          "uneven_grace": 1.5, "verbose_env": True}
 
 
 def test_every_option_is_tested():
@@ -156,6 +158,8 @@ BAD = [
     (dict(cpu_devices=0), r"--cpu_devices 0 must be at least 1"),
     (dict(max_restarts=-1, cpu_devices=1), r"--max_restarts -1 must be at least 0"),
     (dict(progress_timeout=-1.0, cpu_devices=1), r"--progress_timeout -1.0 must be >= 0"),
+    (dict(first_step_min=0.0, cpu_devices=1), r"--first_step_min 0.0 must be > 0 seconds"),
+    (dict(uneven_grace=-2.0, cpu_devices=1), r"--uneven_grace -2.0 must be > 0 seconds"),
     (dict(ips=("10.9.9.1", "10.9.9.2"), node_ip="10.9.9.3"),
      r"--node_ip 10.9.9.3 is not in --ips 10.9.9.1,10.9.9.2"),
     (dict(ips=("10.9.9.1", "10.9.9.1"), node_ip="10.9.9.1"),
@@ -286,6 +290,9 @@ def test_inherited_worker_variables_are_dropped():
 def test_process_state_sees_a_stopped_process():
     proc = subprocess.Popen(["sleep", "30"])
     try:
+        deadline = time.monotonic() + 5  # just after exec it may still be loading (D)
+        while process_state(proc.pid) == "D" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert process_state(proc.pid) in ("S", "R")
         os.kill(proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 5
@@ -442,6 +449,27 @@ def test_watchdog_covers_the_time_before_the_first_step(tmp_path):
     _progress(tmp_path / "hb1", 2, 1, "run", now[0] - 1)
     stuck = dog.check(w)
     assert stuck.rank == 0 and "no progress for 3.1 s (--progress_timeout 3 s)" in stuck.reason
+
+
+def test_watchdog_waits_are_settings(tmp_path):
+    """--first_step_min and --uneven_grace replace the 30 s and 10 s defaults."""
+    now = [1000.0]
+    dog = Watchdog(timeout=600, clock=lambda: now[0], first_step_min=2, uneven_grace=0.5)
+    me = os.getpid()
+    w = [Watched(r, me, str(tmp_path / f"hb{r}"), started=now[0]) for r in range(2)]
+    now[0] += 1.9
+    assert dog.check(w) is None
+    now[0] += 0.2
+    stuck = Watchdog(timeout=1, clock=lambda: now[0], first_step_min=2).check(w)
+    assert stuck.rank == 0 and "no step started within 2 s of the start" in stuck.reason
+    assert "at least 2 s" in stuck.reason
+    _progress(tmp_path / "hb0", 6, 6, "run", now[0])  # dispatched a 6th step
+    _progress(tmp_path / "hb1", 5, 5, "done", now[0])  # ended after 5 steps
+    assert dog.check(w) is None
+    now[0] += 0.6
+    stuck = dog.check(w)
+    assert stuck.rank == 0 and stuck.reason.startswith("uneven steps: rank 0 ran more steps")
+    assert "has waited 0.6 s" in stuck.reason
 
 
 # -- layering: the core never imports the launcher ------------------------------------------

@@ -7,8 +7,6 @@ the machine still carries that ``FLEET_JOB_ID`` in its environment.
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -19,76 +17,9 @@ import pytest
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from job_processes import job_processes, wait_until_gone  # noqa: E402
+from job_processes import wait_until_gone  # noqa: E402
 
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
-
-
-class Job:
-    """One launcher (one node) in the background, its output in a file."""
-
-    def __init__(self, tmp_path, *args, name="job", job_id=None, entry=None, env=None):
-        self.tmp_path, self.log_dir = tmp_path, tmp_path / f"{name}-log"
-        self.job_id = job_id or f"test-{uuid.uuid4().hex[:10]}"
-        self.out_path = tmp_path / f"{name}.out"
-        command = entry or [FLEETRUN]
-        with open(self.out_path, "wb") as out:
-            self.started = time.monotonic()
-            self.proc = subprocess.Popen(
-                [*command, "--job_id", self.job_id, "--log_dir", str(self.log_dir), *args],
-                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                env={**os.environ, **(env or {})},
-            )
-
-    def wait(self, timeout):
-        return self.proc.wait(timeout=timeout)
-
-    @property
-    def output(self):
-        return self.out_path.read_text(errors="replace")
-
-    def log(self, rank):
-        path = self.log_dir / f"workerlog.{rank}"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def wait_for_log(self, rank, pattern, timeout=60):
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.log(rank)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"rank {rank} never logged {pattern!r}:\n{self.output}")
-            time.sleep(0.05)
-
-    def pid(self, rank):
-        for p in job_processes(self.job_id):
-            env = p.environ()
-            if env.get("FLEET_RANK") == str(rank) and p.ppid() == self.proc.pid:
-                return p.pid
-        raise AssertionError(f"no worker of rank {rank}")
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def jobs(tmp_path):
-    """Starts jobs; afterwards checks (and enforces) that none of their processes remain."""
-    started = []
-
-    def start(*args, **kwargs):
-        job = Job(tmp_path, *args, **kwargs)
-        started.append(job)
-        return job
-
-    yield start
-    for job in started:
-        job.kill()
-    for job in started:
-        left = wait_until_gone(job.job_id)
-        for p in left:
-            p.kill()
-        assert not left, f"processes of job {job.job_id} remain: {left}"
+from tests.jobs import FLEETRUN, free_port  # noqa: E402
 
 
 def assert_nothing_left(job):
@@ -266,12 +197,6 @@ def test_each_gpu_process_sees_only_its_gpu(jobs):
 
 
 # -- acceptance 6: two nodes -------------------------------------------------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("form", ["master", "ips"])
 def test_two_nodes_train_like_one(jobs, tmp_path, reference, form):

@@ -380,44 +380,6 @@ def test_a_sharded_optimizer_does_not_update_outside_a_step(make_world):
         opt.update(model, grads)
 
 
-# -- through the launcher -------------------------------------------------------------------------
-
-def test_two_processes_equal_one_process_and_their_checkpoint_restores_there(tmp_path,
-                                                                           make_world):
-    """Stage 1 (NNX) and stage 2 (Linen TrainState) on 2 processes x 2 devices
-    through fleetrun, against the same runs in one process on 4 devices; the
-    checkpoint the two processes wrote restores in one process, bitwise."""
-    from tests.test_contract_multiprocess import fleetrun
-    from tests.workers import sharding_train as worker
-
-    out, ckpt = tmp_path / "result.npz", tmp_path / "ckpt"
-    code, log, _ = fleetrun(tmp_path, str(out), str(ckpt), worker="sharding_train.py")
-    assert code == 0, log[-4000:]
-    got = dict(np.load(out))
-    make_world(4, worker.strategy(1))
-    expected = worker.train(init=lambda s: make_world(4, s))
-    assert got.keys() == expected.keys()
-    diffs = {}
-    for prefix, what in (("p", "NNX params"), ("o", "NNX optimizer state"),
-                         ("l", "Linen params")):
-        keys = [k for k in got if k.startswith(prefix)]
-        diffs[what] = models.max_diff({k: got[k] for k in keys}, {k: expected[k] for k in keys})
-    diffs["losses"] = float(np.abs(got["losses"] - expected["losses"]).max())
-    print("sharding, 2 processes x 2 devices vs 1 process x 4 devices: " + ", ".join(
-        f"|{k}| = {v:.2e}" for k, v in diffs.items()))
-    assert all(v < 1e-6 for v in diffs.values())
-
-    make_world(4, worker.strategy(2))
-    model = fleet.distributed_model(models.CNN(nnx.Rngs(1)))
-    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
-    with fleet.checkpoint.CheckpointManager(ckpt) as manager:
-        manager.restore(worker.STEPS, model=model, optimizer=opt)
-    state = logical_opt_state(opt)
-    assert all(np.array_equal(state[k], got["o" + k]) for k in state)
-    assert models.max_diff(models.flat_params(model),
-                           {k[1:]: v for k, v in got.items() if k.startswith("p")}) == 0
-
-
 def test_an_nnx_optimizer_on_a_sharded_transformation_says_what_to_write(make_world):
     make_world(4, strategy(1))
     model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))

@@ -166,7 +166,9 @@ class WorkerGroup:
         log.info("rank %d's output follows (every worker's: %s)", first.rank,
                  os.path.join(self.config.log_dir, "workerlog.N"))
         follower = LogFollower(first.log_path, first.log_offset, "", self.out)
-        watchdog = Watchdog(self.config.progress_timeout)
+        watchdog = Watchdog(self.config.progress_timeout,
+                            first_step_min=self.config.first_step_min,
+                            uneven_grace=self.config.uneven_grace)
         remaining = {w.rank for w in self.workers}
         next_check = time.monotonic() + _CHECK_EVERY
         try:

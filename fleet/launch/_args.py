@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 
 from fleet._errors import FleetConfigError
-from fleet.launch._config import DEFAULT_PROGRESS_TIMEOUT, LaunchConfig
+from fleet.launch._config import DEFAULT_PROGRESS_TIMEOUT, FIRST_STEP_MIN, UNEVEN_GRACE, LaunchConfig
 
 ENV_PREFIX = "FLEETRUN_"
 
@@ -54,7 +54,14 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "job_id": (str, "default", "a name for the job (FLEET_JOB_ID in every worker)"),
     "progress_timeout": (float, DEFAULT_PROGRESS_TIMEOUT,
                          "seconds a worker may be stopped, or silent after a heartbeat, "
-                         "before the job fails; the first step gets at least 30 s (0: never)"),
+                         "before the job fails; the first step gets at least "
+                         "--first_step_min (0: never)"),
+    "first_step_min": (float, FIRST_STEP_MIN,
+                       "the least time in seconds a worker gets to end its first step (it "
+                       "imports, builds and compiles then)"),
+    "uneven_grace": (float, UNEVEN_GRACE,
+                     "seconds a worker may wait in a step that a finished peer never ran "
+                     "(uneven steps) before the job fails; at most --progress_timeout"),
     "verbose_env": (_flag, False, "print every variable of the first worker, not only "
                                   "Paddle's five"),
 }

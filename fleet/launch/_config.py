@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError
 from fleet.launch import _devices, _net
+from fleet.launch._watchdog import FIRST_STEP_MIN, UNEVEN_GRACE
 
 DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
 DEFAULT_PROGRESS_TIMEOUT = 600.0
@@ -51,7 +52,10 @@ class LaunchConfig:
         job_id: a name for the job, given to every worker.
         progress_timeout: seconds a worker may stay stopped, or go without a
             heartbeat once it has sent one, before the job fails (0: never). The
-            first heartbeat gets at least 30 s.
+            first step gets at least ``first_step_min``.
+        first_step_min: the least time (seconds) a worker gets to end its first step.
+        uneven_grace: seconds a worker may wait in a step that a finished peer never
+            ran before the job fails (at most ``progress_timeout``).
         verbose_env: print every variable of the first worker, not only Paddle's.
     """
 
@@ -70,6 +74,8 @@ class LaunchConfig:
     max_restarts: int = 0
     job_id: str = "default"
     progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
+    first_step_min: float = FIRST_STEP_MIN
+    uneven_grace: float = UNEVEN_GRACE
     verbose_env: bool = False
 
     @property
@@ -128,6 +134,9 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
             f"--progress_timeout {config.progress_timeout} must be >= 0 seconds (0 turns "
             "the watchdog off)"
         )
+    for name in ("first_step_min", "uneven_grace"):
+        if getattr(config, name) <= 0:
+            raise FleetConfigError(f"--{name} {getattr(config, name)} must be > 0 seconds")
     if config.training_script is not None and not os.path.isfile(config.training_script):
         raise FleetConfigError(
             f"training script {config.training_script!r} does not exist (looked in "

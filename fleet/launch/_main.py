@@ -68,6 +68,8 @@ the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
 ``--max_restarts N``        after a failure restart the whole group, up to N times (0)
 ``--job_id NAME``           the job's name, ``FLEET_JOB_ID`` in every worker (``default``)
 ``--progress_timeout S``    the stuck-worker limit in seconds (600; 0 turns it off)
+``--first_step_min S``      the least time a worker gets to end its first step (30)
+``--uneven_grace S``        the wait in a step a finished peer never ran (10)
 ``--verbose_env``           print every variable of the first worker, not only Paddle's
 ==========================  ==============================================================
 
@@ -112,13 +114,13 @@ Failures
 * A stuck worker: stopped (``SIGSTOP``) for ``--progress_timeout`` seconds, or
   silent that long after a heartbeat (``fleet.distributed_step`` sends two per
   step; scripts with their own loop call ``fleet.launch.heartbeat()``), or with
-  no heartbeat at all ``max(--progress_timeout, 30)`` seconds after its start
+  no heartbeat at all ``max(--progress_timeout, --first_step_min)`` seconds after its start
   (stuck before its first step, e.g. in a collective call one rank made alone).
   The job ends naming the rank furthest behind; exit code 124. A worker that
   finished (exit 0, or its script ended and it waits for its peers in JAX's
   shutdown) is never blamed.
 * Uneven steps: a worker finished after N steps while a peer started step N + 1
-  and has been silent since for ``min(--progress_timeout, 10)`` seconds. The job
+  and has been silent since for ``min(--progress_timeout, --uneven_grace)`` seconds. The job
   ends naming the rank that ran more steps and both step counts; exit code 124.
   With the defaults this ends the job within about 15 s.
 * ``Ctrl-C`` / ``SIGTERM`` / ``SIGHUP`` to the launcher: every worker's process

@@ -43,7 +43,8 @@ from fleet.launch._watchdog import Watchdog, Watched
 
 # fleetrun's options that fleet.spawn takes too (fleet/launch/_args.py is their one
 # table: types, defaults, aliases), and its own ``print_config``.
-_SHARED = ("cpu_devices", "gpus", "job_id", "master", "progress_timeout", "verbose_env")
+_SHARED = ("cpu_devices", "gpus", "job_id", "master", "progress_timeout", "first_step_min",
+           "uneven_grace", "verbose_env")
 _NAMES = {alias: name for name in _SHARED for alias in (name, *ALIASES.get(name, ()))}
 OPTIONS = tuple(sorted([*_SHARED, "print_config"]))
 _ALIASES_TEXT = "; ".join(f"{', '.join(ALIASES[n])} for {n}" for n in _SHARED if n in ALIASES)
@@ -66,7 +67,8 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
             ``gpus`` (``selected_gpus``, ``devices``): GPU ids such as ``"4,5"``, one
             per process; ``cpu_devices``: N CPU devices per process; ``master``:
             ``"127.0.0.1:PORT"`` for the coordinator (default: a free loopback port);
-            ``job_id``; ``progress_timeout`` (seconds); ``verbose_env``; and
+            ``job_id``; ``progress_timeout``, ``first_step_min`` and ``uneven_grace``
+            (seconds); ``verbose_env``; and
             ``print_config``: print the configuration and environment tables.
 
     Returns:
@@ -179,7 +181,7 @@ def _option_value(name: str, value: Any) -> Any:
             return convert(value)
         except ValueError:
             raise FleetConfigError(f"fleet.spawn option {name}={value!r} is not valid") from None
-    if name == "progress_timeout":
+    if name in ("progress_timeout", "first_step_min", "uneven_grace"):
         return float(value)
     return value
 
@@ -242,7 +244,8 @@ class SpawnContext:
         self._readers: list[Any] = []
         self._errors: dict[int, str] = {}
         self._done: set[int] = set()
-        self._watchdog = Watchdog(config.progress_timeout)
+        self._watchdog = Watchdog(config.progress_timeout, first_step_min=config.first_step_min,
+                                  uneven_grace=config.uneven_grace)
         self._started = time.time()
 
     def _add(self, process: Any, reader: Any) -> None:

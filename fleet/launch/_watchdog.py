@@ -13,7 +13,8 @@ Read from outside the worker, so that a frozen worker cannot hide:
 A job is stuck when, for ``timeout`` seconds (``--progress_timeout``), a worker
 has been stopped, or silent since its last beat, or (before its first beat)
 running with no beat at all. The time to the end of the first step gets
-``max(timeout, 30 s)``: the worker imports, builds and compiles then. The report
+``max(timeout, first_step_min)`` (30 s by default: the worker imports, builds and
+compiles then). The report
 names the worker furthest behind: a stopped one first, then one that never sent
 a heartbeat while others did, then the one whose
 last heartbeat is oldest (in a deadlock every worker falls silent; the first to
@@ -21,7 +22,8 @@ do so is the likeliest cause). A worker that has finished (exited 0, or its
 script ended well and it waits in JAX's shutdown barrier) is never blamed.
 
 Uneven steps: when a worker has finished after N steps while a peer started step
-N + 1 (or later) and has been silent since for ``min(timeout, 10 s)``, the peer
+N + 1 (or later) and has been silent since for ``min(timeout, uneven_grace)``
+(10 s by default), the peer
 waits in a collective the finished worker will never join. The job ends naming
 the rank that ran more steps, and both step counts.
 """
@@ -50,6 +52,7 @@ def process_state(pid: int) -> str | None:
 
 FIRST_STEP_MIN = 30.0  # seconds: the least time a worker gets before its first beat
 UNEVEN_GRACE = 10.0  # seconds a worker may wait in a step that a finished peer never ran
+# Both are launcher settings too (--first_step_min, --uneven_grace): tests set them to seconds.
 
 
 def last_heartbeat(path: str) -> float | None:
@@ -110,21 +113,30 @@ class Stuck:
 
 
 class Watchdog:
-    """Checks the workers; :meth:`check` returns the stuck one, if any."""
+    """Checks the workers; :meth:`check` returns the stuck one, if any.
 
-    def __init__(self, timeout: float, clock=time.time):
+    Args:
+        timeout: ``--progress_timeout`` (0: never stuck).
+        first_step_min: the least time before the first step ends.
+        uneven_grace: the most time a worker waits in a step a finished peer never ran.
+    """
+
+    def __init__(self, timeout: float, clock=time.time, first_step_min: float = FIRST_STEP_MIN,
+                 uneven_grace: float = UNEVEN_GRACE):
         self.timeout = timeout
         self.clock = clock
+        self.first_step_min = first_step_min
+        self._uneven_grace = uneven_grace
         self._stopped_since: dict[int, float] = {}
         self._finished_since: dict[int, float] = {}
 
     @property
     def first_step_timeout(self) -> float:
-        return max(self.timeout, FIRST_STEP_MIN)
+        return max(self.timeout, self.first_step_min)
 
     @property
     def uneven_grace(self) -> float:
-        return min(self.timeout, UNEVEN_GRACE)
+        return min(self.timeout, self._uneven_grace)
 
     def check(self, workers: Iterable[Watched]) -> Stuck | None:
         if not self.timeout:
@@ -209,7 +221,7 @@ class Watchdog:
             if not any(b is not None for b in beats.values()):
                 return (
                     f"no step started within {self.first_step_timeout:g} s of the start "
-                    f"(the first step's limit: {limit}, at least {FIRST_STEP_MIN:g} s) and no "
+                    f"(the first step's limit: {limit}, at least {self.first_step_min:g} s) and no "
                     "worker sent a heartbeat: stuck before the first step, e.g. in a "
                     "collective call (barrier, checkpoint manager) that not every process "
                     "made"

@@ -1,4 +1,4 @@
-"""A worker of the launcher-free multi-process test: LinearNet on the seeds' data.
+"""A fleetrun worker: LinearNet on the seeds' data (tests/workers/two_processes.py).
 
 Reads the FLEET_* environment like any worker, trains STEPS steps on its own
 rows of each global batch, and (rank 0) writes the parameters and losses to

@@ -1,0 +1,116 @@
+"""The one fleetrun job of the default test tier: every "2 processes equal one
+process" scenario, one after the other, in one launch of 2 processes x 2 CPU
+devices (``tests/test_two_processes.py`` starts it and checks each scenario).
+
+    fleetrun --nproc_per_node 2 --cpu_devices 2 tests/workers/two_processes.py OUT
+
+Each scenario runs in its own directory ``OUT/NAME`` and writes its results
+there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
+
+* ``hapi``: a single-device ``fleet.Model`` script (no ``fleet.init``: it runs
+  first, so it joins by itself, as a seed-003 script does);
+* ``io``: ``fleet.io.DataLoader`` batches and exact evaluation on every process;
+* ``core``: LinearNet with Adam, models broadcast from process 0, and the
+  collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``);
+* ``shapes``: the core contract's step shapes (a), (b) and (e);
+* ``strategy``: amp, recompute, gradient_merge, LAMB, fp16_allreduce and no_sync;
+* ``sharding``: ZeRO stage 1 (NNX, with a checkpoint) and stage 2 (Linen).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import fleet  # noqa: E402
+from tests.workers import contract_train, core_train, sharding_train, strategy_train  # noqa: E402
+
+SCENARIOS = ("hapi", "io", "core", "shapes", "strategy", "sharding")
+PROCESSES, LOCAL = 2, 2
+HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
+IO_N, IO_BATCH = 37, 2
+
+
+def hapi() -> None:
+    import optax
+    from flax import nnx
+
+    from fleet.hapi import Model, metric
+    from fleet.io import TensorDataset
+    from tests.test_hapi import N_EVAL, N_TRAIN, Net, ce, flat_params, make_data
+
+    train, test = make_data(N_TRAIN, seed=0), make_data(N_EVAL, seed=1)
+    model = Model(Net(nnx.Rngs(0)))
+    model.prepare(optax.adam(1e-2), ce, metric.Accuracy())
+    history = model.fit(TensorDataset(list(train)), TensorDataset(list(test)),
+                        batch_size=HAPI_BATCH, epochs=2, log_freq=2, verbose=2)
+    result = model.evaluate(TensorDataset(list(test)), batch_size=3, verbose=0)
+    pred = model.predict(TensorDataset([test[0]]), batch_size=3, stack_outputs=True,
+                         verbose=0)[0]
+    import jax
+
+    model.save("ckpt")
+    if fleet.is_first_worker():
+        np.savez("params.npz", pred=pred, **flat_params(model.network))
+        with open("result.json", "w") as f:
+            json.dump({"history": history, "result": result, "replicas": fleet.num_replicas(),
+                       "processes": jax.process_count()}, f)
+
+
+def io() -> None:
+    from fleet.io import DataLoader, TensorDataset
+
+    world = fleet.init(is_collective=True)
+    x = np.arange(IO_N * 2, dtype=np.float32).reshape(IO_N, 2)
+    loader = DataLoader(TensorDataset([x, np.arange(IO_N)]), batch_size=IO_BATCH, shuffle=True)
+    out = {"mesh_ids": [d.id for d in world.mesh.devices.flat], "steps": [], "seen": []}
+    for epoch in range(2):
+        for xb, yb in loader:
+            assert xb.sharding == world.batch and yb.sharding == world.batch
+            assert xb.shape == (yb.shape[0], 2)
+            out["steps"].append({
+                "epoch": epoch,
+                "shape": list(yb.shape),
+                "shards": {str(s.device.id): np.asarray(s.data).tolist()
+                           for s in yb.addressable_shards},
+                "x_ok": all(np.array_equal(np.asarray(s.data), x[np.asarray(t.data)])
+                            for s, t in zip(xb.addressable_shards, yb.addressable_shards)),
+            })
+            out["seen"] += loader.gather_for_metrics(yb).tolist()
+    with open(f"result.{fleet.worker_index()}.json", "w") as f:
+        json.dump(out, f)
+
+
+def core() -> None:
+    core_train.main("result.npz")
+
+
+def shapes() -> None:
+    contract_train.main("result.npz", "shapes")
+
+
+def strategy() -> None:
+    strategy_train.main("result.npz")
+
+
+def sharding() -> None:
+    sharding_train.main("result.npz", os.path.abspath("ckpt"))
+
+
+def main(out: str) -> None:
+    for name in SCENARIOS:
+        here = os.path.join(os.path.abspath(out), name)
+        os.makedirs(here, exist_ok=True)
+        os.chdir(here)
+        print(f"=== {name}", flush=True)
+        globals()[name]()
+        fleet.barrier_worker()
+        print(f"=== {name} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
