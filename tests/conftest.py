@@ -30,6 +30,12 @@ from tests.jobs import jobs  # noqa: E402,F401 (a fixture: starts fleetrun jobs)
 assert len(jax.devices()) == 8, "conftest must run before jax is imported"
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (each holds 8 fake devices and
+    starts jobs of its own)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 @pytest.fixture
 def sigint_default():
     """Ctrl-C raises KeyboardInterrupt during the test, as in a foreground terminal.

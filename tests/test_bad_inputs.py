@@ -11,6 +11,7 @@ from flax import nnx
 import fleet
 from tests import jobs, models
 from tests.test_contract_multiprocess import WORKER
+from tests.tiers import slow
 
 
 def _model():
@@ -93,6 +94,7 @@ def test_nan_goes_unnamed_without_check_nan_inf(make_world):
     assert np.isnan(models.flat_params(model)["['_linear1']['kernel']"]).any()
 
 
+@slow
 def test_a_scalar_argument_that_differs_by_process(tmp_path):
     """Replicated step arguments must be equal on every process (2 processes x 2)."""
     job = jobs.two_processes(tmp_path, WORKER, "-", "scalar", timeout=120, ok=False)
@@ -104,6 +106,7 @@ def test_a_scalar_argument_that_differs_by_process(tmp_path):
     print(f"per-process scalar: job ended in {seconds:.1f} s")
 
 
+@slow
 def test_a_collective_call_on_one_rank_only(tmp_path):
     """Wrapping the model on rank 0 only: rank 0 does not wait forever; it names the
     call and rank 1 (FLEET_AGREE_TIMEOUT=10 keeps the test short)."""

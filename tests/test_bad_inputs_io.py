@@ -22,6 +22,7 @@ from fleet.io import (
     TensorDataset,
 )
 from tests import jobs
+from tests.tiers import slow
 
 
 class Samples(Dataset):
@@ -142,6 +143,7 @@ UNEVEN = textwrap.dedent("""
 """)
 
 
+@slow
 def test_datasets_of_different_lengths_raise_on_every_process(tmp_path):
     """40 samples on process 0 and 44 on process 1 would give 5 and 6 batches, then hang
     in the step; the samplers compare lengths when they start, and both processes raise."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import slow
+
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -32,8 +34,10 @@ JOBS = {
         (*TWO, LOOP, "--steps", "5", "--extra_step_rank", "0", "--no_heartbeat"), 124,
         r"rank 0 \(pid \d+\) is stuck: uneven steps: rank 0 ran more steps \(6\) than "
         r"rank 1 \(5\)\. Rank 1 finished after 5 steps", 60),
+    # The same with the wait set to seconds (--uneven_grace).
     "uneven steps, rank 1 one more": (
-        (*TWO, LOOP, "--steps", "4", "--extra_step_rank", "1", "--no_heartbeat"), 124,
+        (*TWO, "--uneven_grace", "2", LOOP, "--steps", "4", "--extra_step_rank", "1",
+         "--no_heartbeat"), 124,
         r"rank 1 \(pid \d+\) is stuck: uneven steps: rank 1 ran more steps \(5\) than "
         r"rank 0 \(4\)", 60),
     # Rank 1 finished cleanly; rank 0 hangs after its last step: rank 0 is the one stuck.
@@ -42,13 +46,15 @@ JOBS = {
          "--hang_step", "3"), 124,
         r"rank 0 \(pid \d+\) is stuck: no progress for .*rank 1: finished", 60),
     # A collective call on rank 0 only, before any step: no heartbeat from anyone.
+    # (The first step's floor is 30 s by default; --first_step_min sets it to 3.)
     "stuck before the first step": (
-        (*TWO, "--progress_timeout", "3", ONE_RANK_COLLECTIVE), 124,
-        r"is stuck: no step started within 30 s of the start .* stuck before the first "
+        (*TWO, "--progress_timeout", "3", "--first_step_min", "3", ONE_RANK_COLLECTIVE), 124,
+        r"is stuck: no step started within 3 s of the start .* stuck before the first "
         r"step", 60),
 }
 
 
+@slow
 @pytest.mark.parametrize("case", list(JOBS))
 def test_job_ends_by_itself(jobs, case):
     args, code, message, seconds = JOBS[case]

@@ -20,7 +20,10 @@ import pytest
 
 from fleet.checkpoint import CheckpointManager
 from tests import jobs
+from tests.tiers import slow
 from tests.workers import ckpt_common, ckpt_jobs
+
+pytestmark = slow  # resume and restart across real processes
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 

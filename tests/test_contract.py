@@ -22,11 +22,11 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from tests import models
+from tests import models, tiers
 from tests.jaxpr_utils import count_primitives
 
 STEPS, BATCH, TOL = 8, 16, 1e-5
-DEVICES = [1, 2, 4, 8]
+DEVICES = tiers.devices(1, 2, 4, 8)
 
 
 def split_mean_grad(grad_fn, x, y, n):

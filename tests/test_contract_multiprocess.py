@@ -11,7 +11,10 @@ import pytest
 from flax.training.train_state import TrainState
 
 from tests import jobs, models
+from tests.tiers import slow
 from tests.workers import contract_train as worker
+
+pytestmark = slow  # multi-process fault cases (the program guard)
 
 WORKER = Path(worker.__file__)
 

@@ -13,10 +13,10 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from tests import models
+from tests import models, tiers
 
 STEPS, BATCH, TOL = 30, 16, 1e-5
-DEVICES = [1, 2, 4, 8]
+DEVICES = tiers.devices(1, 2, 4, 8)
 
 
 @pytest.fixture(scope="module")

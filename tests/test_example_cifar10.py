@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.tiers import slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cifar10"
 FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
@@ -211,6 +213,7 @@ def run_script(args, devices, cwd, timeout=120, check=True):
     return proc
 
 
+@slow
 def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
         server, archive, tmp_path):
     """4 replicas either way (1 process x 4 devices; fleetrun: 2 processes x 2 devices):
@@ -275,6 +278,7 @@ def test_the_plot_is_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert not (tmp_path / "curves.png").exists()
 
 
+@slow
 def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
     """--max-steps stops in the middle of epoch 2 (after saving); --resume finishes the
     job. The validation numbers after the last epoch, a function of the parameters,
@@ -312,6 +316,7 @@ def readme_main_command() -> list[str]:
     return [FLEETRUN, *words[1:]]
 
 
+@slow
 def test_readme_main_command_offline_trains_on_generated_data_and_says_so(tmp_path):
     """No route to the host (the download URL is a closed loopback port), the default
     cache: the job ends with 0, a banner first, "(synthetic data)" on every accuracy

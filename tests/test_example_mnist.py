@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.tiers import slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mnist"
 FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
@@ -123,6 +125,7 @@ def test_defaults_are_the_seeds_settings(monkeypatch):
 
 # -- acceptance 1: one process and fleetrun --------------------------------------------------
 
+@slow
 def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):
     """Two replicas either way (1 process x 2 devices, 2 processes x 1 device): the same
     global batches and the same per-replica dropout keys, so the same model."""
@@ -151,6 +154,7 @@ def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):
 
 # -- acceptance 3: Fashion-MNIST -------------------------------------------------------------
 
+@slow
 def test_fashion_mnist_one_epoch_on_4_devices_reaches_84_percent(tmp_path):
     require_fashion_mnist()
     results = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fleet import FleetConfigError, WorkerEnv
+from tests.tiers import slow
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -88,6 +89,7 @@ def assert_same_params(path, reference):
     same(path, reference)
 
 
+@slow
 @pytest.mark.parametrize("cluster", [slurm, open_mpi], ids=["slurm", "open_mpi"])
 def test_cluster_launcher_trains_one_job(tmp_path, reference, cluster):
     port = free_port()
@@ -102,6 +104,7 @@ def test_cluster_launcher_trains_one_job(tmp_path, reference, cluster):
         assert f"rank {rank} of processes: 2" in text
 
 
+@slow
 def test_hand_started_copies_say_they_train_alone(tmp_path, reference):
     """Two copies with no job variables: each trains alone, and says so in one line."""
     codes, outputs = start_copies(

@@ -20,6 +20,9 @@ sys.path.insert(0, str(SCRIPTS))
 from job_processes import wait_until_gone  # noqa: E402
 
 from tests.jobs import FLEETRUN, free_port  # noqa: E402
+from tests.tiers import slow  # noqa: E402
+
+pytestmark = slow  # real launcher jobs: faults, signals, restarts, two nodes
 
 
 def assert_nothing_left(job):

@@ -14,6 +14,7 @@ import pytest
 
 from fleet import FleetConfigError
 from fleet.launch import WorkerFailedError, spawn
+from tests.tiers import slow
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # spawned children get the parent's sys.path
@@ -47,6 +48,7 @@ def no_leftovers():
     assert not left, f"spawned processes remain: {left}"
 
 
+@slow
 def test_trains_like_single_card_and_returns_values(no_leftovers):
     from linear_common import train_reference
 
@@ -74,6 +76,7 @@ def test_environment_contract_without_join(no_leftovers):
     assert env["PADDLE_TRAINER_ENDPOINTS"].split(",")[1] == env["PADDLE_CURRENT_ENDPOINT"]
 
 
+@slow
 @pytest.mark.parametrize("how,match", [
     ("raise", r"process 1 \(pid \d+\) raised an exception; the other processes were "
               r"stopped. Its traceback:\n\nTraceback \(most recent call last\):\n(.*\n)*"
@@ -96,7 +99,7 @@ def test_first_failure_stops_the_rest_and_raises(no_leftovers, how, match):
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(FleetConfigError, match=r"unknown option\(s\) 'gpu' \(did you mean "
                                                r"'gpus'\?\); valid options: cpu_devices, "
-                                               r"gpus, job_id, master"):
+                                               r"first_step_min, gpus, job_id, master"):
         spawn(spawn_targets.rank, nprocs=2, gpu="0")
 
 
@@ -113,6 +116,7 @@ def test_bad_gpus_fail_before_start(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+@slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
 def test_children_end_with_their_parent(tmp_path, signum, sigint_default):
     """Ctrl-C in the parent stops the children; a parent killed outright takes them along."""

@@ -5,7 +5,10 @@ trains is checked in the one job of tests/test_two_processes.py."""
 from pathlib import Path
 
 from tests import jobs
+from tests.tiers import slow
 from tests.workers import core_train
+
+pytestmark = slow  # a multi-process fault case
 
 
 def test_models_that_differ_across_processes_are_refused(tmp_path):

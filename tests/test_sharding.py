@@ -18,7 +18,7 @@ from flax.training.train_state import TrainState
 
 import fleet
 from fleet import _sharding
-from tests import models
+from tests import models, tiers
 
 STEPS = 30
 OPTIMIZERS = {
@@ -72,8 +72,8 @@ def bytes_on(tree, device) -> int:
 
 # -- acceptance 1: equivalence ----------------------------------------------------------------
 
-@pytest.mark.parametrize("devices", [2, 4, 8])
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("devices", tiers.devices(2, 4, 8))
+@pytest.mark.parametrize("opt_name", ["momentum", "lamb", pytest.param("adam", marks=tiers.slow)])
 def test_stages_equal_the_unsharded_run_nnx_and_linen(make_world, devices, opt_name):
     data = models.batches("linear", STEPS, 16)
     tx = OPTIMIZERS[opt_name]
@@ -96,7 +96,7 @@ def test_stages_equal_the_unsharded_run_nnx_and_linen(make_world, devices, opt_n
         assert d_nnx < 1e-6 and d_state < 1e-6 and d_linen < 1e-6
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", tiers.stages())
 def test_cnn_and_hybrid_degree_equal_the_unsharded_run(make_world, stage):
     """Convolutions (4-d kernels), and sharding_degree=2 of 4 replicas (sharded in
     pairs, replicated across them: half the state per device)."""
@@ -156,7 +156,7 @@ def test_clip_by_global_norm_is_taken_over_whole_tensors(make_world):
     assert d < 1e-6
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", tiers.stages())
 def test_with_gradient_merge_and_float16_amp(make_world, stage):
     """Sharding with gradient_merge (k=2) and float16 amp; rows of replica 1 hold
     an inf on two steps: the finite check is agreed over all shards, and every
@@ -275,7 +275,8 @@ def _continue(make_world, n, stage, data, tmp_path, step):
     return state, models.flat_params(model)
 
 
-@pytest.mark.parametrize("saved", [(4, 2), (1, 0)], ids=["saved_4_sharded", "saved_unsharded"])
+@pytest.mark.parametrize("saved", [pytest.param((4, 2), id="saved_4_sharded"),
+                                   pytest.param((1, 0), id="saved_unsharded", marks=tiers.slow)])
 def test_checkpoints_move_between_replica_counts_and_sharding(make_world, tmp_path, saved):
     data = models.batches("cnn", 12, 16)
     make_world(saved[0], strategy(saved[1]))
@@ -389,7 +390,7 @@ def test_an_nnx_optimizer_on_a_sharded_transformation_says_what_to_write(make_wo
         fleet.distributed_step(models.nnx_train_step)(model, opt, x, y)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", tiers.stages())
 def test_the_composed_strategy_with_sharding_equals_it_without(make_world, stage):
     """Issue 12's composed strategy (bf16 amp, recompute, gradient_merge k=2, LAMB
     swapped in, fp16_allreduce, one no_sync call) with sharding on."""

@@ -1,0 +1,26 @@
+"""The suite's two tiers (README, "Tests").
+
+``python -m pytest -q`` runs the default tier: every package, every table on 1
+and 4 devices, the one fleetrun job of tests/test_two_processes.py, the
+checkpoint integrity checks and the examples' short runs. ``python -m pytest -q
+-m slow`` runs the rest: the other device counts, the multi-process fault cases
+and watchdog waits, and the examples' full runs. A test of the slow tier carries
+``pytest.mark.slow`` (:data:`slow`): a whole file through ``pytestmark``, one
+test or one table row through :func:`devices` or ``pytest.param(..., marks=slow)``.
+"""
+
+import pytest
+
+slow = pytest.mark.slow
+DEFAULT_DEVICES = (1, 4)
+
+
+def devices(*counts: int) -> list:
+    """A table's device counts: those outside :data:`DEFAULT_DEVICES` are slow."""
+    return [n if n in DEFAULT_DEVICES else pytest.param(n, marks=slow) for n in counts]
+
+
+def stages() -> list:
+    """ZeRO's stages for a table: stage 2 in the default tier, stage 1 in the slow one
+    (stage 1 runs in the default tier's other sharding tests)."""
+    return [pytest.param(1, marks=slow), 2]
