@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import jobs
 from tests.tiers import slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cifar10"
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 PER_BATCH, N_TEST = 16, 25  # 80 training images in 5 batches; the test set pads on 4 replicas
 
 
@@ -228,16 +228,11 @@ def test_downloads_then_trains_alike_on_one_process_and_through_fleetrun(
     else:
         assert "matplotlib is not installed: skipped the plot" in single.stdout
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    job = subprocess.run(
-        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "2", "--log_dir", "log",
-         "--job_id", "cifar10-example-test", str(EXAMPLE / "train.py"),
-         "--data-dir", "cache", *common, "--output-dir", "fleetrun"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
+    job = jobs.two_processes(tmp_path, EXAMPLE / "train.py", "--data-dir", "cache", *common,
+                             "--output-dir", "fleetrun")
     assert server.ranges == [None]  # the fleetrun job found the archive: no download
-    assert re.search(r"^\[validation\] epoch 2/2 accuracy/loss:", job.stdout, re.M)  # rank 0
-    assert "validation" not in (tmp_path / "log" / "workerlog.1").read_text()
+    assert re.search(r"^\[validation\] epoch 2/2 accuracy/loss:", job.output, re.M)  # rank 0
+    assert "validation" not in job.log(1)
 
     a = json.loads((tmp_path / "single" / "metrics.json").read_text())
     b = json.loads((tmp_path / "fleetrun" / "metrics.json").read_text())
@@ -313,7 +308,7 @@ def readme_main_command() -> list[str]:
     line = next(line for line in quick.splitlines() if "fleetrun --nproc_per_node" in line)
     words = line.split("&&")[-1].split()
     assert words[0] == ".venv/bin/fleetrun", line
-    return [FLEETRUN, *words[1:]]
+    return [jobs.FLEETRUN, *words[1:]]
 
 
 @slow
@@ -324,13 +319,12 @@ def test_readme_main_command_offline_trains_on_generated_data_and_says_so(tmp_pa
     the suite short; the README's sizes finish in about 2 minutes on 2 CPU cores.)"""
     command = readme_main_command()
     assert command[2:5] == ["2", "examples/cifar10/train.py", "--epochs"], command
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(FLEET_DATA_HOME=str(tmp_path / "cache"), FLEET_CIFAR10_URL=closed_port_url())
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # the README runs in the checkout
-    job = subprocess.run([*command, "--train-size", "512", "--test-size", "128"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    out = job.stdout
+    job = jobs.run(tmp_path, *command[1:], "--train-size", "512", "--test-size", "128",
+                   timeout=240, entry=command[:1],
+                   env={"FLEET_DATA_HOME": str(tmp_path / "cache"),
+                        "FLEET_CIFAR10_URL": closed_port_url()})
+    out = job.output
     banner = out.index("NO CIFAR-10 ON THIS MACHINE: TRAINING ON GENERATED DATA")
     assert "cannot reach" in out[banner:] and "--data-dir DIR" in out[banner:]
     assert banner < out.index("Epoch 1/") < out.index("[validation] epoch 1/")

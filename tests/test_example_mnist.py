@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import jobs
 from tests.tiers import slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mnist"
-FLEETRUN = os.path.join(os.path.dirname(sys.executable), "fleetrun")
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -134,15 +134,10 @@ def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):
     single = run([*args, "--metrics-out", str(tmp_path / "single.json")], devices=2)
     assert "test accuracy:" in single.stdout and "samples/s" in single.stdout
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    job = subprocess.run(
-        [FLEETRUN, "--nproc_per_node", "2", "--cpu_devices", "1", "--log_dir", "log",
-         "--job_id", "mnist-example-test", str(EXAMPLE / "train.py"), *args,
-         "--metrics-out", str(tmp_path / "fleetrun.json")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
-    assert re.search(r"^test accuracy:", job.stdout, re.M)  # rank 0's lines, unprefixed
-    assert "test accuracy" not in (tmp_path / "log" / "workerlog.1").read_text()
+    job = jobs.two_processes(tmp_path, EXAMPLE / "train.py", *args, "--metrics-out",
+                             str(tmp_path / "fleetrun.json"), devices=1)
+    assert re.search(r"^test accuracy:", job.output, re.M)  # rank 0's lines, unprefixed
+    assert "test accuracy" not in job.log(1)
 
     a = json.loads((tmp_path / "single.json").read_text())
     b = json.loads((tmp_path / "fleetrun.json").read_text())

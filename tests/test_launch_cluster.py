@@ -5,8 +5,6 @@ one-process reference (and so to fleetrun); processes that cannot join must not 
 alone silently.
 """
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,28 +13,18 @@ from pathlib import Path
 import pytest
 
 from fleet import FleetConfigError, WorkerEnv
+from tests import jobs
 from tests.tiers import slow
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 TRAIN = str(SCRIPTS / "train_linear.py")
-# Variables of any launcher; the test machine's own must not leak into the job.
-_JOB_PREFIXES = ("FLEET_", "PADDLE_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "JAX_COORDINATOR")
-
-
 def clean_environ(devices=2):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_JOB_PREFIXES) and k not in ("WORLD_SIZE", "RANK", "XLA_FLAGS")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", FLEET_JAX_INIT_TIMEOUT="30")
-    return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A process started by a cluster's own launcher (no fleetrun): its devices by hand."""
+    return jobs.clean_environ(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                              JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                              FLEET_JAX_INIT_TIMEOUT="30")
 
 
 def slurm(rank, port):
@@ -92,7 +80,7 @@ def assert_same_params(path, reference):
 @slow
 @pytest.mark.parametrize("cluster", [slurm, open_mpi], ids=["slurm", "open_mpi"])
 def test_cluster_launcher_trains_one_job(tmp_path, reference, cluster):
-    port = free_port()
+    port = jobs.free_port()
     out = tmp_path / "params.npz"
     codes, outputs = start_copies(
         tmp_path, [{**clean_environ(), **cluster(rank, port)} for rank in (0, 1)],

@@ -1,16 +1,18 @@
-"""Starting checkpoint workers from the tests: one process, or two launcher-free
-processes x 2 CPU devices over gloo on 127.0.0.1. Every start has a timeout and
-kills what it started."""
+"""Starting checkpoint workers from the tests: one process, or a fleetrun job of
+two processes x 2 CPU devices over gloo on 127.0.0.1 (tests/jobs.py). Every
+start has a timeout and kills what it started."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
+
+from tests import jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests/workers/ckpt_train.py")
@@ -23,12 +25,6 @@ def _env(devices: int, **extra: str) -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(args: list, devices: int, log: Path, **env: str) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=_env(devices, **env),
@@ -37,7 +33,7 @@ def start(args: list, devices: int, log: Path, **env: str) -> subprocess.Popen:
 
 def run_one(tmp_path: Path, args: list, devices: int, timeout: float = 120) -> str:
     """Runs one worker process with ``devices`` CPU devices; returns its log."""
-    log = tmp_path / f"one-{free_port()}.log"
+    log = tmp_path / f"one-{uuid.uuid4().hex[:8]}.log"
     proc = start(args, devices, log)
     try:
         code = proc.wait(timeout=timeout)
@@ -50,21 +46,10 @@ def run_one(tmp_path: Path, args: list, devices: int, timeout: float = 120) -> s
 
 
 def run_two(tmp_path: Path, args: list, timeout: float = 180) -> list[str]:
-    """Runs a job of 2 processes x 2 CPU devices (no launcher); returns their logs."""
-    port, procs, logs = free_port(), [], []
-    for rank in range(2):
-        logs.append(tmp_path / f"two-{port}-{rank}.log")
-        procs.append(start(args, 2, logs[-1], FLEET_RANK=str(rank), FLEET_WORLD_SIZE="2",
-                           FLEET_COORDINATOR=f"127.0.0.1:{port}"))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    texts = [log.read_text(errors="replace") for log in logs]
-    assert codes == [0, 0], "\n".join(texts)
-    return texts
+    """Runs a fleetrun job of 2 processes x 2 CPU devices; returns their logs."""
+    job = jobs.two_processes(tmp_path, WORKER, *map(str, args), timeout=timeout,
+                             name=f"two-{jobs.free_port()}")
+    return job.logs(2)
 
 
 def load(path: Path, drop: tuple = ()) -> dict:
