@@ -170,6 +170,21 @@ def install_fail_fast() -> None:
 
 _alone_noted: list[bool] = []
 
+# The process that joins a job marks itself in its environment; the processes it
+# starts inherit the mark and stay out of the job: a DataLoader's workers, a
+# multiprocessing or subprocess child that imports fleet. Such a child carries the
+# worker's FLEET_* variables, and joining with its parent's rank would abort the
+# whole job ("tried to connect with a different incarnation").
+WORKER_PID = "FLEET_WORKER_PID"
+
+
+def started_by_a_worker() -> int | None:
+    """The pid of the job's worker that started this process (``None``: it did not)."""
+    pid = os.environ.get(WORKER_PID, "")
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return None
+    return int(pid)
+
 
 def initialize_distributed(env: WorkerEnv) -> None:
     """Joins the job's distributed runtime (``jax.distributed.initialize``) if any.
@@ -183,6 +198,15 @@ def initialize_distributed(env: WorkerEnv) -> None:
     """
     if jax.distributed.is_initialized():
         return
+    parent = started_by_a_worker()
+    if parent is not None and (env.is_multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        raise FleetConfigError(
+            f"this process (pid {os.getpid()}) was started by process {env.rank} of the job "
+            f"(pid {parent}); only the processes the launcher started join the job. Give a "
+            "child process its own job (fleetrun, fleet.spawn), or let it train alone: "
+            f"remove the FLEET_* and PADDLE_* variables (and {WORKER_PID}) from its "
+            "environment"
+        )
     if env.is_multiprocess and not env.from_cluster:
         kwargs = dict(
             coordinator_address=env.coordinator,
@@ -229,6 +253,7 @@ def initialize_distributed(env: WorkerEnv) -> None:
                 "your script"
             ) from e
         raise
+    os.environ[WORKER_PID] = str(os.getpid())  # its children stay out (see WORKER_PID)
     if env.from_cluster and (jax.process_count(), jax.process_index()) != (
             env.world_size, env.rank):
         raise FleetConfigError(
@@ -244,9 +269,12 @@ def join_launched_job() -> None:
     its first computation, and a ``fleet.Model`` script builds its network (which
     computes) with no ``fleet.init`` at all: the launcher alone makes it distributed,
     as with Paddle's high-level API. Outside a launched multi-process job it does
-    nothing; a malformed environment or a backend already running is left for
-    ``fleet.init`` to report.
+    nothing, and so it does in a process that a worker started (a DataLoader's
+    workers, any child: see ``WORKER_PID``); a malformed environment or a backend
+    already running is left for ``fleet.init`` to report.
     """
+    if started_by_a_worker() is not None:
+        return
     try:
         env = WorkerEnv.from_environ()
     except FleetConfigError:

@@ -281,7 +281,8 @@ def test_gpu_processes_see_one_gpu_each(tmp_path, script):
 
 def test_inherited_worker_variables_are_dropped():
     inherited = {"FLEET_RANK": "3", "PADDLE_TRAINER_ENDPOINTS": "x:1", "HOME": "/h",
-                 "FLEET_JAX_INIT_TIMEOUT": "20", "JAX_COORDINATOR_BIND_ADDRESS": "0:1"}
+                 "FLEET_JAX_INIT_TIMEOUT": "20", "JAX_COORDINATOR_BIND_ADDRESS": "0:1",
+                 "FLEET_WORKER_PID": "4242"}  # a job started from inside a worker
     assert worker_base_environ(inherited) == {"HOME": "/h", "FLEET_JAX_INIT_TIMEOUT": "20"}
 
 

@@ -188,3 +188,21 @@ def test_each_device_of_each_process_gets_its_replica_batch(scenarios):
         # Exact evaluation across processes: every sample once per epoch, on every process.
         seen = np.array(result["seen"]).reshape(2, n)
         assert [sorted(epoch) for epoch in seen.tolist()] == [list(range(n))] * 2
+
+
+def test_processes_a_worker_starts_stay_out_of_the_job(scenarios):
+    """Loader workers (num_workers=2) give the batches of num_workers=0 and the job
+    lives on; a multiprocessing child and a subprocess child import fleet without
+    joining, and their fleet.init says why it will not join (issue 19)."""
+    here = scenarios.dir("children")
+    for rank in range(worker.PROCESSES):
+        loader = json.loads((here / f"loader.{rank}.json").read_text())
+        assert loader["batches"]["2"] == loader["batches"]["0"] and loader["batches"]["0"]
+        assert loader["exitcode"] == 0
+        for kind in ("multiprocessing", "subprocess"):
+            seen = json.loads((here / f"{kind}.{rank}.json").read_text())
+            assert seen["parent"] == loader["pid"], kind
+            assert not seen["joined_at_import"] and not seen["joined"], kind
+            assert seen["init"].startswith(
+                f"this process (pid {seen['pid']}) was started by process {rank} of the job "
+                f"(pid {loader['pid']}); only the processes the launcher started join"), seen

@@ -271,7 +271,7 @@ _OWNED = frozenset(
     WorkerEnv(world_size=2, coordinator="h:1", current_endpoint="h:1",
               trainer_endpoints=("h:1",), job_id="j").to_environ()
 ) | {"FLEET_HEARTBEAT_FILE", "FLEET_PROGRESS_TIMEOUT", "FLEET_JAX_HEARTBEAT_TIMEOUT",
-     "JAX_COORDINATOR_BIND_ADDRESS", "FLAGS_selected_gpus"}
+     "JAX_COORDINATOR_BIND_ADDRESS", "FLAGS_selected_gpus", "FLEET_WORKER_PID"}
 
 
 def worker_base_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -10,6 +10,9 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
 * ``hapi``: a single-device ``fleet.Model`` script (no ``fleet.init``: it runs
   first, so it joins by itself, as a seed-003 script does);
 * ``io``: ``fleet.io.DataLoader`` batches and exact evaluation on every process;
+* ``children``: processes a worker starts stay out of the job: a DataLoader's
+  worker processes (their batches equal ``num_workers=0``'s), a multiprocessing
+  child and a subprocess child that import fleet and call ``fleet.init``;
 * ``core``: LinearNet with Adam, models broadcast from process 0, and the
   collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``);
 * ``shapes``: the core contract's step shapes (a), (b) and (e);
@@ -18,7 +21,9 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
 """
 
 import json
+import multiprocessing
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -27,9 +32,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import fleet  # noqa: E402
-from tests.workers import contract_train, core_train, sharding_train, strategy_train  # noqa: E402
+from tests.workers import (  # noqa: E402
+    child_probe,
+    contract_train,
+    core_train,
+    sharding_train,
+    strategy_train,
+)
 
-SCENARIOS = ("hapi", "io", "core", "shapes", "strategy", "sharding")
+SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding")
 PROCESSES, LOCAL = 2, 2
 HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
 IO_N, IO_BATCH = 37, 2
@@ -83,6 +94,28 @@ def io() -> None:
             out["seen"] += loader.gather_for_metrics(yb).tolist()
     with open(f"result.{fleet.worker_index()}.json", "w") as f:
         json.dump(out, f)
+
+
+def children() -> None:
+    from fleet.io import DataLoader, TensorDataset
+
+    fleet.init(is_collective=True)
+    rank = fleet.worker_index()
+    x = np.arange(IO_N * 2, dtype=np.float32).reshape(IO_N, 2)
+    batches = {}
+    for workers in (0, 2):  # loader workers import fleet: they must not join the job
+        loader = DataLoader(TensorDataset([x]), batch_size=IO_BATCH, shuffle=True,
+                            num_workers=workers)
+        batches[workers] = [[np.asarray(s.data).tolist() for s in xb.addressable_shards]
+                            for (xb,) in loader]
+    child = multiprocessing.get_context("spawn").Process(
+        target=child_probe.main, args=(f"multiprocessing.{rank}.json",))
+    child.start()
+    child.join(timeout=120)
+    subprocess.run([sys.executable, child_probe.__file__, f"subprocess.{rank}.json"],
+                   check=True, timeout=120)
+    with open(f"loader.{rank}.json", "w") as f:
+        json.dump({"batches": batches, "pid": os.getpid(), "exitcode": child.exitcode}, f)
 
 
 def core() -> None:
