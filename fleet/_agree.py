@@ -21,6 +21,7 @@ import time
 
 import jax
 
+from fleet import _compat
 from fleet._errors import FleetError
 
 #: Default bound on every wait, in seconds; ``FLEET_AGREE_TIMEOUT`` overrides it.
@@ -43,12 +44,6 @@ def default_timeout() -> float:
         ) from None
 
 
-def _client():
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
 def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]:
     """Publishes ``value`` and returns every process's value, in rank order.
 
@@ -67,7 +62,7 @@ def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]
     nproc, rank = jax.process_count(), jax.process_index()
     if nproc == 1:
         return [value]
-    client = _client()
+    client = _compat.distributed_client()
     if client is None:  # several processes but no runtime: nothing to agree through
         return [value]
     timeout_s = default_timeout() if timeout_s is None else timeout_s

@@ -73,7 +73,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _context, _guards, _roles, _sharding, _sync, _worker
+from fleet import _compat, _context, _guards, _roles, _sharding, _sync, _worker
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._replicas import check_replicas
 from fleet._tree import dotted
@@ -115,18 +115,6 @@ class _Plan:
         )
 
 
-def _plain_array_variable(v: nnx.Variable) -> bool:
-    """Whether ``v`` holds one jax.Array and no hooks but fleet's read hook: then
-    the step reads and writes its raw value directly (Flax's private fields; any
-    other layout falls back to ``get_raw_value`` / ``set_raw_value``)."""
-    metadata = getattr(v, "_var_metadata", None)
-    return (
-        isinstance(getattr(v, "_raw_value", None), jax.Array)
-        and isinstance(metadata, dict)
-        and not metadata.get("on_set_value")
-    )
-
-
 class _GraphCache:
     """The NNX objects' graph, split once and reused while their structure holds."""
 
@@ -150,7 +138,9 @@ class _GraphCache:
                            if isinstance(v, _sync.GradAccumulator) else None
                            for p, v in with_path]
         self.sharded = any(isinstance(v, _sharding.ShardedState) for v in self.variables)
-        self.fast = all(map(_plain_array_variable, self.variables)) and (
+        # Plain array variables: read and written through Flax's raw fields
+        # (fleet/_compat.py), skipping Variable.__setattr__'s trace checks.
+        self.fast = _compat.fast_variables(self.variables) and (
             self.state_treedef.num_leaves == len(self.variables)
         )
 
@@ -166,13 +156,12 @@ class _GraphCache:
 
     def read(self) -> list:
         if self.fast:
-            return [v._raw_value for v in self.variables]
+            return _compat.read_raw(self.variables)
         return [v.get_raw_value() for v in self.variables]
 
     def write(self, values: Sequence) -> None:
         if self.fast:  # outside any trace: skip Variable.__setattr__'s trace checks
-            for v, x in zip(self.variables, values):
-                object.__setattr__(v, "_raw_value", x)
+            _compat.write_raw(self.variables, values)
         else:
             for v, x in zip(self.variables, values):
                 v.set_raw_value(x)

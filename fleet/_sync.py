@@ -42,24 +42,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.typing import MISSING, Missing
-from jax._src.interpreters import ad
 
+from fleet import _compat
 from fleet._context import BucketConfig
 from fleet._world import DATA_AXIS
 
-_DIFF_TRACERS = (ad.JVPTracer, ad.LinearizeTracer)
-
 
 def is_varying(x: Any) -> bool:
-    """Whether ``x`` (inside a step) may differ across replicas (its vma type)."""
-    try:
-        return DATA_AXIS in jax.typeof(x).mat.varying
-    except AttributeError:  # outside shard_map: no vma
-        return False
+    """Whether ``x`` (inside a step) may differ across replicas (its vma type;
+    outside ``shard_map`` the set of varying axes is empty). No fallback: were the
+    field to move, this raises rather than call every gradient replicated."""
+    return DATA_AXIS in jax.typeof(x).manual_axis_type.varying
 
 
 def is_differentiated(x: Any) -> bool:
-    return isinstance(x, _DIFF_TRACERS)
+    return _compat.is_differentiated(x)
 
 
 @dataclasses.dataclass

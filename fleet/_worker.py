@@ -24,7 +24,7 @@ import threading
 
 import jax
 
-from fleet import _cluster
+from fleet import _cluster, _compat
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError
 
@@ -233,6 +233,12 @@ def initialize_distributed(env: WorkerEnv) -> None:
                 raise FleetConfigError(
                     f"environment variable {variable}={value!r} is not a number of seconds"
                 ) from None
+    if _compat.backends_are_initialized():  # JAX joins a job only before it computes
+        raise FleetConfigError(
+            "fleet.init must run before any JAX computation in a multi-process job (this "
+            f"process, rank {env.rank} of {env.world_size}, has computed already); move "
+            "fleet.init(is_collective=True) to the top of your script"
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     install_fail_fast()  # a failing worker must not wait in JAX's shutdown barrier
     try:
@@ -245,14 +251,6 @@ def initialize_distributed(env: WorkerEnv) -> None:
             f"but JAX cannot tell this process's rank and the job's size ({e}); start the "
             "job with fleetrun, or set FLEET_RANK and FLEET_WORLD_SIZE too"
         ) from e
-    except RuntimeError as e:
-        if "before any JAX" in str(e) or "backend" in str(e).lower():
-            raise FleetConfigError(
-                "fleet.init must run before any JAX computation in a multi-process job "
-                f"(JAX said: {e}); move fleet.init(is_collective=True) to the top of "
-                "your script"
-            ) from e
-        raise
     os.environ[WORKER_PID] = str(os.getpid())  # its children stay out (see WORKER_PID)
     if env.from_cluster and (jax.process_count(), jax.process_index()) != (
             env.world_size, env.rank):
@@ -281,11 +279,6 @@ def join_launched_job() -> None:
         return
     if not env.is_multiprocess or jax.distributed.is_initialized():
         return
-    try:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            return
-    except (ImportError, AttributeError):
+    if _compat.backends_are_initialized():
         return
     initialize_distributed(env)

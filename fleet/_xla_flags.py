@@ -156,12 +156,11 @@ def apply_cpu_collective_environ(environ: MutableMapping[str, str] | None = None
     if not wanted:
         return False
     if environ is os.environ and "jax" in sys.modules:
-        try:
-            from jax._src import xla_bridge
+        # Imported here on purpose: fleet/_compat.py imports jax, and this module runs
+        # before anything that may import jax (fleet/__init__.py).
+        from fleet import _compat
 
-            if xla_bridge.backends_are_initialized():
-                return False
-        except (ImportError, AttributeError):
+        if _compat.backends_are_initialized():
             return False
     environ.update(wanted)
     return True

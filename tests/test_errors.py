@@ -179,3 +179,22 @@ def test_unhashable_static_argument(trained):
 
     with pytest.raises(fleet.FleetTypeError, match="static value.*not hashable.*a tuple instead"):
         step(model, np.ones((4, 10), np.float32), ["a", "b"])
+
+
+def test_joining_a_job_after_computing_says_to_move_fleet_init(monkeypatch):
+    """JAX joins a job only before its first computation: fleet.init checks that
+    itself (fleet/_compat.py) before it calls jax.distributed.initialize."""
+    jax.numpy.ones(2).block_until_ready()  # this process has computed
+    monkeypatch.setenv("FLEET_WORLD_SIZE", "2")
+    monkeypatch.setenv("FLEET_RANK", "1")
+    monkeypatch.setenv("FLEET_COORDINATOR", "127.0.0.1:1")
+    _world._WORLD = None
+    try:
+        with pytest.raises(fleet.FleetConfigError,
+                           match=r"fleet.init must run before any JAX computation in a "
+                                 r"multi-process job \(this process, rank 1 of 2, has computed "
+                                 r"already\); move fleet.init\(is_collective=True\) to the top"):
+            fleet.init(is_collective=True)
+        assert not jax.distributed.is_initialized()
+    finally:
+        _world._WORLD = None

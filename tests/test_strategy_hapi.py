@@ -30,6 +30,7 @@ from fleet.io import TensorDataset
 from tests import models
 from tests.test_example_mnist import FASHION, require_fashion_mnist
 from tests.test_strategy import FP16, paddle_scale_rules
+from tests.tiers import slow
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mnist"
 
@@ -193,6 +194,7 @@ def fashion_runs():
     return runs
 
 
+@slow  # trains on Fashion-MNIST for an epoch, twice
 def test_bf16_fashion_mnist_accuracy_within_half_a_point_of_fp32(fashion_runs):
     fp32, bf16 = fashion_runs["fp32"][1], fashion_runs["bf16"][1]
     print(f"Fashion-MNIST test accuracy, 1 epoch on {NUM_TRAIN} images, {DEVICES} devices: "
@@ -201,6 +203,7 @@ def test_bf16_fashion_mnist_accuracy_within_half_a_point_of_fp32(fashion_runs):
     assert abs(bf16 - fp32) <= 0.005
 
 
+@slow  # trains on Fashion-MNIST for an epoch, twice
 def test_bf16_fashion_mnist_loss_curve_within_2_percent_of_fp32(fashion_runs):
     """The curve compared is the loss averaged over a sliding window of 10 steps
     (the smoothed curve one plots). Single steps are compared too, and printed:

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +45,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet import _agree
+from fleet import _agree, _compat
 from fleet._errors import FleetError, FleetWarning
 from fleet._world import world
 from fleet.checkpoint import _integrity, _state, _tree
@@ -165,7 +164,7 @@ def _finish_pending_saves() -> None:
 
 def _hook_exit() -> None:
     if not _HOOKED:
-        threading._register_atexit(_finish_pending_saves)  # runs before atexit's hooks
+        _compat.register_before_exit(_finish_pending_saves)  # before atexit's hooks
         _HOOKED.append(True)
 
 

@@ -426,9 +426,9 @@ def _coordinator_last(name: str, timeout_s: float = 10.0) -> None:
     dying in a read when the service goes away."""
     import jax
 
-    from fleet._agree import _client
+    from fleet import _compat
 
-    client, rank = _client(), jax.process_index()
+    client, rank = _compat.distributed_client(), jax.process_index()
     prefix = f"fleet/agree/{name}/raising/"
     try:
         client.key_value_set(prefix + str(rank), "1")

@@ -1,0 +1,122 @@
+"""The one door to private symbols of fleet's dependencies.
+
+fleet uses public APIs of jax, flax, optax and orbax wherever they exist. What
+has no public form lives here, one function per need, and :func:`check` (run at
+import) makes sure each symbol still exists with the shape fleet expects: a
+missing or changed one raises :class:`FleetUnsupportedError` naming the
+versions fleet supports, instead of a feature going silently off.
+
+=================================  ===================================================
+need                               private symbol
+=================================  ===================================================
+:func:`backends_are_initialized`   ``jax._src.xla_bridge.backends_are_initialized``:
+                                   JAX can join a job only before its first
+                                   computation
+:func:`distributed_client`         ``jax._src.distributed.global_state.client``:
+                                   the key-value store behind fleet's bounded
+                                   agreement across processes (``_agree``)
+:func:`is_differentiated`          ``jax._src.interpreters.ad`` ``JVPTracer`` and
+                                   ``LinearizeTracer``: is a read inside
+                                   ``jax.grad``?
+:func:`register_before_exit`       ``threading._register_atexit``: runs when the main
+                                   thread ends, before ``concurrent.futures`` stops
+                                   taking work (an orbax save would die)
+:func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
+:func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
+                                   plain array variable's value without
+                                   ``Variable.__setattr__``'s trace checks
+=================================  ===================================================
+
+Still outside this door (issue 19's remaining work): optax's ``safe_norm`` and
+``optax.tree.norm`` under ZeRO sharding (``fleet/_sharding.py``) and orbax's
+tensorstore serialization (``fleet/checkpoint/_io.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax._src import distributed, xla_bridge
+from jax._src.interpreters import ad
+
+from fleet._errors import FleetUnsupportedError
+
+SUPPORTED = "jax 0.10.2 to 0.10.x, flax 0.12.8 to 0.12.x (pyproject.toml)"
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has started a backend (then it can no longer join a job)."""
+    return xla_bridge.backends_are_initialized()
+
+
+def distributed_client() -> Any:
+    """JAX's coordination-service client of this process (its key-value store), once
+    ``jax.distributed.initialize`` has run."""
+    return distributed.global_state.client
+
+
+def is_differentiated(x: Any) -> bool:
+    """Whether ``x`` is being differentiated (a JVP or linearize tracer)."""
+    return isinstance(x, (ad.JVPTracer, ad.LinearizeTracer))
+
+
+def register_before_exit(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` when the main thread ends, before ``atexit``'s hooks and before
+    ``concurrent.futures`` refuses new work."""
+    threading._register_atexit(fn)
+
+
+def fast_variables(variables: Sequence[nnx.Variable]) -> bool:
+    """Whether every variable holds one jax.Array and no hooks but fleet's read
+    hook: then :func:`read_raw` / :func:`write_raw` may skip ``get_raw_value`` /
+    ``set_raw_value``."""
+    for v in variables:
+        metadata = getattr(v, "_var_metadata", None)
+        if not (isinstance(getattr(v, "_raw_value", None), jax.Array)
+                and isinstance(metadata, dict) and not metadata.get("on_set_value")):
+            return False
+    return True
+
+
+def read_raw(variables: Sequence[nnx.Variable]) -> list:
+    """Each variable's raw value (variables that passed :func:`fast_variables`)."""
+    return [v._raw_value for v in variables]
+
+
+def write_raw(variables: Sequence[nnx.Variable], values: Sequence) -> None:
+    """Sets each variable's raw value, outside any trace (variables that passed
+    :func:`fast_variables`)."""
+    for v, x in zip(variables, values):
+        object.__setattr__(v, "_raw_value", x)
+
+
+def check() -> None:
+    """Raises :class:`FleetUnsupportedError` if a symbol above is gone or changed."""
+    missing = []
+    if not callable(getattr(xla_bridge, "backends_are_initialized", None)):
+        missing.append("jax._src.xla_bridge.backends_are_initialized")
+    if not hasattr(getattr(distributed, "global_state", None), "client"):
+        missing.append("jax._src.distributed.global_state.client")
+    for name in ("JVPTracer", "LinearizeTracer"):
+        if not isinstance(getattr(ad, name, None), type):
+            missing.append(f"jax._src.interpreters.ad.{name}")
+    if not callable(getattr(threading, "_register_atexit", None)):
+        missing.append("threading._register_atexit")
+    probe = nnx.Param(np.zeros(()))  # numpy: importing fleet computes nothing
+    if not isinstance(getattr(probe, "_raw_value", None), np.ndarray) or not isinstance(
+            getattr(probe, "_var_metadata", None), dict):
+        missing.append("flax.nnx.Variable._raw_value / _var_metadata")
+    if missing:
+        raise FleetUnsupportedError(
+            f"this installation lacks what fleet needs from its dependencies: "
+            f"{', '.join(missing)} (jax {jax.__version__}); fleet supports {SUPPORTED}: "
+            "install those versions (pip install -e . picks them)"
+        )
+
+
+check()
