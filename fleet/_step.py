@@ -459,23 +459,38 @@ class DistributedStep:
         def run(state, trees, batch, repl):
             try:
                 return jitted(plan, state, trees, batch, repl)
-            except ValueError as e:
-                if "sharding" not in str(e).lower() and "device" not in str(e).lower():
-                    raise
+            except ValueError:
                 # Arrays committed elsewhere (a new TrainState's step counter, arrays
-                # made on one device): place them on the mesh and go on.
-                w = world()
-                repl = jax.device_put(repl, w.replicated)
-                data = NamedSharding(w.mesh, P(DATA_AXIS))
-                trees = jax.tree.map(
-                    lambda x: _sharding.Shard(jax.device_put(x.value, data), x.layout)
-                    if _sharding.is_shard(x) else jax.device_put(x, w.replicated),
-                    trees, is_leaf=_sharding.is_shard)
-                state = [x if pr else jax.device_put(x, w.replicated)
-                         for x, pr in zip(state, self._graph.per_replica)]
-                return jitted(plan, state, trees, batch, repl)
+                # made on one device) are refused by jit: if the arguments' own
+                # shardings say so, place them on the mesh and go on.
+                placed = self._placed(state, trees, repl)
+                if placed is None:
+                    raise
+                return jitted(plan, placed[0], placed[1], batch, placed[2])
 
         return run
+
+    def _placed(self, state: list, trees: Any, repl: Any) -> tuple | None:
+        """The state, tree and replicated arguments placed on the mesh, or ``None``
+        when every array is already where the step expects it."""
+        w = world()
+        data = NamedSharding(w.mesh, P(DATA_AXIS))
+        misplaced = []
+
+        def place(x: Any, where: NamedSharding) -> Any:
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(where, x.ndim):
+                return x
+            misplaced.append(x)
+            return jax.device_put(x, where)
+
+        repl = jax.tree.map(lambda x: place(x, w.replicated), repl)
+        trees = jax.tree.map(
+            lambda x: _sharding.Shard(place(x.value, data), x.layout)
+            if _sharding.is_shard(x) else place(x, w.replicated),
+            trees, is_leaf=_sharding.is_shard)
+        state = [x if pr else place(x, w.replicated)
+                 for x, pr in zip(state, self._graph.per_replica)]
+        return (state, trees, repl) if misplaced else None
 
     # -- the traced program ------------------------------------------------------------
 

@@ -167,3 +167,30 @@ def test_collectives_outside_a_step_with_one_process(make_world):
     assert (fleet.num_replicas(), fleet.num_local_replicas()) == (4, 4)
     with pytest.raises(fleet.FleetConfigError, match="op='mean' is not one of"):
         fleet.all_reduce(x, op="mean")
+
+
+def test_arrays_committed_elsewhere_are_placed_on_the_mesh(setup):
+    """A replicated argument and a tree argument committed to other devices than
+    the mesh's: jit refuses them, and the step places them on the mesh after
+    checking their shardings; an error of the step itself still names itself."""
+    model, _ = setup
+    devices = jax.devices()
+
+    @fleet.distributed_step
+    def step(model, extra, x, scale):
+        return (model(x) * scale).mean() + extra["bias"]
+
+    x, _ = models.batches("linear", 1, 8)[0]
+    elsewhere = jax.sharding.NamedSharding(  # devices 4..7: outside the 4-device mesh
+        jax.sharding.Mesh(np.array(devices[4:8]), ("other",)), jax.P())
+    scale = jax.device_put(jnp.float32(2.0), elsewhere)
+    extra = {"bias": jax.device_put(jnp.float32(3.0), elsewhere), "steps": 0}
+    expected = float((model(x) * 2.0).mean() + 3.0)
+    assert float(step(model, extra, x, scale)) == pytest.approx(expected, rel=1e-6)
+
+    @fleet.distributed_step
+    def broken(model, extra, x, scale):
+        raise ValueError("the step's own error")
+
+    with pytest.raises(fleet.FleetError, match="ValueError: the step's own error"):
+        broken(model, extra, x, scale)
