@@ -507,3 +507,24 @@ def test_options_after_the_script_are_the_scripts():
     assert ns.training_script == "train.py"
     assert ns.training_script_args == ("--verbose", "2", "--nproc_per_node", "5")
     assert ns.nproc_per_node == 2
+
+
+def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
+    """kill -9 of rank 1 makes rank 0 raise in its next collective; the launcher may
+    hear of rank 0's exit first. Exits that arrive within _SETTLE seconds count, and
+    a signal death comes first."""
+    import queue
+    import types
+
+    from fleet.launch import _agent
+
+    group = _agent.WorkerGroup.__new__(_agent.WorkerGroup)
+    group._events = queue.Queue()
+    raised, killed = (types.SimpleNamespace(rank=0, returncode=1),
+                      types.SimpleNamespace(rank=1, returncode=-9))
+    group._events.put(types.SimpleNamespace(rank=2, returncode=0))
+    group._events.put(killed)
+    assert group._culprit(raised) is killed
+    started = time.monotonic()
+    assert group._culprit(raised) is raised  # alone: named after the settling time
+    assert _agent._SETTLE <= time.monotonic() - started < _agent._SETTLE + 1

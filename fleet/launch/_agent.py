@@ -33,6 +33,10 @@ log = logging.getLogger("fleet.launch")
 
 _POLL = 0.1  # seconds between looks at exits and at worker 0's log
 _CHECK_EVERY = 0.5  # seconds between watchdog checks
+# After the first failure, how long other exits may still arrive before the culprit is
+# named: a worker killed by a signal makes its peers fail in their next collective, and
+# their exits may reach the launcher first.
+_SETTLE = 0.5
 
 
 class SignalCatcher:
@@ -182,7 +186,7 @@ class WorkerGroup:
                 follower.poll()
                 if w is not None:
                     if w.returncode != 0:
-                        return Outcome(failure=w.failure())
+                        return Outcome(failure=self._culprit(w).failure())
                     remaining.discard(w.rank)
                     if not remaining:
                         return Outcome()
@@ -195,6 +199,21 @@ class WorkerGroup:
                         return Outcome(failure=worker.failure(stuck=stuck.reason))
         finally:
             follower.close()
+
+    def _culprit(self, first: _Worker) -> _Worker:
+        """The failed worker to name, given the first failure heard of: the exits that
+        arrive within ``_SETTLE`` seconds count too, and a death by a signal comes
+        first (a killed peer makes the others raise in their collectives)."""
+        failed = [first]
+        deadline = time.monotonic() + _SETTLE
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                w = self._events.get(timeout=left)
+            except queue.Empty:
+                break
+            if w.returncode != 0:
+                failed.append(w)
+        return min(failed, key=lambda w: (w.returncode >= 0, failed.index(w)))
 
     def stopped_ranks(self) -> list[int]:
         return [w.rank for w in self.workers
