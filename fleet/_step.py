@@ -478,7 +478,8 @@ class DistributedStep:
         misplaced = []
 
         def place(x: Any, where: NamedSharding) -> Any:
-            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(where, x.ndim):
+            # Only a committed jax.Array can be refused: jit places anything else itself.
+            if not isinstance(x, jax.Array) or x.sharding.is_equivalent_to(where, x.ndim):
                 return x
             misplaced.append(x)
             return jax.device_put(x, where)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import MISSING, Missing
 
-from fleet import _compat
+from fleet._compat import is_differentiated
 from fleet._context import BucketConfig
 from fleet._world import DATA_AXIS
 
@@ -53,10 +53,6 @@ def is_varying(x: Any) -> bool:
     outside ``shard_map`` the set of varying axes is empty). No fallback: were the
     field to move, this raises rather than call every gradient replicated."""
     return DATA_AXIS in jax.typeof(x).manual_axis_type.varying
-
-
-def is_differentiated(x: Any) -> bool:
-    return _compat.is_differentiated(x)
 
 
 @dataclasses.dataclass

@@ -528,3 +528,6 @@ def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
     started = time.monotonic()
     assert group._culprit(raised) is raised  # alone: named after the settling time
     assert _agent._SETTLE <= time.monotonic() - started < _agent._SETTLE + 1
+    group._events.put(raised)
+    assert group._culprit(killed) is killed  # a signal death first: named at once
+    assert group._events.qsize() == 1

@@ -204,6 +204,8 @@ class WorkerGroup:
         """The failed worker to name, given the first failure heard of: the exits that
         arrive within ``_SETTLE`` seconds count too, and a death by a signal comes
         first (a killed peer makes the others raise in their collectives)."""
+        if first.returncode < 0:  # killed by a signal: nothing can come before it
+            return first
         failed = [first]
         deadline = time.monotonic() + _SETTLE
         while (left := deadline - time.monotonic()) > 0:

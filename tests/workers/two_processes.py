@@ -47,6 +47,7 @@ IO_N, IO_BATCH = 37, 2
 
 
 def hapi() -> None:
+    import jax
     import optax
     from flax import nnx
 
@@ -62,8 +63,6 @@ def hapi() -> None:
     result = model.evaluate(TensorDataset(list(test)), batch_size=3, verbose=0)
     pred = model.predict(TensorDataset([test[0]]), batch_size=3, stack_outputs=True,
                          verbose=0)[0]
-    import jax
-
     model.save("ckpt")
     if fleet.is_first_worker():
         np.savez("params.npz", pred=pred, **flat_params(model.network))
