@@ -27,9 +27,8 @@ need                               private symbol
                                    ``Variable.__setattr__``'s trace checks
 =================================  ===================================================
 
-Still outside this door (issue 19's remaining work): optax's ``safe_norm`` and
-``optax.tree.norm`` under ZeRO sharding (``fleet/_sharding.py``) and orbax's
-tensorstore serialization (``fleet/checkpoint/_io.py``).
+Still outside this door (issue 19's remaining work): orbax's tensorstore
+serialization (``fleet/checkpoint/_io.py``).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ One step, inside the per-device body:
    exists only as slices, and a step that reads the placeholders is refused;
 2. the optimizer runs the inner optax update on the slices (its own slices of
    the parameters and state). Whole-tensor norms (LAMB / LARS trust ratios,
-   ``optax.clip_by_global_norm``) are computed from the slices plus a ``psum``
-   of squared norms; any other transformation that is not elementwise is
+   ``optax.clip_by_global_norm``) are completed across the slices by
+   :mod:`fleet._slices` (a ``psum`` of each sum over a whole slice), without
+   touching optax; any other transformation that is not elementwise is
    caught by a probe (:func:`verify`) before the first step and refused;
 3. the updates are all-gathered in buckets of ``segment_broadcast_MB`` and
    applied to the full parameters, replicated as in plain data parallelism.
@@ -38,12 +39,10 @@ sharding.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -53,7 +52,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _sync
+from fleet import _slices, _sync
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet._world import DATA_AXIS
 
@@ -335,29 +334,6 @@ def gather(slices: Sequence, layouts: Sequence[Layout], gather_bytes: int) -> li
 # --------------------------------------------------------------------------- norms
 
 
-_active = threading.local()
-
-
-@contextlib.contextmanager
-def sliced_norms(cfg: Config, *, every_array: bool = False) -> Iterator[None]:
-    """Inside: optax's whole-tensor norms of varying (sliced) arrays are computed
-    from the slices plus a psum of squared norms (see :func:`_install_norms`).
-    ``every_array``: every array is a slice (the probe, under ``jax.vmap``,
-    where arrays carry no vma type)."""
-    _install_norms()
-    stack = _active.__dict__.setdefault("stack", [])
-    stack.append((cfg, every_array))
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def _current_norms() -> Config | None:
-    stack = getattr(_active, "stack", None)
-    return stack[-1][0] if stack else None
-
-
 def _sum_over_slices(x: Any, cfg: Config) -> Any:
     """Sum of a per-slice value over the shard group (each group's slices are
     copies across the ``replicas // degree`` groups)."""
@@ -366,45 +342,13 @@ def _sum_over_slices(x: Any, cfg: Config) -> Any:
     return total / copies if copies > 1 else total
 
 
-def _sliced(x: Any) -> bool:
-    stack = getattr(_active, "stack", None)
-    return bool(stack) and (stack[-1][1] or _sync.is_varying(x))
-
-
-_INSTALLED = False
-
-
-def _install_norms() -> None:
-    """Wraps ``optax``'s ``safe_norm`` (LAMB / LARS trust ratios) and
-    ``optax.tree.norm`` (``clip_by_global_norm``): outside :func:`sliced_norms`
-    they are the originals."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    from optax import tree as optax_tree
-    from optax._src import numerics
-
-    safe_norm, tree_norm = numerics.safe_norm, optax_tree.norm
-
-    def sliced_safe_norm(x, min_norm, ord=None, axis=None, keepdims=False):  # noqa: A002
-        if ord is not None or axis is not None or not _sliced(x):
-            return safe_norm(x, min_norm, ord=ord, axis=axis, keepdims=keepdims)
-        sq = _sum_over_slices(jnp.sum(jnp.square(x)), _current_norms())
-        norm = jnp.sqrt(sq)
-        norm = jnp.where(norm <= min_norm, jnp.asarray(min_norm, norm.dtype), norm)
-        return norm.reshape((1,) * jnp.ndim(x)) if keepdims else norm
-
-    def sliced_tree_norm(tree, ord=None, squared=False):  # noqa: A002
-        leaves = jax.tree.leaves(tree)
-        if ord not in (None, 2) or not leaves or not all(_sliced(x) for x in leaves):
-            return tree_norm(tree, ord=ord, squared=squared)
-        sq = sum(jnp.sum(jnp.square(jnp.abs(x))) for x in leaves)
-        sq = _sum_over_slices(sq, _current_norms())
-        return sq if squared else jnp.sqrt(sq)
-
-    numerics.safe_norm = sliced_safe_norm
-    optax_tree.norm = sliced_tree_norm
-    _INSTALLED = True
+def _sliced_update(inner: Any, cfg: Config, grads: Any, state: Any, state_marks: Any,
+                   params: Any, **extra: Any) -> tuple[Any, Any]:
+    """``inner.update`` on slices, its whole-tensor norms completed across them
+    (:mod:`fleet._slices`): ``state_marks`` says which state leaves are slices."""
+    return _slices.run(lambda g, s, p: inner.update(g, s, p, **extra),
+                       (grads, state, params), (True, state_marks, True),
+                       lambda x: _sum_over_slices(x, cfg))
 
 
 # --------------------------------------------------------------------------- the update
@@ -460,9 +404,9 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
     if params is not None:
         p_slices = jax.tree.unflatten(g_def, [own_slice(p, lay) for p, lay in
                                               zip(jax.tree.leaves(params), layouts)])
-    with sliced_norms(cfg):
-        u_slices, new_inner = inner.update(jax.tree.unflatten(g_def, slices), inner_state,
-                                           p_slices, **extra)
+    u_slices, new_inner = _sliced_update(
+        inner, cfg, jax.tree.unflatten(g_def, slices), inner_state,
+        jax.tree.unflatten(s_def, [is_shard(x) for x in s_leaves]), p_slices, **extra)
     new_leaves = jax.tree.leaves(new_inner)
     new_state = jax.tree.unflatten(s_def, [
         Shard(v, x.layout) if is_shard(x) else v for v, x in zip(new_leaves, s_leaves)])
@@ -509,15 +453,15 @@ def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
             p_r = [own_slice(x, lay) for x, lay in zip(p0, layouts)]
             s_def = jax.tree.structure(full_state)
             st = jax.tree.unflatten(s_def, list(state_leaves))
+            marks = jax.tree.unflatten(s_def, [lay is not None for lay in state_layouts])
             outs = []
-            with sliced_norms(probe_cfg, every_array=True):
-                for g in grads:
-                    g_r = [own_slice(x, lay) for x, lay in zip(g, layouts)]
-                    u, st = inner.update(jax.tree.unflatten(p_def, g_r), st,
-                                         jax.tree.unflatten(p_def, p_r))
-                    u = jax.tree.leaves(u)
-                    outs.append(u)
-                    p_r = [a + b for a, b in zip(p_r, u)]
+            for g in grads:
+                g_r = [own_slice(x, lay) for x, lay in zip(g, layouts)]
+                u, st = _sliced_update(inner, probe_cfg, jax.tree.unflatten(p_def, g_r), st,
+                                       marks, jax.tree.unflatten(p_def, p_r))
+                u = jax.tree.leaves(u)
+                outs.append(u)
+                p_r = [a + b for a, b in zip(p_r, u)]
             return outs
 
         s_full = jax.tree.leaves(full_state)
@@ -545,7 +489,7 @@ def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
                     f"slices differs from the slice of its whole update (step {step + 1} of "
                     "a probe, max difference "
                     f"{float(np.max(np.abs(have - want))):.2e}): it is not elementwise and "
-                    "uses a whole-tensor quantity fleet cannot split (only optax's "
-                    "safe_norm and tree norm are computed across slices). Use an "
+                    "uses a whole-tensor quantity fleet cannot split (only sums over whole "
+                    "tensors, such as norms, are computed across slices). Use an "
                     "elementwise optimizer, LAMB, LARS or optax.clip_by_global_norm, or "
                     "turn strategy.sharding off")

@@ -95,7 +95,6 @@ def test_register_before_exit_runs_before_atexit_hooks():
 # a file appears that is not listed, and when a listed one no longer needs to be.
 PENDING = {
     "_recompute.py": "a recomputed sub-module's class is changed to Recompute<cls>",
-    "_sharding.py": "optax's safe_norm and optax.tree.norm, replaced for sharded norms",
     "_sync.py": "each nnx.Param's class is changed to a Synced subclass",
     "_worker.py": "sys.exit is replaced to exit fast from a failing worker",
     "checkpoint/_io.py": "orbax's tensorstore serialization, for fleet.save's checksums",

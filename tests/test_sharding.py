@@ -453,7 +453,7 @@ def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monke
     data = models.batches("linear", 10, 16)
     make_world(4, strategy())
     ref, _, _, _ = train_nnx("linear", data, optax.lamb(1e-2))
-    monkeypatch.setattr(_sharding, "_sliced", lambda x: False)
+    monkeypatch.setattr(_sharding, "_sum_over_slices", lambda x, cfg: x)
     make_world(4, strategy(2))
     with pytest.raises(fleet.FleetUnsupportedError, match="differs from the slice"):
         train_nnx("linear", data, optax.lamb(1e-2))
@@ -463,3 +463,60 @@ def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monke
     d = models.max_diff(models.flat_params(wrong), models.flat_params(ref))
     print(f"LAMB with per-slice norms, 10 steps: |params - unsharded| = {d:.2e}")
     assert d > 1e-3
+
+
+_PATCH_FREE = """
+import sys
+import optax
+from optax._src import numerics
+
+before = (optax.tree.norm, numerics.safe_norm, sys.exit)
+
+import numpy as np
+from flax import nnx
+
+import fleet
+from tests import models
+
+def train(stage):
+    strategy = fleet.DistributedStrategy()
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    fleet.init(is_collective=True, strategy=strategy)
+    model = fleet.distributed_model(models.NNX_MODELS["linear"](nnx.Rngs(0)))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.lamb(1e-3))
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in models.batches("linear", 5, 16):
+        step(model, opt, x, y)
+    return models.flat_params(model)
+
+sharded, plain = train(2), train(0)
+after = (optax.tree.norm, numerics.safe_norm, sys.exit)
+print("same objects:", [a is b for a, b in zip(before, after)])
+print(f"|stage 2 - unsharded| = {models.max_diff(sharded, plain):.2e}")
+assert all(a is b for a, b in zip(before, after)), "a dependency was patched"
+assert models.max_diff(sharded, plain) < 1e-6
+"""
+
+
+def test_a_sharded_step_patches_nothing():
+    """Issue 19, acceptance 2: after import fleet, fleet.init and ZeRO stage-2
+    steps of clip_by_global_norm + LAMB, optax.tree.norm, optax's safe_norm and
+    sys.exit are the objects they were before the import, and the parameters
+    equal the unsharded run (a fresh interpreter: nothing imported fleet first)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.jobs import clean_environ
+
+    root = Path(__file__).parent.parent
+    env = clean_environ(XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                        JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _PATCH_FREE], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=180)
+    print(out.stdout, out.stderr[-3000:])
+    assert out.returncode == 0
+    assert "same objects: [True, True, True]" in out.stdout
