@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import threading
 
 import jax
 
@@ -117,17 +116,19 @@ def mark_finished() -> None:
 # its peers wait for it inside a collective would wait there for them, and they
 # for it: the launcher would never see it fail. In a multi-process job the
 # worker therefore ends with os._exit(code) before that barrier when the program
-# ends with an uncaught exception (already printed by then) or a non-zero
-# sys.exit from the main thread. A successful exit still shuts down cleanly. (A
-# bare ``raise SystemExit(n)`` is not seen; JAX's own shutdown timeout ends it.)
+# failed: an uncaught exception (already printed by then), or an exit status
+# that fleetrun's runner (fleet/launch/_run.py) saw the script end with. A
+# successful exit still shuts down cleanly. A worker started some other way
+# (srun, mpirun) without that runner fails fast on an uncaught exception; its
+# sys.exit(non-zero) is ended by JAX's own shutdown timeout.
 
 _exit_state: dict[str, object] = {}
 
 
-def _exit(status: object = None) -> None:
-    if threading.current_thread() is threading.main_thread():
-        _exit_state["status"] = status
-    _exit_state["real_exit"](status)
+def note_exit(status: object) -> None:
+    """How the training script ended (``sys.exit``'s argument; 1 for an exception):
+    told by fleetrun's runner, read by the exit hook below."""
+    _exit_state["status"] = status
 
 
 def _exit_code(status: object) -> int:
@@ -158,10 +159,9 @@ def _at_exit() -> None:
 
 def install_fail_fast() -> None:
     """Makes a failing worker exit at once (see above). Idempotent."""
-    if "real_exit" in _exit_state:
+    if "installed" in _exit_state:
         return
-    _exit_state["real_exit"] = sys.exit
-    sys.exit = _exit
+    _exit_state["installed"] = True
     atexit.register(_at_exit)  # atexit runs last-in first-out: before JAX's own clean-up
 
 

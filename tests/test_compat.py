@@ -96,7 +96,6 @@ def test_register_before_exit_runs_before_atexit_hooks():
 PENDING = {
     "_recompute.py": "a recomputed sub-module's class is changed to Recompute<cls>",
     "_sync.py": "each nnx.Param's class is changed to a Synced subclass",
-    "_worker.py": "sys.exit is replaced to exit fast from a failing worker",
     "checkpoint/_io.py": "orbax's tensorstore serialization, for fleet.save's checksums",
 }
 PRIVATE_FIELDS = {"_raw_value", "_var_metadata", "_register_atexit"}

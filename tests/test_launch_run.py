@@ -141,6 +141,32 @@ def test_failure_exit_code_and_traceback(jobs, arg, code):
     assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("how, code", [
+    ("raise", 1), ("sys.exit", 3), pytest.param("SystemExit", 4, marks=slow)])
+def test_a_worker_that_fails_mid_training_ends_the_job_at_once(jobs, how, code):
+    """Rank 1 of a training job (joined, in collectives with rank 0) raises or
+    exits non-zero: it does not wait in JAX's shutdown barrier for rank 0, which
+    waits for it in the next step; the launcher names it and its status at once,
+    long before the watchdog would. Its traceback starts at the script: fleet's
+    runner (fleet/launch/_run.py) leaves its own frames out. sys.exit is never
+    replaced (issue 19)."""
+    job = jobs("--nproc_per_node", "2", "--cpu_devices", "1", "--progress_timeout", "120",
+               LOOP, "--raise_rank", "1", "--raise_step", "4", "--exit", how)
+    job.wait_for_log(1, rf"rank 1 fails at step 4 \({re.escape(how)}\)")
+    failed = time.monotonic()
+    assert job.wait(timeout=30) == code, job.output
+    elapsed = time.monotonic() - failed
+    text = job.output
+    print(f"{how}: the job ended {elapsed:.1f} s after rank 1 failed")
+    assert re.search(rf"rank 1 \(pid \d+\) exited with code {code}", text), text
+    assert elapsed < 15
+    if how == "raise":
+        assert re.search(r"\[rank 1\] Traceback \(most recent call last\):\n"
+                         r"\[rank 1\]   File \".*train_loop.py\", line \d+, in <module>", text), text
+        assert "_run.py" not in text and "runpy" not in text
+    assert_nothing_left(job)
+
+
 # -- acceptance 5: restarts -----------------------------------------------------------------
 
 def test_max_restarts(jobs, tmp_path):

@@ -31,6 +31,8 @@ from fleet.launch._watchdog import STOPPED_STATES, Watchdog, Watched, process_st
 
 log = logging.getLogger("fleet.launch")
 
+#: Each worker runs ``python -u _run.py SCRIPT ARGS`` (see fleet/launch/_run.py).
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")
 _POLL = 0.1  # seconds between looks at exits and at worker 0's log
 _CHECK_EVERY = 0.5  # seconds between watchdog checks
 # After the first failure, how long other exits may still arrive before the culprit is
@@ -140,7 +142,7 @@ class WorkerGroup:
 
     def start(self) -> None:
         base = worker_base_environ(os.environ)
-        command = [sys.executable, "-u", self.config.training_script,
+        command = [sys.executable, "-u", RUNNER, self.config.training_script,
                    *self.config.training_script_args]
         preexec = functools.partial(die_with_parent, os.getpid())
         try:

@@ -137,9 +137,11 @@ node: in a multi-node job the other nodes' workers fail when their peers go, so
 their launchers restart too, each counting its own restarts (no rendezvous:
 give every node the same ``--max_restarts``).
 
-A worker that raises, or calls ``sys.exit(non-zero)``, after ``fleet.init``
-exits at once instead of waiting in ``jax.distributed``'s shutdown barrier for
-peers that wait for it (``fleet/_worker.py``).
+Each worker runs the script through ``fleet/launch/_run.py`` (as ``python
+SCRIPT ARGS`` would), which sees how the script ends: a worker that raises, or
+exits non-zero (``sys.exit``, ``raise SystemExit``), after ``fleet.init`` exits
+at once instead of waiting in ``jax.distributed``'s shutdown barrier for peers
+that wait for it (``fleet/_worker.py``).
 
 From Python, ``fleet.spawn(func, args, nprocs)`` starts processes the same way
 (see ``fleet/launch/_spawn.py``).

@@ -2,13 +2,18 @@
 the failure tests: it can hang (a simulated deadlock) or raise on one rank.
 
     train_loop.py [--steps N] [--hang_rank R --hang_step S] [--raise_rank R --raise_step S]
-                  [--no_heartbeat] [--extra_step_rank R]
+                  [--exit HOW] [--no_heartbeat] [--extra_step_rank R]
+
+``--exit HOW``: how rank ``--raise_rank`` fails at ``--raise_step``: ``raise`` (a
+ValueError, the default), ``sys.exit`` (``sys.exit(3)``) or ``SystemExit``
+(``raise SystemExit(4)``).
 
 ``--extra_step_rank R``: rank R runs one step more than the others (uneven data).
 """
 
 import argparse
 import os
+import sys
 import time
 
 from linear_common import GLOBAL_BATCH, _model, global_batch
@@ -22,6 +27,7 @@ parser.add_argument("--hang_rank", type=int, default=-1)
 parser.add_argument("--hang_step", type=int, default=-1)
 parser.add_argument("--raise_rank", type=int, default=-1)
 parser.add_argument("--raise_step", type=int, default=-1)
+parser.add_argument("--exit", default="raise", choices=["raise", "sys.exit", "SystemExit"])
 parser.add_argument("--extra_step_rank", type=int, default=-1)
 parser.add_argument("--no_heartbeat", action="store_true",
                     help="rely on distributed_step's own heartbeats")
@@ -51,6 +57,11 @@ for step in range(args.steps + (rank == args.extra_step_rank)):
         while True:
             time.sleep(1)
     if rank == args.raise_rank and step == args.raise_step:
+        print(f"rank {rank} fails at step {step} ({args.exit})", flush=True)
+        if args.exit == "sys.exit":
+            sys.exit(3)
+        if args.exit == "SystemExit":
+            raise SystemExit(4)
         raise ValueError(f"boom from rank {rank} at step {step}")
     if not args.no_heartbeat:
         heartbeat()
