@@ -2,7 +2,7 @@
 
 ``srun -n 4 python train.py`` starts four copies of the script with no ``FLEET_*``
 variables. fleet reads the variables JAX's own cluster detection reads
-(``jax/_src/clusters/``) to know this process's place in the job, and
+(JAX's ``clusters`` package, beside ``jax.distributed``) to know this process's place in the job, and
 ``fleet.init`` joins the job with ``jax.distributed.initialize()`` with no
 arguments, so JAX finds the coordinator exactly as it would alone:
 

@@ -21,6 +21,9 @@ need                               private symbol
 :func:`register_before_exit`       ``threading._register_atexit``: runs when the main
                                    thread ends, before ``concurrent.futures`` stops
                                    taking work (an orbax save would die)
+:func:`add_mixin`                  no private symbol: the one place an object fleet did
+                                   not create changes class (a parameter's synced
+                                   read, a sharded optimizer state)
 :func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
 :func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
                                    plain array variable's value without
@@ -92,6 +95,31 @@ def write_raw(variables: Sequence[nnx.Variable], values: Sequence) -> None:
     :func:`fast_variables`)."""
     for v, x in zip(variables, values):
         object.__setattr__(v, "_raw_value", x)
+
+
+_MIXED_TYPES: dict[tuple[type, type], type] = {}
+
+
+def add_mixin(variable: nnx.Variable, mixin: type, prefix: str) -> None:
+    """Gives a variable ``mixin`` in place: its class becomes a subclass of
+    ``mixin`` and of its own class (``isinstance`` holds for both), named
+    ``prefix`` + its class name, made once per class.
+
+    The one place where fleet changes the class of an object it did not create:
+    a wrapped model's parameters (``Synced…``: their reads inside a step are the
+    bucket-synced values) and a sharded optimizer's state (``Sharded…``). Flax's
+    own route for a read hook, ``on_get_value`` metadata, is deprecated in favour
+    of a Variable type of one's own; the variables must stay the very objects the
+    model, its ``DataParallel`` view and any optimizer built on it share, so
+    their type changes where they are.
+    """
+    cls = type(variable)
+    if not issubclass(cls, mixin):
+        mixed = _MIXED_TYPES.get((mixin, cls))
+        if mixed is None:
+            mixed = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__slots__": ()})
+            _MIXED_TYPES[(mixin, cls)] = mixed
+        variable.__class__ = mixed
 
 
 def check() -> None:

@@ -52,7 +52,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _slices, _sync
+from fleet import _compat, _slices, _sync
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet._world import DATA_AXIS
 
@@ -150,7 +150,7 @@ class ShardedState(_sync.PerReplica):
 
 
 def mark_sharded(variable: nnx.Variable, layout: Layout) -> None:
-    _sync.add_mixin(variable, ShardedState, "Sharded")
+    _compat.add_mixin(variable, ShardedState, "Sharded")
     variable.set_metadata("fleet_shard", layout)
 
 

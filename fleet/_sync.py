@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import MISSING, Missing
 
+from fleet import _compat
 from fleet._compat import is_differentiated
 from fleet._context import BucketConfig
 from fleet._world import DATA_AXIS
@@ -274,25 +275,10 @@ class SyncedRead:
         return super().get_value(index=index)
 
 
-_MIXED_TYPES: dict[tuple[type, type], type] = {}
-
-
-def add_mixin(variable: Any, mixin: type, prefix: str) -> None:
-    """Gives a variable ``mixin`` in place: its class becomes a subclass of
-    ``mixin`` and of its own class (``isinstance`` still holds for both), named
-    ``prefix + its class name``, made once per class."""
-    cls = type(variable)
-    if not issubclass(cls, mixin):
-        mixed = _MIXED_TYPES.get((mixin, cls))
-        if mixed is None:
-            mixed = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__slots__": ()})
-            _MIXED_TYPES[(mixin, cls)] = mixed
-        variable.__class__ = mixed
-
-
 def make_synced(variable: Any, spec: SyncSpec) -> None:
-    """Turns a parameter into its synced type, in place (see :class:`SyncedRead`)."""
-    add_mixin(variable, SyncedRead, "Synced")
+    """Turns a parameter into its synced type, in place (see :class:`SyncedRead`;
+    :func:`fleet._compat.add_mixin` says why in place)."""
+    _compat.add_mixin(variable, SyncedRead, "Synced")
     variable.set_metadata("fleet_sync", spec)
 
 
