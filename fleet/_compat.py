@@ -21,6 +21,10 @@ need                               private symbol
 :func:`register_before_exit`       ``threading._register_atexit``: runs when the main
                                    thread ends, before ``concurrent.futures`` stops
                                    taking work (an orbax save would die)
+:func:`share_fields`               ``nnx.Module``'s ``_pytree__state`` (its own per
+                                   object) and ``_pytree__nodes`` (shared): a
+                                   ``DataParallel`` or distributed optimizer is a
+                                   view sharing the wrapped object's fields
 :func:`add_mixin`                  no private symbol: the one place an object fleet did
                                    not create changes class (a parameter's synced
                                    read, a sharded optimizer state)
@@ -97,6 +101,18 @@ def write_raw(variables: Sequence[nnx.Variable], values: Sequence) -> None:
         object.__setattr__(v, "_raw_value", x)
 
 
+def share_fields(view: Any, original: Any) -> None:
+    """Makes ``view`` (a new object of a subclass of ``original``'s class) share
+    every field of ``original``: its attributes and variables, and Flax's record
+    of which attributes are data (``_pytree__nodes``, an immutable mapping: what
+    the view adds later replaces the view's own), but not Flax's per-object state
+    (``_pytree__state``), which ``view`` has of its own. ``fleet.DataParallel``
+    and ``DistributedOptimizer`` are such views."""
+    for name, value in vars(original).items():
+        if name != "_pytree__state":
+            object.__setattr__(view, name, value)
+
+
 _MIXED_TYPES: dict[tuple[type, type], type] = {}
 
 
@@ -138,6 +154,9 @@ def check() -> None:
     if not isinstance(getattr(probe, "_raw_value", None), np.ndarray) or not isinstance(
             getattr(probe, "_var_metadata", None), dict):
         missing.append("flax.nnx.Variable._raw_value / _var_metadata")
+    fields = vars(nnx.Module())
+    if "_pytree__state" not in fields or "_pytree__nodes" not in fields:
+        missing.append("flax.nnx.Module's _pytree__state / _pytree__nodes")
     if missing:
         raise FleetUnsupportedError(
             f"this installation lacks what fleet needs from its dependencies: "

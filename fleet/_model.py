@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
-from fleet import _amp, _context, _recompute, _sync
+from fleet import _amp, _compat, _context, _recompute, _sync
 from fleet._context import BucketConfig
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
@@ -131,9 +131,7 @@ class DataParallel(nnx.Module):
         self._adopt(layers)
 
     def _adopt(self, layers: nnx.Module) -> None:
-        for name, value in vars(layers).items():
-            if name != "_pytree__state":
-                object.__setattr__(self, name, value)
+        _compat.share_fields(self, layers)
         replicate_in_place(layers)
         _install_hooks(self, self._fleet_buckets)
         strategy = current_strategy()

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fleet import _amp, _large_batch, _sharding, _sync
+from fleet import _amp, _compat, _large_batch, _sharding, _sync
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients, strategy_buckets
 from fleet._tree import replicate_in_place
@@ -112,12 +112,10 @@ class DistributedOptimizer(nnx.Optimizer):
 
     def __init__(self, optimizer: nnx.Optimizer):  # pylint: disable=super-init-not-called
         strategy = current_strategy()
-        # Share the wrapped optimizer's state; only the transformation changes.
-        self.graph = optimizer.graph
-        self.step = optimizer.step
+        # A view of the wrapped optimizer: it shares every field (its step, state,
+        # wrt...), whatever nnx.Optimizer holds; only the transformation changes.
+        _compat.share_fields(self, optimizer)
         self.tx = _distributed_tx(optimizer.tx)
-        self.opt_state = nnx.data(optimizer.opt_state)
-        self.wrt = optimizer.wrt
         self.merge_k = strategy.gradient_merge_configs.k_steps if strategy.gradient_merge else 1
         self.merge_avg = strategy.gradient_merge_configs.avg
         if self.merge_k > 1:

@@ -48,6 +48,15 @@ def test_a_changed_flax_variable_fails_loudly(monkeypatch):
         _compat.check()
 
 
+def test_a_changed_flax_module_fails_loudly(monkeypatch):
+    class Module:  # a Flax whose Module keeps its bookkeeping elsewhere
+        pass
+
+    monkeypatch.setattr(nnx, "Module", Module)
+    with pytest.raises(FleetUnsupportedError, match=r"flax\.nnx\.Module's _pytree__state"):
+        _compat.check()
+
+
 def test_the_installed_versions_pass_the_check():
     _compat.check()
 
