@@ -53,15 +53,18 @@ def _black(path: str, module: Any, black_list: tuple[str, ...]) -> bool:
 def apply(model: nnx.Module, policy: Policy, name: str) -> int:
     """Sets the computation dtype of the model's layers; returns how many layers
     compute in low precision. A model with none of Flax's ``dtype`` fields is
-    refused: amp would change nothing."""
-    low = 0
-    for path, module in nnx.iter_modules(model):
-        if not hasattr(module, "dtype"):
-            continue
-        key = ".".join(str(p) for p in path)
-        dtype = jnp.float32 if _black(key, module, policy.black_list) else policy.dtype
-        object.__setattr__(module, "dtype", dtype)
-        low += dtype == policy.dtype
+    refused: amp would change nothing.
+
+    Through Flax's ``nnx.Module.set_attributes``, whose filter sees each module
+    with its path: one call sets the low-precision layers, one the black-listed
+    ones, and each layer is chosen by its own path and type alone (a parent's
+    choice does not carry over to its children)."""
+
+    def black(path: tuple, module: Any) -> bool:
+        return _black(".".join(str(p) for p in path), module, policy.black_list)
+
+    layers = [(path, m) for path, m in nnx.iter_modules(model) if hasattr(m, "dtype")]
+    low = sum(not black(path, m) for path, m in layers)
     if not low:
         raise FleetConfigError(
             f"strategy.amp is on, but no layer of {name} has a Flax "
@@ -69,6 +72,10 @@ def apply(model: nnx.Module, policy: Policy, name: str) -> int:
             "amp_configs.custom_black_list; build the model from Flax layers, or turn "
             "strategy.amp off"
         )
+    # nnx.Module's own method, not one the user's class may define under that name
+    nnx.Module.set_attributes(model, lambda path, m: not black(path, m), dtype=policy.dtype,
+                              raise_if_not_found=False)
+    nnx.Module.set_attributes(model, black, dtype=jnp.float32, raise_if_not_found=False)
     return low
 
 

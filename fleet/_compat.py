@@ -25,17 +25,16 @@ need                               private symbol
                                    object) and ``_pytree__nodes`` (shared): a
                                    ``DataParallel`` or distributed optimizer is a
                                    view sharing the wrapped object's fields
-:func:`add_mixin`                  no private symbol: the one place an object fleet did
-                                   not create changes class (a parameter's synced
-                                   read, a sharded optimizer state)
+:func:`set_class`,                 no private symbol: the one place an object fleet did
+:func:`add_mixin`                  not create changes class (a parameter's synced
+                                   read, a sharded optimizer state, a recomputed
+                                   sub-module)
 :func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
 :func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
                                    plain array variable's value without
                                    ``Variable.__setattr__``'s trace checks
 =================================  ===================================================
 
-Still outside this door (issue 19's remaining work): orbax's tensorstore
-serialization (``fleet/checkpoint/_io.py``).
 """
 
 from __future__ import annotations
@@ -116,26 +115,39 @@ def share_fields(view: Any, original: Any) -> None:
 _MIXED_TYPES: dict[tuple[type, type], type] = {}
 
 
-def add_mixin(variable: nnx.Variable, mixin: type, prefix: str) -> None:
-    """Gives a variable ``mixin`` in place: its class becomes a subclass of
-    ``mixin`` and of its own class (``isinstance`` holds for both), named
-    ``prefix`` + its class name, made once per class.
+def set_class(obj: Any, cls: type) -> None:
+    """Makes ``obj`` an instance of ``cls``, a subclass of its own class, in place.
 
-    The one place where fleet changes the class of an object it did not create:
-    a wrapped model's parameters (``Synced…``: their reads inside a step are the
-    bucket-synced values) and a sharded optimizer's state (``Sharded…``). Flax's
-    own route for a read hook, ``on_get_value`` metadata, is deprecated in favour
-    of a Variable type of one's own; the variables must stay the very objects the
-    model, its ``DataParallel`` view and any optimizer built on it share, so
-    their type changes where they are.
+    The one place where fleet changes the class of an object it did not create
+    (``isinstance`` of the old class still holds):
+
+    * a wrapped model's parameters become ``Synced…`` (:func:`add_mixin`): their
+      reads inside a step are the bucket-synced values. Flax's own route for a
+      read hook, ``on_get_value`` metadata, is deprecated in favour of a Variable
+      type of one's own; the variables must stay the very objects the model, its
+      ``DataParallel`` view and any optimizer built on it share, so their type
+      changes where they are;
+    * a sharded optimizer's state variables become ``Sharded…`` (:func:`add_mixin`);
+    * a recomputed sub-module becomes ``Recompute…`` (``fleet/_recompute.py``):
+      Python calls a module through its type, and a wrapper module would change
+      the state's paths.
     """
+    if not issubclass(cls, type(obj)):
+        raise TypeError(f"{cls.__name__} is not a subclass of {type(obj).__name__}")
+    obj.__class__ = cls
+
+
+def add_mixin(variable: nnx.Variable, mixin: type, prefix: str) -> None:
+    """Gives a variable ``mixin`` in place (:func:`set_class`): its class becomes
+    a subclass of ``mixin`` and of its own class (``isinstance`` holds for both),
+    named ``prefix`` + its class name, made once per class."""
     cls = type(variable)
     if not issubclass(cls, mixin):
         mixed = _MIXED_TYPES.get((mixin, cls))
         if mixed is None:
             mixed = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__slots__": ()})
             _MIXED_TYPES[(mixin, cls)] = mixed
-        variable.__class__ = mixed
+        set_class(variable, mixed)
 
 
 def check() -> None:

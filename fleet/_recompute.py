@@ -4,9 +4,14 @@ Backward then recomputes their activations instead of keeping them
 (``jax.checkpoint`` with a ``jax.checkpoint_policies`` policy). Gradients do
 not change; activation memory drops.
 
-Wrapping gives each named sub-module a subclass of its own type whose
-``__call__`` runs the original one under ``nnx.remat`` (``isinstance`` still
-holds, and the state keeps its paths). Inside a step, the parameters enter
+Wrapping gives each named sub-module a subclass of its own type,
+``Recompute<its class>``, whose ``__call__`` runs the original one under
+``nnx.remat`` (``isinstance`` still holds, its class is the base, and the state
+keeps its paths). The class changes through :func:`fleet._compat.set_class`, the
+one documented point where fleet changes the class of an object it did not
+create: Python calls a module through its type, so a sub-module's call can only
+be caught by its class or by its parent's attribute, and a wrapper module in
+the parent would add a level to every state path and checkpoint key. Inside a step, the parameters enter
 the rematerialised call already synced: the wrapped model's buckets, read
 outside the checkpoint, are what the sub-module sees, so the gradient
 reduction stays in fleet's buckets and out of the recomputed region.
@@ -19,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from fleet import _sync
+from fleet import _compat, _sync
 from fleet._errors import FleetConfigError
 
 _TYPES: dict[type, type] = {}
@@ -63,4 +68,4 @@ def install(model: nnx.Module, checkpoints: tuple[str, ...], policy: str) -> Non
                 sub = type(f"Recompute{cls.__name__}", (cls,), {
                     "__call__": _remat_call, "__fleet_base__": cls, "__fleet_policy__": policy})
                 _TYPES[(cls, policy)] = sub
-            module.__class__ = sub
+            _compat.set_class(module, sub)

@@ -117,7 +117,6 @@ def test_register_before_exit_runs_before_atexit_hooks():
 # Files that still reach past the door, each with the reason; the test fails when
 # a file appears that is not listed, and when a listed one no longer needs to be.
 PENDING = {
-    "_recompute.py": "a recomputed sub-module's class is changed to Recompute<cls>",
     "checkpoint/_io.py": "orbax's tensorstore serialization, for fleet.save's checksums",
 }
 PRIVATE_FIELDS = {"_raw_value", "_var_metadata", "_register_atexit"}
