@@ -21,6 +21,12 @@ def a_file(tmp_path):
     return path
 
 
+def a_zip_of_other_things(tmp_path):
+    path = tmp_path / "arrays.npz"
+    np.savez(path, w=np.ones(2))
+    return path
+
+
 def a_directory_of_other_things(tmp_path):
     path = tmp_path / "photos"
     path.mkdir()
@@ -41,8 +47,12 @@ CASES = [
     # (what, call, message)
     ("fleet.save onto a regular file",
      lambda p: save({"w": np.ones(2)}, a_file(p)),
-     r"fleet.save: .*afile is a file, not a checkpoint; fleet.save writes a directory and "
-     r"never replaces a file: choose another path or remove the file"),
+     r"fleet.save: .*afile is a file that fleet.save did not write \(not a zip archive\); "
+     r"fleet.save replaces only what it wrote: choose another path or remove the file"),
+    ("fleet.save onto a zip file of other things",
+     lambda p: save({"w": np.ones(2)}, a_zip_of_other_things(p)),
+     r"fleet.save: .*arrays.npz is a file that fleet.save did not write \(a zip archive without "
+     r"fleet.json\); fleet.save replaces only what it wrote"),
     ("fleet.save onto a directory of other things",
      lambda p: save({"w": np.ones(2)}, a_directory_of_other_things(p)),
      r"fleet.save: .*photos is a directory that is not a checkpoint \(it holds \['cat.jpg'\]\); "
@@ -50,12 +60,20 @@ CASES = [
     ("fleet.save of a function",
      lambda p: save({"f": len}, p / "x"),
      r"\['f'\] is a builtin_function_or_method; fleet.save takes dicts and lists of arrays"),
-    ("fleet.load of a file",
+    ("fleet.load of a file of other things",
      lambda p: load(a_file(p)),
-     r"fleet.load: .*afile is not a directory written by fleet.save \(it is a file\)"),
+     r"fleet.load: .*afile is not a checkpoint written by fleet.save \(not a zip archive\)"),
+    ("fleet.load of a zip file of other things",
+     lambda p: load(a_zip_of_other_things(p)),
+     r"fleet.load: .*arrays.npz is not a checkpoint written by fleet.save \(a zip archive "
+     r"without fleet.json\)"),
+    ("fleet.load of a directory of other things",
+     lambda p: load(a_directory_of_other_things(p)),
+     r"fleet.load: .*photos is not a checkpoint written by fleet.save \(a directory without "
+     r"_METADATA\)"),
     ("fleet.load of nothing",
      lambda p: load(p / "missing"),
-     r"fleet.load: .*missing is not a directory written by fleet.save \(it does not exist\)"),
+     r"fleet.load: .*missing is not a checkpoint written by fleet.save \(it does not exist\)"),
     ("CheckpointManager on a file",
      lambda p: CheckpointManager(a_file(p)),
      r"CheckpointManager: .*afile is a file, not a directory; a checkpoint manager writes one "
@@ -91,7 +109,7 @@ def test_bad_input(make_world, tmp_path, what, call, message):
         call(tmp_path)
 
 
-@pytest.mark.parametrize("make", [a_file, a_directory_of_other_things])
+@pytest.mark.parametrize("make", [a_file, a_zip_of_other_things, a_directory_of_other_things])
 def test_a_refused_save_changes_nothing(tmp_path, make):
     path = make(tmp_path)
     before = snapshot(tmp_path)

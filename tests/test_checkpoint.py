@@ -5,7 +5,9 @@ and loading that never runs code."""
 import json
 import os
 import pickle
+import shutil
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,8 +19,10 @@ from flax.training.train_state import TrainState
 import fleet
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
 from tests import models
+from tests.test_checkpoint_file import rewrite
 from tests.workers import ckpt_common
 
+OLD_SAVE = Path(__file__).parent / "data/checkpoint/fleet_save_directory_format.pdparams"
 
 @pytest.fixture
 def job(make_world):
@@ -98,18 +102,24 @@ def test_loading_never_unpickles(job, tmp_path, monkeypatch):
     with CheckpointManager(tmp_path / "ckpt") as manager:
         assert manager.restore(1, **ckpt_common.build().parts()).step == 1
     assert sorted(load(tmp_path / "model")) == sorted(job.model.state_dict())
+    assert sorted(load(OLD_SAVE)["linear"]) == ["bias", "kernel"]  # the earlier fleet.save's
     monkeypatch.undo()
 
     pwned = tmp_path / "pwned"
     monkeypatch.setenv("CKPT_PWNED", str(pwned))
     payload = pickle.dumps(_Boom())
     (tmp_path / "ckpt/1/meta/metadata").write_bytes(payload)
-    (tmp_path / "model/_METADATA").write_bytes(payload)
+    rewrite(tmp_path / "model", {"fleet.json": payload})
     with CheckpointManager(tmp_path / "ckpt") as manager, pytest.raises(
             FleetCheckpointError, match="'meta' item is not readable JSON"):
         manager.restore(1, **ckpt_common.build().parts())
-    with pytest.raises(FleetCheckpointError, match="is not a checkpoint written by fleet.save"):
+    with pytest.raises(FleetCheckpointError, match="model is damaged: its fleet.json cannot be read"):
         load(tmp_path / "model")
+    old = tmp_path / "old.pdparams"  # the directory of the earlier fleet.save
+    shutil.copytree(OLD_SAVE, old)
+    (old / "_METADATA").write_bytes(payload)
+    with pytest.raises(FleetCheckpointError, match="is not a checkpoint written by fleet.save"):
+        load(old)
     assert not pwned.exists()
 
 

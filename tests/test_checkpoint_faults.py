@@ -10,7 +10,9 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import warnings
+import zipfile
 
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ import pytest
 
 from fleet import FleetWarning
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
+from tests.test_checkpoint_file import data_span, flip_byte
 from tests.workers import ckpt_jobs
 
 EXIT_WORKER = str(ckpt_jobs.ROOT / "tests/workers/ckpt_exit.py")
@@ -117,16 +120,38 @@ def test_every_step_damaged_restores_nothing(two_steps):
         restore_latest(two_steps)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+NAMES_W = r"1 array does not match the checksum written with it:\n  \['w'\]: crc32 0x"
+FILE_DAMAGE = {
+    # what: (damage, message)
+    "flipped byte in 'w' (early)": (lambda p: flip_in(p, "w.npy", 0.1), NAMES_W),
+    "flipped byte in 'w' (middle)": (lambda p: flip_in(p, "w.npy", 0.5), NAMES_W),
+    "flipped byte in 'w' (end)": (lambda p: flip_in(p, "w.npy", 0.99), NAMES_W),
+    "flipped byte in the tree": (lambda p: flip_in_json(p), "its fleet.json cannot be read"),
+    "cut short": (truncate, r"it begins as a zip archive, but its end .* cut short"),
+}
+
+
+def flip_in_json(path) -> None:
+    """Flips a byte in the middle of fleet.json (stored as is, after its zip header)."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("fleet.json")
+    flip_byte(path, info.header_offset + 30 + len("fleet.json") + info.file_size // 2)
+
+
+def flip_in(path, entry: str, at: float) -> None:
+    """Flips a byte of an array entry's data (past its zip and .npy headers)."""
+    start, length = data_span(path, entry)
+    flip_byte(path, start + int(length * at))
+
+
+@pytest.mark.parametrize("damage", FILE_DAMAGE)
 def test_fleet_load_refuses_damaged_data(tmp_path, damage):
     path = tmp_path / "model.pdparams"
     save(values(1), path)
     assert_bitwise(load(path), values(1))
-    (flip if damage == "flip" else truncate)(largest_data_file(path), *([0.5] if damage == "flip"
-                                                                        else []))
-    match = (r"(?s)model.pdparams is damaged: 1 array does not match the checksum .*\n  "
-             r"\['w'\]: crc32" if damage == "flip" else r"model.pdparams is damaged: ")
-    with pytest.raises(FleetCheckpointError, match=match):
+    make, message = FILE_DAMAGE[damage]
+    make(path)
+    with pytest.raises(FleetCheckpointError, match=rf"(?s)fleet.load: {path} is damaged: {message}"):
         load(path)
 
 
@@ -180,14 +205,15 @@ def test_disk_full_is_reported_and_the_previous_step_stays(make_world, tmp_path,
 
 
 def test_fleet_save_disk_full_keeps_the_previous_file(tmp_path, monkeypatch):
+    """The file write fails with ENOSPC midway (what a full disk does)."""
     path = tmp_path / "model.pdparams"
     save(values(1), path)
-    from orbax.checkpoint._src.path import async_path
 
-    async def full(src, dst):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+    def full(f, array, **kwargs):
+        f.write(b"part of an array")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(async_path, "rename", full)
+    monkeypatch.setattr(np.lib.format, "write_array", full)
     with pytest.raises(FleetCheckpointError, match=rf"fleet.save: disk full at {tmp_path}: "
                                                    r".*model.pdparams was not written \(the "
                                                    r"previous one is unchanged\)"):
@@ -195,6 +221,61 @@ def test_fleet_save_disk_full_keeps_the_previous_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["model.pdparams"]
     assert_bitwise(load(path), values(1))
+
+
+def test_the_errno_says_disk_full_never_the_text():
+    from fleet.checkpoint import _disk
+
+    def chained(inner):
+        try:
+            try:
+                raise inner
+            except OSError as e:
+                raise RuntimeError("the commit failed") from e
+        except RuntimeError as e:
+            return e
+
+    assert _disk.errno_says_full(chained(OSError(errno.ENOSPC, "No space left on device")))
+    assert _disk.errno_says_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not _disk.errno_says_full(chained(OSError(errno.EACCES, "No space left on device")))
+    assert not _disk.errno_says_full(ValueError("No space left on device [os_error_code='28']"))
+
+
+def test_a_full_disk_is_told_by_the_disk_not_by_the_message(make_world, tmp_path, monkeypatch):
+    """A save that fails with tensorstore's kind of error (only its text says "No
+    space left on device") is "disk full" when the disk lacks the space the step
+    needs, and a plain failure, with its message, when the disk has room."""
+    from orbax.checkpoint._src.path import async_path
+
+    make_world(1)
+    directory = tmp_path / "ckpt"
+
+    async def fails(src, dst):
+        raise ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device "
+                         "[os_error_code='28']")
+
+    manager = CheckpointManager(directory, async_save=False)
+    manager.save(1, state=values(1))
+    monkeypatch.setattr(async_path, "rename", fails)
+    with pytest.raises(FleetCheckpointError, match=r"the checkpoint of step 2 in .* was not written "
+                                                   r"\(ValueError: RESOURCE_EXHAUSTED: .*\); its "
+                                                   r"temporary files are removed") as plain:
+        manager.save(2, state=values(2))
+    assert "disk full" not in str(plain.value)  # the disk has room: the text decides nothing
+    real = shutil.disk_usage
+    needed = sum(v.nbytes for v in values(2).values())
+
+    def little_left(path):
+        return real(path)._replace(free=needed // 2)
+
+    monkeypatch.setattr(shutil, "disk_usage", little_left)
+    with pytest.raises(FleetCheckpointError, match=rf"disk full at {directory}: the checkpoint of "
+                                                   r"step 2 was not written .*and save again \(97.7 KB "
+                                                   r"free, the step needs 195.4 KB\)"):
+        manager.save(2, state=values(2))
+    monkeypatch.undo()
+    assert manager.all_steps() == [1] and sorted(os.listdir(directory)) == ["1"]
+    manager.close()
 
 
 def _can_mount_tmpfs() -> bool:
@@ -222,6 +303,36 @@ def test_a_real_full_disk(tmp_path):
             "was not written") in out, out
     assert "steps [1] files ['1']" in out, out
     assert "restored 1 True" in out, out
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="cannot mount a tmpfs in a user namespace here")
+def test_fleet_save_on_a_real_full_disk(tmp_path):
+    """A 2 MB tmpfs: the second save (4 MB) does not fit; the first one stays."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    code = textwrap.dedent("""
+        import os, sys
+        import numpy as np
+        from fleet.checkpoint import FleetCheckpointError, load, save
+        path = os.path.join(sys.argv[1], "model.pdparams")
+        save({"w": np.arange(1000.0)}, path)
+        try:
+            save({"w": np.random.rand(500_000)}, path)
+        except FleetCheckpointError as e:
+            print("raised:", e)
+        print("files", sorted(os.listdir(sys.argv[1])))
+        print("kept", load(path)["w"].tobytes() == np.arange(1000.0).tobytes())
+    """)
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"', str(disk),
+         sys.executable, "-c", code, str(disk)],
+        capture_output=True, text=True, timeout=60, env=ckpt_jobs._env(1), cwd=ckpt_jobs.ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert (f"raised: fleet.save: disk full at {disk}: {disk}/model.pdparams was not written (the "
+            "previous one is unchanged); free space and save again") in out, out
+    assert "files ['model.pdparams']" in out and "kept True" in out, out
 
 
 # -- the script ends without close() -------------------------------------------------------------

@@ -1,15 +1,16 @@
 """fleet.checkpoint: whole training states, saved atomically, resumed exactly.
 
-Two levels, both on orbax-checkpoint (arrays in tensorstore, metadata in JSON,
-never pickle):
+Two levels, neither ever pickles:
 
 * :func:`save` / :func:`load`, Paddle's ``paddle.save`` / ``paddle.load`` for
-  state dicts::
+  state dicts, one file (a zip of ``.npy`` arrays and a JSON tree:
+  ``fleet/checkpoint/_file.py``)::
 
       fleet.save(model.state_dict(), "model.pdparams")
       model.set_state_dict(fleet.load("model.pdparams"))
 
-* :class:`CheckpointManager` for training: model (every variable: parameters,
+* :class:`CheckpointManager` for training, on orbax-checkpoint (arrays in
+  tensorstore, metadata in JSON): model (every variable: parameters,
   batch-norm statistics, RNG streams), optimizer, loader position, RNG keys,
   step, epoch and metadata, from every process, each array written once; keeps
   the last ``max_to_keep``, saves every N steps or seconds, asynchronously::

@@ -12,7 +12,9 @@ every process finished writing it, so a kill at any moment leaves the earlier
 steps intact and a half-written step is never listed; the manager deletes such
 leftovers when it starts. Older steps are deleted (``max_to_keep``) only once a
 newer one is committed. A save that fails (disk full) raises at the latest on
-the manager's next call, and its temporary directory is removed. A pending
+the manager's next call, and its temporary directory is removed. "Disk full" is
+decided by the error's ``errno`` or by the disk's free space after the failure
+(:mod:`fleet.checkpoint._disk`), never by an error message's text. A pending
 asynchronous save is finished when the interpreter exits; if it cannot be, the
 exit status is 1 and stderr says which checkpoint was lost.
 
@@ -48,11 +50,11 @@ import orbax.checkpoint as ocp
 from fleet import _agree, _compat
 from fleet._errors import FleetError, FleetWarning
 from fleet._world import world
-from fleet.checkpoint import _integrity, _state, _tree
+from fleet.checkpoint import _disk, _integrity, _state, _tree
 from fleet.checkpoint._errors import FleetCheckpointError
-from fleet.checkpoint._io import is_disk_full
 
 _META = "meta"
+_META_FILE = "metadata"  # (JsonCheckpointHandler's file name, which restore reads)
 
 # Replicated arrays are written from replica 0 alone (process 0's first device),
 # the copy ``state_dict()`` and ``fleet.save`` read. Orbax's default on CPU,
@@ -83,12 +85,25 @@ def _sum_and_share(pieces: dict[str, list]) -> dict[str, _integrity.Sums]:
 
 
 class _MetaHandler(ocp.JsonCheckpointHandler):
-    """Writes a step's JSON once its checksums (a future) are summed."""
+    """Writes a step's JSON (``meta/metadata``, on process 0) once its checksums
+    (a future) are summed, in orbax's commit thread: the save returns at once.
 
-    async def _save_fn(self, x, directory):
-        if isinstance(x.get("checksums"), Future):
-            x = dict(x, checksums=await asyncio.wrap_future(x["checksums"]))
-        await super()._save_fn(x, directory)
+    It replaces only the public ``async_save`` (``save`` calls it) and returns the
+    kind of commit future ``JsonCheckpointHandler`` returns
+    (``ocp.future.CommitFutureAwaitingContractedSignals``: it waits for orbax's
+    signal that the item's directory exists before writing)."""
+
+    async def async_save(self, directory, item=None, args=None):
+        x = args.item if args is not None else item
+
+        async def write() -> None:
+            value = x
+            if isinstance(value.get("checksums"), Future):
+                value = dict(value, checksums=await asyncio.wrap_future(value["checksums"]))
+            if jax.process_index() == 0:
+                (directory / _META_FILE).write_text(json.dumps(value))
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="fleet_meta_save")]
 
 
 @ocp.args.register_with_handler(_MetaHandler, for_save=True)
@@ -230,20 +245,26 @@ class CheckpointManager:
                 "give another path"
             )
         self._meet("__init__", repr(self))
-        handlers = {name: ocp.PyTreeCheckpointHandler(type_handler_registry=_REGISTRY)
-                    for name in _state.ARRAY_PARTS}
-        handlers[_META] = _MetaHandler()
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for name in _state.ARRAY_PARTS:
+            handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_REGISTRY)
+            registry.add(name, ocp.args.PyTreeSave, handler)
+            registry.add(name, ocp.args.PyTreeRestore, handler)
+        meta = _MetaHandler()
+        registry.add(_META, _MetaSave, meta)
+        registry.add(_META, _MetaRestore, meta)
         # fleet decides which steps to write and deletes old ones itself (only
         # once a newer step is committed), so orbax gets neither option.
         self._orbax = ocp.CheckpointManager(
             self.directory,
-            item_handlers=handlers,
+            handler_registry=registry,
             options=ocp.CheckpointManagerOptions(
                 enable_async_checkpointing=self.async_save,
                 cleanup_tmp_directories=True,
             ),
         )
         self._pending: int | None = None  # the step an asynchronous save is writing
+        self._needed = 0  # its size in bytes (a failed save: was the disk full?)
         self._closed = False
         latest = self.latest_step()
         self._last_save = (None if latest is None else
@@ -371,6 +392,8 @@ class CheckpointManager:
             self._orbax.delete(step)
         items = {name: ocp.args.PyTreeSave(stored[name]) for name, p in parts.items() if p.leaves}
         items[_META] = _MetaSave(meta)
+        self._needed = sum(int(getattr(v, "nbytes", 0)) for part in stored.values()
+                           for v in part.values())
         try:
             self._orbax.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001 (tensorstore's and orbax's own errors)
@@ -405,11 +428,11 @@ class CheckpointManager:
         self._remove_leftovers(step)
         self._orbax.reload()
         kept = f"the steps saved before are intact: {self.all_steps()}"
-        if is_disk_full(e):
+        if _disk.is_full(e, self.directory, self._needed):
             raise FleetCheckpointError(
                 f"disk full at {self.directory}: the checkpoint of step {step} was not "
                 f"written (its temporary files are removed; {kept}); free space, or "
-                "lower max_to_keep, and save again"
+                f"lower max_to_keep, and save again ({_disk.describe(self.directory, self._needed)})"
             ) from None
         raise FleetCheckpointError(
             f"the checkpoint of step {step} in {self.directory} was not written "
@@ -654,9 +677,10 @@ class CheckpointManager:
         except BaseException as e:  # noqa: BLE001
             self._closed = True
             self._remove_leftovers(step)
+            why = "disk full" if _disk.is_full(e, self.directory, self._needed) else _first_line(e)
             sys.stdout.flush()
             print(f"fleet.CheckpointManager: the checkpoint of step {step} in {self.directory} "
-                  f"was LOST at interpreter exit ({'disk full' if is_disk_full(e) else _first_line(e)}); "
+                  f"was LOST at interpreter exit ({why}); "
                   f"the steps saved before are intact. Exiting with status 1.",
                   file=sys.stderr, flush=True)
             os._exit(1)

@@ -3,8 +3,8 @@
 ``save(path)`` writes ``{path}.pdparams`` (every variable of the network, keyed
 as ``network.state_dict()``: ``"linear1.kernel"``) and, for training,
 ``{path}.pdopt`` (the optimizer's state, keyed the same way: ``"step"``,
-``"opt_state.0.mu.linear1.kernel"``), each with :func:`fleet.save` (an orbax
-directory, replaced atomically; loading never unpickles). The first worker
+``"opt_state.0.mu.linear1.kernel"``), each with :func:`fleet.save` (one file,
+as Paddle writes, replaced atomically; loading never unpickles). The first worker
 writes; the others wait for it.
 """
 
