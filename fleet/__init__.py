@@ -19,8 +19,8 @@ _apply_cpu_collective_environ()
 
 from fleet import _world, io, optimizer
 from fleet._agree import FleetTimeoutError
+from fleet._buckets import BucketConfig
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
-from fleet._context import BucketConfig
 from fleet._env import WorkerEnv
 from fleet._errors import (
     FleetAttributeError,

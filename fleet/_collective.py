@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fleet import _sync
+from fleet._agree import join
 from fleet._errors import FleetConfigError
 from fleet._world import DATA_AXIS
 
@@ -66,7 +67,6 @@ def broadcast(x: Any, src: int = 0) -> Any:
         return x
     from jax.experimental import multihost_utils
 
-    from fleet._agree import join
 
     join("fleet.broadcast (outside a step)")
     return multihost_utils.broadcast_one_to_all(x, is_source=jax.process_index() == src)
@@ -85,7 +85,6 @@ def all_gather(x: Any) -> Any:
 def _process_allgather(x: Any) -> Any:
     from jax.experimental import multihost_utils
 
-    from fleet._agree import join
 
     join("fleet.all_reduce / all_gather (outside a step)")
     return multihost_utils.process_allgather(x, tiled=False)
@@ -97,7 +96,6 @@ def barrier() -> None:
     if not _in_step() and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        from fleet._agree import join
 
         join("fleet.barrier")
         multihost_utils.sync_global_devices("fleet.barrier")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fleet import _sync
+from fleet._agree import agree
 from fleet._errors import FleetError
 from fleet._roles import REPL, TREE
 from fleet._tree import dotted
@@ -144,7 +145,6 @@ def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:
     values = tuple(np.asarray(v).item() for v in repl)
     if values == last:
         return last
-    from fleet._agree import agree
 
     mine = json.dumps([repr(v) for v in values])
     everyone = agree(f"step-args/{getattr(fn, '__qualname__', 'step')}", mine)
@@ -164,8 +164,6 @@ def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:
 
 def agree_program(fn: Any, kinds: tuple, no_sync: bool, batch: list, state: list, w: Any) -> None:
     """The cross-process program guard (see the module docstring)."""
-    from fleet._agree import agree
-
     fields = {
         "step function": getattr(fn, "__qualname__", repr(fn)),
         "argument kinds": list(kinds),

@@ -26,10 +26,10 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
-from fleet import _amp, _compat, _context, _recompute, _sync
-from fleet._context import BucketConfig
+from fleet import _amp, _compat, _recompute, _sync
+from fleet._buckets import BucketConfig, strategy_buckets
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetUnsupportedError
-from fleet._reduce import reduce_gradients, strategy_buckets
+from fleet._reduce import reduce_gradients
 from fleet._tree import (
     dotted,
     load_state_dict,
@@ -179,7 +179,7 @@ class DataParallel(nnx.Module):
         ``k + 1`` batches, divide the loss by ``k + 1``. Inside the block, update
         with a :func:`fleet.distributed_optimizer`, which does not step there.
         """
-        with _context.no_sync():
+        with _sync.no_sync():
             yield
 
     def scale_loss(self, loss: Any) -> Any:

@@ -35,10 +35,11 @@ import optax
 from flax import nnx
 
 from fleet import _amp, _compat, _large_batch, _sharding, _sync
-from fleet._errors import FleetTypeError, FleetUnsupportedError
-from fleet._reduce import reduce_gradients, strategy_buckets
-from fleet._tree import replicate_in_place
-from fleet._world import current_strategy
+from fleet._buckets import strategy_buckets
+from fleet._errors import FleetError, FleetTypeError, FleetUnsupportedError
+from fleet._reduce import reduce_gradients
+from fleet._tree import dotted, module_variables, replicate_in_place
+from fleet._world import current_strategy, world
 
 
 class _AllReduceThen(optax.GradientTransformationExtraArgs):
@@ -78,8 +79,6 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
             trace.tx_calls += 1
             trace.tx_grads.update(id(g) for g in jax.tree.leaves(grads))
             if not trace.wrapped_syncs:
-                from fleet._tree import dotted
-
                 flat = jax.tree_util.tree_flatten_with_path(grads)[0]
                 trace.record_finite([f"gradient {dotted(p)!r}" for p, _ in flat],
                                     [g for _, g in flat])
@@ -181,7 +180,6 @@ class DistributedOptimizer(nnx.Optimizer):
         whether it created it (the graph changed)."""
         if getattr(self, "grad_accum", None) is not None:
             return False
-        from fleet._world import world
 
         w = world()
         n = w.num_replicas
@@ -251,7 +249,6 @@ class DistributedOptimizer(nnx.Optimizer):
         state and its step counter."""
         from flax.nnx import filterlib
 
-        from fleet._tree import module_variables
 
         wrt = filterlib.to_predicate(self.wrt)
         out = [v for k, v in module_variables(model).items() if wrt(tuple(k.split(".")), v)]
@@ -305,3 +302,104 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         f"nnx.Optimizer, got {type(optimizer).__name__}; build one with e.g. "
         "optax.adam(1e-3) or nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)"
     )
+
+
+# --------------------------------------------------------------------------- the step's side
+# What fleet.distributed_step needs from the distributed optimizers among its
+# arguments, before a call, inside the trace and after it.
+
+
+def prepare_accumulators(objs: tuple) -> bool:
+    """Before a no_sync step: gives each distributed optimizer its accumulator for
+    the wrapped parameters among ``objs``. Returns whether a graph changed."""
+    optimizers = [o for o in objs if isinstance(o, DistributedOptimizer)
+                  and getattr(o, "grad_accum", None) is None]
+    if not optimizers:  # (the usual case: created at the first no_sync step)
+        return False
+    params = {}
+    for obj in objs:
+        if not isinstance(obj, DistributedOptimizer):
+            params.update({k: (v.get_raw_value().shape, v.get_raw_value().dtype)
+                           for k, v in module_variables(obj).items()
+                           if isinstance(v, _sync.SyncedRead)})
+    return any([o.ensure_accumulator(params) for o in optimizers])
+
+
+def prepare_sharding(objs: tuple) -> bool:
+    """``strategy.sharding``: before the first step, each distributed optimizer
+    splits its state for the parameters of the model it gets here. Returns
+    whether a graph changed."""
+    changed = False
+    for opt in objs:
+        if isinstance(opt, DistributedOptimizer) and opt.shard_pending:
+            changed |= opt.ensure_sharded([o for o in objs if o is not opt])
+    return changed
+
+
+class MergePosition:
+    """``strategy.gradient_merge``, on the host: where a step's calls sit in the
+    merging optimizer's cycle of ``k_steps`` calls (a step holds one)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple] = {}  # id(optimizer) -> (count array, its value)
+
+    def find(self, objs: tuple, no_sync: bool) -> tuple[Any, int]:
+        """``strategy.gradient_merge``: the optimizer that merges, and where this
+        call sits in its cycle of ``k_steps`` calls. The count lives on the
+        device (it is checkpointed); the host follows it without reading it back,
+        and reads it only when someone else wrote it (a restore)."""
+        merging = [o for o in objs if isinstance(o, DistributedOptimizer) and o.merge_k > 1]
+        if not merging or no_sync:  # explicit no_sync: accumulate, do not count
+            return None, 0
+        positions = []
+        for opt in merging:
+            value = opt.merge_count.get_raw_value()
+            seen = self._seen.get(id(opt))
+            if seen is None or seen[0] is not value:
+                seen = (value, int(np.asarray(value.addressable_shards[0].data)))
+                self._seen[id(opt)] = seen
+            positions.append(seen[1])
+        if len(set(positions)) > 1:
+            raise FleetError(
+                f"the step gets {len(merging)} optimizers that merge gradients, at different "
+                f"points of their cycle ({positions}); pass one distributed optimizer")
+        return merging[0], positions[0]
+
+    def advanced(self, objs: tuple) -> None:
+        """After a call that updated a merging optimizer: its new count, known."""
+        for opt in objs:
+            seen = self._seen.get(id(opt))
+            if isinstance(opt, DistributedOptimizer) and seen is not None:
+                self._seen[id(opt)] = (opt.merge_count.get_raw_value(),
+                                       (seen[1] + 1) % opt.merge_k)
+
+
+def enter_trace(trace: _sync.SyncTrace, objs: tuple, *, grad_merge: str | None,
+                sharded: bool, replicas: int) -> None:
+    """What the strategy's sections need from the step's distributed optimizer:
+    float16 amp's loss scale, gradient merge's divisor on the final call."""
+    divisor = None
+    for opt in objs:
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        if opt.amp_rules is not None and trace.loss_scale is None:
+            trace.loss_scale = divisor = opt.loss_scaling[...]
+        if grad_merge == "final" and opt.merge_avg:
+            k = jnp.asarray(opt.merge_k, jnp.float32)
+            divisor = k if divisor is None else divisor * k
+    trace.grad_divisor = divisor
+    trace.merge_counts = grad_merge is not None
+    if sharded:
+        trace.shard = _sharding.config(replicas=replicas)
+
+
+def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -> None:
+    """The no_sync accumulators the step leaves: what this step added, zeros once
+    a synced step consumed them, else as they were (a step that does not
+    differentiate the model leaves them for the next one that does)."""
+    for i, key in enumerate(accum_keys):
+        if key is None:
+            continue
+        if key in trace.accum_out:
+            new = trace.accum_out[key]
+            leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new

@@ -1,11 +1,5 @@
-"""Buckets, and averaging gradients that still differ across replicas.
-
-Gradient leaves are taken in model order (the pytree's leaf order) and grouped
-into buckets of at most ``comm_buffer_size`` MB; the first bucket, which holds
-the model's first layers (whose gradients backward produces last), is capped at
-``last_comm_buffer_size`` MB so that its all-reduce, which nothing can overlap,
-stays short. A leaf larger than its cap gets a bucket of its own;
-``fuse=False`` means one bucket per leaf.
+"""Averaging gradients that still differ across replicas, in buckets
+(:mod:`fleet._buckets`).
 
 A wrapped model reduces its gradients in the backward pass, one custom-VJP
 call per bucket (:mod:`fleet._sync`); its bucket is one ``jax.lax.psum`` of the
@@ -25,49 +19,21 @@ invariant already and pass through, so nothing is reduced twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from fleet._context import BucketConfig
+from fleet._buckets import BucketConfig, plan_buckets, strategy_buckets
 from fleet._errors import FleetError
-
-MB = 1 << 20
-
-
-def plan_buckets(nbytes: Sequence[int], config: BucketConfig) -> list[list[int]]:
-    """Groups leaf indices (model order) into buckets; see the module docstring.
-
-    Example:
-        >>> plan_buckets([3 * MB, 3 * MB, 3 * MB], BucketConfig(5, 1))
-        [[0], [1], [2]]
-        >>> plan_buckets([MB // 2, MB // 2, 3 * MB, MB], BucketConfig(5, 1))
-        [[0, 1], [2, 3]]
-    """
-    if not config.fuse:
-        return [[i] for i in range(len(nbytes))]
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size, cap = 0, config.last_comm_buffer_size * MB
-    for i, n in enumerate(nbytes):
-        if current and size + n > cap:
-            buckets.append(current)
-            current, size, cap = [], 0, config.comm_buffer_size * MB
-        current.append(i)
-        size += n
-    if current:
-        buckets.append(current)
-    return buckets
+from fleet._sync import current, is_varying, mean_over_replicas
+from fleet._world import is_initialized, world
 
 
 def allreduce_mean(leaves: list, config: BucketConfig) -> list:
     """Averages varying ``leaves`` over the ``data`` axis, one psum per bucket
     (in ``config.wire_dtype`` if set); invariant leaves (equal on every replica
     already) come back as they are."""
-    from fleet._sync import is_varying, mean_over_replicas
-
     out = list(leaves)
     todo = [i for i, x in enumerate(leaves) if is_varying(x)]
     nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
@@ -78,23 +44,9 @@ def allreduce_mean(leaves: list, config: BucketConfig) -> list:
     return out
 
 
-def strategy_buckets() -> BucketConfig:
-    """The buckets of the strategy given to ``fleet.init`` (the defaults before it)."""
-    from fleet._world import current_strategy
-
-    s = current_strategy()
-    wire = None
-    if s.fp16_allreduce:
-        wire = "float16" if s.amp_configs.compute_dtype == "float16" else "bfloat16"
-    return BucketConfig(s.fuse_grad_size_in_MB, s.last_comm_group_size_MB, s.fuse_all_reduce_ops,
-                        wire)
-
-
 def reduce_gradients(grads: Any, config: BucketConfig | None = None) -> Any:
     """``grads`` averaged over the replicas (see the module docstring). Outside a
     step (and with one replica) it returns ``grads``."""
-    from fleet._sync import current
-
     if current() is None:
         return _outside_step(grads)
     config = config or strategy_buckets()
@@ -103,8 +55,6 @@ def reduce_gradients(grads: Any, config: BucketConfig | None = None) -> Any:
 
 
 def _outside_step(grads: Any) -> Any:
-    from fleet._world import is_initialized, world
-
     if not is_initialized() or world().num_replicas == 1:
         return grads
     raise FleetError(

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fleet._agree import agree
 from fleet._tree import dotted
 
 
@@ -55,8 +56,6 @@ def check_replicas(tree: Any) -> list[str]:
             found.append(f"{name} (device {x.addressable_shards[0].device.id} and device(s) {bad})")
         sums.append((name, zlib.crc32(np.ascontiguousarray(x.addressable_shards[0].data).tobytes())))
     if jax.process_count() > 1:
-        from fleet._agree import agree
-
         everyone = agree("check_replicas", ",".join(str(s) for _, s in sums))
         mine = jax.process_index()
         for rank, text in enumerate(everyone):

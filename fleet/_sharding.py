@@ -53,8 +53,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fleet import _compat, _slices, _sync
+from fleet._buckets import plan_buckets, strategy_buckets
 from fleet._errors import FleetError, FleetUnsupportedError
-from fleet._world import DATA_AXIS
+from fleet._world import DATA_AXIS, current_strategy, world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +93,23 @@ class Config:
     def layout(self, shape: Sequence[int]) -> Layout:
         return Layout(tuple(shape), self.degree, self.replicas)
 
+    def backward(self, trace: _sync.SyncTrace, keys: tuple, cts: list) -> tuple:
+        """A wrapped model's bucket backward under sharding (called by
+        :mod:`fleet._sync`): stage 2 reduce-scatters the bucket now, stage 1 keeps
+        the local gradients for the optimizer; both return placeholders."""
+        if self.stage == 2:
+            values = reduce_slices(cts, self, trace.grad_divisor)
+            trace.record_finite([f"gradient of {k!r}" for k in keys], values)
+        else:
+            values = cts
+        held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
+        for k, h, v in zip(keys, held, values):
+            trace.shard_grads[id(h)] = (k, v, self.stage == 2)
+        return tuple(held)
+
 
 def config(replicas: int | None = None) -> Config | None:
     """The current strategy's sharding (``None`` when ``strategy.sharding`` is off)."""
-    from fleet._reduce import strategy_buckets
-    from fleet._world import current_strategy, world
-
     strategy = current_strategy()
     if not strategy.sharding:
         return None
@@ -174,15 +186,11 @@ def _converters(layout: Layout, mesh: Any) -> tuple[Any, Any]:
 
 def to_shards(x: Any, layout: Layout) -> jax.Array:
     """A logical array as the global ``(replicas, chunk)`` array sharded over ``data``."""
-    from fleet._world import world
-
     return _converters(layout, world().mesh)[0](x)
 
 
 def to_logical(x: jax.Array, layout: Layout) -> jax.Array:
     """The logical array (replicated) of a sharded one; the padding is dropped."""
-    from fleet._world import world
-
     return _converters(layout, world().mesh)[1](x)
 
 
@@ -233,6 +241,16 @@ def shard_state(state: Any, layouts: list[Layout | None]) -> Any:
 
 
 # --------------------------------------------------------------------------- collectives
+
+
+@functools.partial(jax.jit, static_argnames="specs")
+def fleet_shard_grad(specs: tuple) -> list:
+    """Placeholders (zeros) for the gradients of a sharded step: the reduced
+    gradient exists only as slices (see :mod:`fleet._sharding`). A ``jit``
+    named so in the jaxpr: the step refuses a program that reads them."""
+    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+
+
 
 
 def _shard_index(layout_degree: int) -> Any:
@@ -287,8 +305,6 @@ def fleet_gather(*slices: Any) -> list:
 def reduce_slices(leaves: Sequence, cfg: Config, divisor: Any = None) -> list:
     """The reduced (mean) gradient slices of per-replica local gradients, one
     reduce-scatter per gradient bucket (``fuse_grad_size_in_MB``)."""
-    from fleet._reduce import plan_buckets, strategy_buckets
-
     layouts = [cfg.layout(jnp.shape(x)) for x in leaves]
     scatter = cfg.degree == cfg.replicas == jax.lax.axis_size(DATA_AXIS)
     out: list = [None] * len(leaves)

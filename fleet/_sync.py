@@ -16,7 +16,7 @@ into a subclass whose ``get_value`` does the above (``isinstance(p, nnx.Param)``
 still holds).
 
 Buckets: the wrapped model's ``__call__`` (Linen: ``apply``) syncs all its
-parameters at once, one custom-VJP call per bucket (:func:`fleet._reduce.plan_buckets`),
+parameters at once, one custom-VJP call per bucket (:func:`fleet._buckets.plan_buckets`),
 so each bucket's all-reduce can start as soon as its gradients exist. A read
 outside ``__call__`` (another method, a sub-module) syncs that one leaf.
 
@@ -44,8 +44,10 @@ from flax import nnx
 from flax.typing import MISSING, Missing
 
 from fleet import _compat
+from fleet._buckets import BucketConfig, plan_buckets
 from fleet._compat import is_differentiated
-from fleet._context import BucketConfig
+from fleet._errors import FleetError
+from fleet._tree import dotted
 from fleet._world import DATA_AXIS
 
 
@@ -105,6 +107,28 @@ def tracing(trace: SyncTrace) -> Iterator[SyncTrace]:
         stack.pop()
 
 
+def no_sync_active() -> bool:
+    """Whether the calling thread is inside ``no_sync``."""
+    return getattr(_local, "no_sync", 0) > 0
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """``no_sync``: a ``with`` block around step calls, as in Paddle and torch DDP; a
+    flag of the calling thread, read when the step is called (the step compiles
+    separately with and without it)."""
+    if current() is not None:
+        raise FleetError(
+            "no_sync() was entered inside a distributed step; enter it around the call "
+            "instead: `with model.no_sync(): loss = train_step(model, optimizer, x, y)`"
+        )
+    _local.no_sync = getattr(_local, "no_sync", 0) + 1
+    try:
+        yield
+    finally:
+        _local.no_sync -= 1
+
+
 #: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
 #: knows every other psum in a step is not fleet's (see fleet._step).
 FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_scatter", "fleet_gather")
@@ -162,8 +186,8 @@ def _make_bucket_sync(keys: tuple, wire: str | None):
             for k in keys:
                 if k in trace.accum_in:
                     trace.accum_out[k] = None  # consumed
-        if trace is not None and trace.shard is not None:
-            return _sharded_bwd(trace, keys, cts)
+        if trace is not None and trace.shard is not None:  # strategy.sharding
+            return trace.shard.backward(trace, keys, cts)
         out = mean_over_replicas(list(cts), wire)
         if trace is not None and trace.grad_divisor is not None:
             out = [g / trace.grad_divisor.astype(g.dtype) for g in out]
@@ -175,35 +199,9 @@ def _make_bucket_sync(keys: tuple, wire: str | None):
     return sync
 
 
-@functools.partial(jax.jit, static_argnames="specs")
-def fleet_shard_grad(specs: tuple) -> list:
-    """Placeholders (zeros) for the gradients of a sharded step: the reduced
-    gradient exists only as slices (see :mod:`fleet._sharding`). A ``jit``
-    named so in the jaxpr: the step refuses a program that reads them."""
-    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
-
-
-def _sharded_bwd(trace: SyncTrace, keys: tuple, cts: list) -> tuple:
-    """strategy.sharding: stage 2 reduce-scatters the bucket now, stage 1 keeps
-    the local gradients for the optimizer; both return placeholders."""
-    from fleet._sharding import reduce_slices
-
-    if trace.shard.stage == 2:
-        values = reduce_slices(cts, trace.shard, trace.grad_divisor)
-        trace.record_finite([f"gradient of {k!r}" for k in keys], values)
-    else:
-        values = cts
-    held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
-    for k, h, v in zip(keys, held, values):
-        trace.shard_grads[id(h)] = (k, v, trace.shard.stage == 2)
-    return tuple(held)
-
-
 def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list:
     """The leaves, each through its bucket's custom-VJP sync (differentiated leaves
     only; others pass through). ``keys`` name the leaves for the accumulator."""
-    from fleet._reduce import plan_buckets
-
     trace = current()
     out = list(leaves)
     todo = [i for i, x in enumerate(leaves) if is_differentiated(x) and not is_varying(x)
@@ -309,8 +307,6 @@ def accumulate(grads: Any) -> None:
     """Under ``no_sync``: adds the local gradients (varying) to the accumulator,
     keyed by parameter path (the distributed optimizer calls it instead of
     stepping)."""
-    from fleet._tree import dotted
-
     trace = current()
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         key = dotted(path)

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fleet._agree import join
 from fleet._errors import FleetError
+from fleet._world import world
 
 
 def dotted(path: tuple) -> str:
@@ -120,8 +122,6 @@ def replicate(tree: Any) -> Any:
     arrays travel as their key data and are wrapped again. Collective: every
     process must call it (it waits at most ``FLEET_AGREE_TIMEOUT`` seconds).
     """
-    from fleet._world import world
-
     w = world()
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [dotted(p) for p, _ in paths_leaves]
@@ -130,7 +130,6 @@ def replicate(tree: Any) -> Any:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        from fleet._agree import join
 
         join("placing replicated state (fleet.distributed_model / distributed_optimizer / "
              "set_state_dict)")

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fleet import _xla_flags
+from fleet._agree import join
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError, FleetNotInitializedError, FleetUnsupportedError
 from fleet._worker import initialize_distributed, join_launched_job  # noqa: F401
@@ -187,7 +188,6 @@ def barrier_worker() -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        from fleet._agree import join
 
         join("fleet.barrier_worker")
         multihost_utils.sync_global_devices("fleet.barrier_worker")

@@ -1,14 +1,12 @@
 """fleet.hapi: the high-level API, Paddle's ``paddle.Model`` for a JAX mesh.
 
-::
-
-    import optax
-    from fleet.hapi import Model, metric
-
-    model = Model(network)                      # a Flax NNX module
-    model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels,
-                  metric.Accuracy())
-    model.fit(train_dataset, test_dataset, epochs=5, batch_size=64)
+Example:
+    >>> import optax  # doctest: +SKIP
+    >>> from fleet.hapi import Model, metric
+    >>> model = Model(network)  # a Flax NNX module
+    >>> model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels,
+    ...               metric.Accuracy())
+    >>> model.fit(train_dataset, test_dataset, epochs=5, batch_size=64)
 
 The same script runs on one process (every local device) and under
 ``fleetrun --nproc_per_node N`` with no change: ``import fleet`` in a worker
@@ -16,9 +14,13 @@ started by a launcher joins the job's distributed runtime at once (see
 ``fleet._world.join_launched_job``).
 
 Files: ``_model.py`` (Model), ``_steps.py`` (the per-replica steps),
-``_inputs.py`` (datasets, loaders, batches, argument checks), ``_metric.py``
-(metrics), ``_callbacks.py`` (callbacks), ``_progbar.py`` (progress bar),
+``_loops.py`` (an epoch's loop), ``_inputs.py`` (datasets, loaders, batches,
+argument checks), ``_metric.py`` (metrics), ``_callbacks.py`` (callbacks),
+``_progbar.py`` (progress bar), ``_config.py`` (a run's callbacks, assembled),
 ``_saving.py`` (save / load), ``_summary.py`` (summary).
+
+It builds on the whole package below it (the core, ``io``, ``checkpoint``);
+nothing below imports it.
 """
 
 from fleet.hapi import callbacks, metric

@@ -33,6 +33,7 @@ import numpy as np
 
 from fleet import _world
 from fleet._errors import FleetConfigError, FleetTypeError
+from fleet.checkpoint import CheckpointManager
 
 _MODES = ("train", "eval", "predict")
 
@@ -108,43 +109,6 @@ class CallbackList:
         return call
 
 
-def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, verbose: int,
-                     log_freq: int, params: dict[str, Any], save_dir: Any = None,
-                     save_freq: int = 1, train_loader: Any = None, resume: bool = False,
-                     ) -> tuple[CallbackList, ModelCheckpoint | None]:
-    """The callbacks of a run (Paddle's ``config_callbacks``): the user's, a progress
-    logger unless ``verbose`` is 0 or one is given, and a :class:`ModelCheckpoint`
-    for ``save_dir`` unless one is given; each gets the model and ``params``.
-    Returns them, and the checkpoint callback that saves (``None`` if none does),
-    which gets the training loader (whose position it saves); ``fit(resume=True)``
-    needs one."""
-    from fleet.hapi._progbar import ProgBarLogger
-
-    cbks = list(callbacks or [])
-    for cb in cbks:
-        if not isinstance(cb, Callback):
-            raise FleetTypeError(
-                f"callbacks must be fleet.callbacks.Callback objects, got "
-                f"{type(cb).__name__}; subclass fleet.callbacks.Callback"
-            )
-    if verbose and not any(isinstance(cb, ProgBarLogger) for cb in cbks):
-        cbks.insert(0, ProgBarLogger(log_freq, verbose))
-    if save_dir is not None and not any(isinstance(cb, ModelCheckpoint) for cb in cbks):
-        cbks.append(ModelCheckpoint(save_freq, save_dir))
-    for cb in cbks:
-        cb.set_model(model)
-        cb.set_params(params)
-    checkpoints = [cb for cb in cbks if isinstance(cb, ModelCheckpoint) and cb.save_dir]
-    for cb in checkpoints:
-        cb.loader = train_loader
-    if resume and not checkpoints:
-        raise FleetConfigError(
-            "fit(resume=True) continues from the checkpoints in save_dir, but no "
-            "save_dir was given; pass save_dir=... (the same as the run to resume)"
-        )
-    return CallbackList(cbks), checkpoints[0] if checkpoints else None
-
-
 class ModelCheckpoint(Callback):
     """Saves the training state every ``save_freq`` epochs, and the model at the end.
 
@@ -174,8 +138,6 @@ class ModelCheckpoint(Callback):
 
     def manager(self) -> Any:
         if self._manager is None:
-            from fleet.checkpoint import CheckpointManager
-
             self._manager = CheckpointManager(self.save_dir, max_to_keep=self.max_to_keep)
         return self._manager
 

@@ -12,6 +12,8 @@ import optax
 from flax import linen, nnx
 
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._optimizer import distributed_optimizer
+from fleet.hapi._metric import Metric
 from fleet.io import DataLoader, DistributedBatchSampler
 
 _NEEDS_PREPARE = (
@@ -47,9 +49,6 @@ def check_network(network: Any) -> None:
 def check_prepare(network: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, Any, list]:
     """``Model.prepare``'s arguments, checked: the distributed optimizer (or
     ``None``), the loss, and the metrics as a list."""
-    from fleet._optimizer import distributed_optimizer
-    from fleet.hapi._metric import Metric
-
     if isinstance(optimizer, nnx.Optimizer):
         optimizer = distributed_optimizer(optimizer)
     elif isinstance(optimizer, optax.GradientTransformation):

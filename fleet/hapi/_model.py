@@ -27,7 +27,8 @@ from fleet import _world
 from fleet._errors import FleetWarning
 from fleet._model import DataParallel, distributed_model
 from fleet.hapi import _saving, _steps
-from fleet.hapi._callbacks import Callback, config_callbacks
+from fleet.hapi._callbacks import Callback
+from fleet.hapi._config import config_callbacks
 from fleet.hapi._inputs import (
     as_tuple,
     check_network,

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from fleet import _world
+from fleet._errors import FleetConfigError
 from fleet.hapi._callbacks import Callback
 from fleet.hapi._loops import AMP_LOGS
 
@@ -125,8 +126,6 @@ class ProgBarLogger(Callback):
     def __init__(self, log_freq: int = 1, verbose: int = 2, file: TextIO | None = None):
         super().__init__()
         if not isinstance(log_freq, int) or isinstance(log_freq, bool) or log_freq < 1:
-            from fleet._errors import FleetConfigError
-
             raise FleetConfigError(f"ProgBarLogger(log_freq={log_freq!r}) must be an int >= 1")
         self.log_freq, self.verbose, self.file = log_freq, verbose, file
         self._bar: ProgressBar | None = None

@@ -1,4 +1,8 @@
-"""Configuration of fleet: ``DistributedStrategy`` and its feature sections."""
+"""Configuration of fleet: ``DistributedStrategy`` and its feature sections.
+
+It imports nothing of fleet but its errors (``fleet._errors``): the core reads
+the configuration, never the other way round.
+"""
 
 from fleet.strategy._strategy import (
     AmpConfigs,

@@ -16,13 +16,17 @@ import difflib
 import typing
 from typing import Any, ClassVar
 
-from fleet._context import DEFAULT_BUCKET_MB, DEFAULT_LAST_BUCKET_MB
 from fleet._errors import (
     FleetAttributeError,
     FleetConfigError,
     FleetTypeError,
     FleetUnsupportedError,
 )
+
+#: The one default bucket size (MB of 2**20 bytes), and the cap of the first
+#: bucket (``fuse_grad_size_in_MB``, ``last_comm_group_size_MB``).
+DEFAULT_BUCKET_MB = 32.0
+DEFAULT_LAST_BUCKET_MB = 1.0
 
 _NORM_LAYERS = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm")
 _AMP_DTYPES = ("bfloat16", "float16")

@@ -1,0 +1,200 @@
+"""The traced program of a step: what ``jit`` compiles for one :class:`Plan`.
+
+:meth:`Program.run` is the global program: the step's function runs once per
+replica (``jax.shard_map`` over ``data``, ``check_vma=True``) in :meth:`Program.body`,
+and the per-replica outputs are combined outside it (mean, sum, gather), so the
+body's only collectives are the gradient buckets and the buffers' means. The
+first trace of a plan probes the body (a trace that records what it did: the
+outputs' kinds, the gradient syncs, the optimizer calls) and checks the step
+against the contract (``fleet._guards``) before the real trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from fleet import _guards, _roles, _sharding, _sync
+from fleet._errors import FleetError
+from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
+from fleet._optimizer import enter_trace, leave_accumulators
+from fleet._tree import dotted
+from fleet._world import DATA_AXIS, world
+
+_SHARD_GRADS_READ = (
+    "strategy.sharding: the step reads the wrapped model's gradients outside "
+    "optimizer.update ({what}). Under sharding each replica holds only its slice of the "
+    "reduced gradient, and nnx.grad / jax.grad return placeholders, so a gradient norm, "
+    "a returned gradient or a hand-made change would be wrong. Do it in the optax chain "
+    "(optax.clip_by_global_norm), or turn strategy.sharding off")
+
+
+class Program:
+    """A step's function, traced: ``fn`` with its ``out_reduce``, the graph of the
+    NNX objects it gets (:class:`GraphCache`, set by the step before a trace) and
+    each plan's record from its probe."""
+
+    def __init__(self, fn: Callable, out_reduce: Any):
+        self.fn = fn
+        self.out_reduce = out_reduce
+        self.graph: GraphCache | None = None
+        self.records: dict[Plan, dict] = {}
+        self.trace_count = 0  # how often the body was traced for real (tests read it)
+
+    def run(self, plan: Plan, state, trees, batch, repl):
+        """The global program (``jit`` traces it): the per-replica body under
+        ``shard_map``, its outputs combined. The first trace of a plan probes the
+        body and checks the step (fleet._guards)."""
+        state_specs = [P(DATA_AXIS) if pr else P() for pr in self.graph.per_replica]
+        tree_specs = P() if plan.tree_shards is None else tree_layout(
+            plan.tree_shards, P(DATA_AXIS), P())
+        specs = (state_specs, tree_specs, P(DATA_AXIS), P())
+        args = (state, trees, batch, repl)
+        record = self.records.get(plan)
+        if record is None:
+            strategy = world().strategy
+            _guards.check_on_one_device(
+                functools.partial(self.body, plan, record={}, probe=True), plan.mesh, args, specs)
+            record = {}
+            probe = jax.shard_map(
+                functools.partial(self.body, plan, record=record, probe=True),
+                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
+            )
+            jaxpr = jax.make_jaxpr(probe)(*args)
+            if _guards.foreign_psums(jaxpr):
+                summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
+                # Gradients of replicated state that no wrapped model synced: JAX summed
+                # them. A distributed optimizer that got them, with no wrapped model in
+                # the step, divides them by N (raw parameters, functional optax style).
+                if record["wrapped_syncs"] or not record["tx_calls"]:
+                    raise FleetError(_guards.IMPLICIT_SUM.format(
+                        n=plan.mesh.devices.size,
+                        what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
+                        if summed else "state that is not a wrapped model's parameters"))
+                record["auto_sum"] = True
+                if strategy.amp:
+                    raise FleetError(
+                        "strategy.amp sets the computation dtype of a wrapped model's layers, "
+                        "and this step trains raw parameters (no wrapped model): wrap an NNX "
+                        "model with fleet.distributed_model, or turn strategy.amp off")
+            if record["shard_grads"]:
+                used = _guards.placeholder_uses(jaxpr)
+                if used:
+                    raise FleetError(_SHARD_GRADS_READ.format(what=", ".join(used[:3])))
+            merge = strategy.gradient_merge_configs
+            if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
+                    and plan.grad_merge is None):
+                raise FleetError(
+                    f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
+                    "distributed optimizer, and this step differentiates the wrapped model "
+                    "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
+                    "wrt=nnx.Param)) to the step and update with it")
+            self.records[plan] = record
+        out_specs = (state_specs,
+                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
+                     P(DATA_AXIS))
+        self.trace_count += 1
+        run = jax.shard_map(
+            functools.partial(self.body, plan, record=record, probe=False),
+            mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
+        )
+        new_state, out_leaves, finite = run(*args)
+        # Stacked per-replica values are combined here, outside the per-device body,
+        # so the body's only collectives are the gradient buckets and buffer means.
+        out_leaves = [
+            x.mean(0) if r == "mean" else x.sum(0) if r == "sum"
+            else _sharding.Shard(x, r[1]) if isinstance(r, tuple) else x
+            for x, r in zip(out_leaves, record["out"])
+        ]
+        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), finite
+
+    def body(self, plan: Plan, state, trees, batch, repl, *, record, probe):
+        per_replica = self.graph.per_replica
+        state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
+        if plan.tree_shards is not None:
+            trees = tree_rows(trees)
+        original = state
+        if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
+            state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x
+                     for x, synced in zip(state, self.graph.synced)]
+        objs = nnx.merge(plan.graphdef, jax.tree_util.tree_unflatten(plan.state_treedef, state))
+        entered = {id(x): i for i, (x, synced) in enumerate(zip(state, self.graph.synced))
+                   if synced and plan.no_sync}
+        sources = {_roles.NNX: iter(objs), _roles.TREE: iter(trees), _roles.BATCH: iter(batch),
+                   _roles.REPL: iter(repl), _roles.STATIC: iter(plan.statics)}
+        values = [next(sources[k]) for k in plan.kinds]
+        n_pos = len(values) - len(plan.kw_names)
+        trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
+                                auto_sum=record.get("auto_sum", False),
+                                check_finite=plan.check_nan_inf)
+        trace.accum_in = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
+        enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
+                    replicas=plan.mesh.devices.size)
+        with _sync.tracing(trace):
+            out = self.fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
+            graphdef, new = nnx.split(objs)
+            if graphdef != plan.graphdef:
+                raise FleetError(
+                    "the step changed the structure of an NNX object (added or removed a "
+                    "variable or sub-module); build the whole model before training"
+                )
+            new_state = self.replicated_state(new, plan, entered, original)
+            leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
+        if trace.shard_grads and any(id(x) in trace.shard_grads for x in jax.tree.leaves(out)):
+            raise FleetError(_SHARD_GRADS_READ.format(what="the step returns them"))
+        if trace.auto_sum and any(id(x) in trace.tx_grads for x in jax.tree.leaves(out)):
+            raise FleetError(
+                "the step returns gradients of raw parameters, which JAX summed over the "
+                f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
+                "get averaged gradients back from a step"
+            )
+        trace.record_finite([f"output {dotted(p) or 'the output'}" for p in
+                             [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]], leaves)
+        flags = jnp.stack([f for _, f in trace.finite]) if trace.finite else jnp.zeros((0,), bool)
+        if not _sync.is_varying(flags):
+            flags = jax.lax.pcast(flags, DATA_AXIS, to="varying")
+        if probe:
+            record.update(finite=[n for n, _ in trace.finite])
+            record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
+                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
+                          shard_grads=len(trace.shard_grads))
+            return ()
+        out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum")
+                                                   or isinstance(r, tuple) else x)
+                      for x, r in zip(leaves, reduces)]
+        new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
+        return new_state, out_leaves, flags
+
+    def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
+        """The NNX state the step leaves: buffers averaged, anything else varying refused."""
+        variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        leaves = [v.get_raw_value() for v in variables]
+        # Under no_sync the wrapped parameters entered as varying; unchanged, they
+        # leave as the invariant values they were.
+        leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
+        leave_accumulators(_sync.current(), self.graph.accum_keys, leaves)
+        buffers = [i for i, x in enumerate(leaves)
+                   if _sync.is_varying(x) and not self.graph.per_replica[i]]
+        for i in buffers:
+            if not is_buffer(variables[i]):
+                hint = (
+                    " Under no_sync the gradients are local: update with a "
+                    "fleet.distributed_optimizer, which does not step inside no_sync."
+                    if plan.no_sync else
+                    " Compute its gradient through a wrapped model (fleet.distributed_model), "
+                    "or do not write values computed from the batch into it."
+                )
+                raise FleetError(
+                    f"{self.graph.names[i]} would hold different values on different "
+                    f"replicas after this step (it was set from per-replica values).{hint}"
+                )
+        if buffers:
+            for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
+                leaves[i] = x
+        return leaves

@@ -1,0 +1,80 @@
+"""Where a step's arguments live: batches as global arrays over ``data``, the
+rest replicated on the mesh.
+
+:func:`global_batch` is the one path from a process's rows to the global
+``jax.Array`` a step takes (``fleet.io``'s loaders take it too);
+:func:`placed` moves committed arrays made elsewhere (one device, another mesh)
+onto the mesh when ``jit`` refuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fleet import _sharding
+from fleet._errors import FleetConfigError
+from fleet._world import DATA_AXIS, World, world
+
+
+def global_batch(position: int, value: Any, w: World) -> Any:
+    """Argument ``position`` of a step (batch data) as the global ``jax.Array``
+    the step takes, sharded over ``data``: this process's rows in a multi-process
+    job (numpy), the global batch otherwise; a batch that does not split evenly
+    over the replicas is refused."""
+    multiprocess = jax.process_count() > 1
+
+    def check(x: Any) -> Any:
+        is_local = multiprocess and not (isinstance(x, jax.Array) and not x.is_fully_addressable)
+        replicas = w.num_local_replicas if is_local else w.num_replicas
+        if np.ndim(x) > 0 and np.shape(x)[0] == 0:
+            raise FleetConfigError(
+                f"argument {position} is a batch of 0 rows (shape {tuple(np.shape(x))}); "
+                "a step needs at least one row per replica: skip empty batches, or use "
+                "drop_last=True in the sampler"
+            )
+        if np.ndim(x) == 0 or np.shape(x)[0] % replicas:
+            what = "process-local" if is_local else "global"
+            raise FleetConfigError(
+                f"argument {position} is split over replicas along its leading axis, but "
+                f"its {what} shape {tuple(np.shape(x))} has a leading axis that is not "
+                f"a multiple of the {replicas} replicas; use a batch size that is a "
+                f"multiple of {replicas} (or drop_last=True in the sampler), or pass "
+                "batch_argnums to distributed_step if this argument is not batch data"
+            )
+        if is_local:
+            return jax.make_array_from_process_local_data(w.batch, np.asarray(x))
+        if isinstance(x, jax.Array) and x.sharding != w.batch:
+            return jax.device_put(x, w.batch)
+        return x
+
+    return jax.tree.map(check, value)
+
+
+def placed(state: list, per_replica: Sequence[bool], trees: Any, repl: Any) -> tuple | None:
+    """The state, tree and replicated arguments placed on the mesh, or ``None``
+    when every array is already where the step expects it."""
+    w = world()
+    data = NamedSharding(w.mesh, P(DATA_AXIS))
+    misplaced = []
+
+    def place(x: Any, where: NamedSharding) -> Any:
+        # Only a committed jax.Array can be refused: jit places anything else itself.
+        if not isinstance(x, jax.Array) or x.sharding.is_equivalent_to(where, x.ndim):
+            return x
+        misplaced.append(x)
+        return jax.device_put(x, where)
+
+    repl = jax.tree.map(lambda x: place(x, w.replicated), repl)
+    trees = jax.tree.map(
+        lambda x: _sharding.Shard(place(x.value, data), x.layout)
+        if _sharding.is_shard(x) else place(x, w.replicated),
+        trees, is_leaf=_sharding.is_shard)
+    state = [x if pr else place(x, w.replicated)
+             for x, pr in zip(state, per_replica)]
+    return (state, trees, repl) if misplaced else None
