@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet import FleetConfigError, WorkerEnv
+from fleet import FleetConfigError
+from fleet._env import WorkerEnv
 from tests import jobs
 from tests.tiers import slow
 

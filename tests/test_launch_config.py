@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from fleet import FleetConfigError, WorkerEnv
+from fleet import FleetConfigError
+from fleet._env import WorkerEnv
 from fleet.launch import LaunchConfig, main, parse_args, plan_workers, resolve
 from fleet.launch._args import OPTIONS, env_name
 from fleet.launch._config import worker_base_environ
@@ -512,22 +513,26 @@ def test_options_after_the_script_are_the_scripts():
 def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
     """kill -9 of rank 1 makes rank 0 raise in its next collective; the launcher may
     hear of rank 0's exit first. Exits that arrive within _SETTLE seconds count, and
-    a signal death comes first."""
-    import queue
-    import types
+    a signal death comes first. The one supervisor does this for fleetrun and
+    fleet.spawn alike (fleet/launch/_supervisor.py)."""
+    from fleet.launch import _supervisor
+    from fleet.launch._config import WorkerSpec
 
-    from fleet.launch import _agent
+    def exited(rank, returncode, error=None):
+        worker = _supervisor.Worker(WorkerSpec(rank, rank, {"FLEET_HEARTBEAT_FILE": ""}), pid=0)
+        worker.returncode, worker.error = returncode, error
+        return worker
 
-    group = _agent.WorkerGroup.__new__(_agent.WorkerGroup)
-    group._events = queue.Queue()
-    raised, killed = (types.SimpleNamespace(rank=0, returncode=1),
-                      types.SimpleNamespace(rank=1, returncode=-9))
-    group._events.put(types.SimpleNamespace(rank=2, returncode=0))
-    group._events.put(killed)
-    assert group._culprit(raised) is killed
+    supervisor = _supervisor.Supervisor(LaunchConfig())
+    raised, killed = exited(0, 1), exited(1, -9)
+    supervisor._events.put(exited(2, 0))
+    supervisor._events.put(killed)
+    assert supervisor._culprit(raised) is killed
     started = time.monotonic()
-    assert group._culprit(raised) is raised  # alone: named after the settling time
-    assert _agent._SETTLE <= time.monotonic() - started < _agent._SETTLE + 1
-    group._events.put(raised)
-    assert group._culprit(killed) is killed  # a signal death first: named at once
-    assert group._events.qsize() == 1
+    assert supervisor._culprit(raised) is raised  # alone: named after the settling time
+    assert _supervisor._SETTLE <= time.monotonic() - started < _supervisor._SETTLE + 1
+    supervisor._events.put(raised)
+    assert supervisor._culprit(killed) is killed  # a signal death first: named at once
+    assert supervisor._events.qsize() == 1
+    # fleet.spawn's child that sent a traceback failed, whatever its exit status.
+    assert exited(3, 0, error="Traceback ...").failed and not exited(3, 0).failed

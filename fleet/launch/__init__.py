@@ -6,13 +6,38 @@ The stages are separate and each can be used alone::
     config = parse_args(["--nproc_per_node", "2", "--cpu_devices", "2", "train.py"])
     config = resolve(config)       # validated, machine defaults filled in; frozen
     exit_code = launch(config)     # runs this node's workers until they finish
+
+What the folder holds, one idea a file:
+
+* ``_main.py``: the ``fleetrun`` command and its manual; ``__main__.py``: ``python
+  -m fleet.launch``.
+* ``_args.py``: the command line and ``FLEETRUN_*`` variables -> :class:`LaunchConfig`.
+* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults)
+  and :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
+  devices) and ``_net.py`` (addresses, ports) serve it; ``_tables.py``: the two
+  tables the launcher prints.
+* ``_supervisor.py``: the one supervisor of both launchers: waits for the
+  workers' exits, runs the watchdog, names the culprit, stops the rest.
+  ``_watchdog.py``: stuck workers (process state, heartbeat files);
+  ``_stop.py``: how workers are stopped; ``_failure.py``: what went wrong, in words.
+* ``_agent.py``: ``fleetrun``'s adapter: workers as ``Popen`` of the script, the
+  echo of worker 0's log, signals, the report, restarts. ``_run.py``: what each
+  ``fleetrun`` worker runs (by path; it imports nothing from fleet).
+* ``_spawn.py``: ``fleet.spawn``'s adapter: ``multiprocessing`` children that send
+  their result or traceback over a pipe; ``_spawn_options.py``: its options.
+
+What it may import: the standard library and fleet's core modules (``fleet._errors``,
+``fleet._env``, ``fleet._worker``, ``fleet._xla_flags``), at module level. The core
+never imports ``fleet.launch`` (``tests/test_launch_config.py`` checks); only
+``fleet/__init__.py`` re-exports :func:`spawn`.
 """
 
+# heartbeat(), the worker side of the liveness signal, lives in the core (fleet/_worker.py).
+from fleet._worker import heartbeat
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
 from fleet.launch._config import LaunchConfig, plan_workers, resolve
 from fleet.launch._failure import WorkerFailedError
-from fleet.launch._heartbeat import heartbeat
 from fleet.launch._main import main
 from fleet.launch._spawn import SpawnContext, spawn
 

@@ -1,19 +1,18 @@
-"""Runs one node's workers: start, echo, watch, stop, restart.
+"""``fleetrun``'s run of one node: start the script's workers, echo one, restart.
 
-Each worker is ``python -u SCRIPT ARGS`` in a session (and process group) of its
-own, with its output in ``log_dir/workerlog.RANK``. One thread per worker waits
-for its exit, so the launcher learns the order in which workers died and names
-the first. Workers are stopped as ``fleet/launch/_stop.py`` says (shared with
-``fleet.spawn``).
+Each worker is ``python -u _run.py SCRIPT ARGS`` in a session (and process group)
+of its own, with its output in ``log_dir/workerlog.RANK``. The workers are
+watched, the first failure named and the others stopped by the supervisor that
+``fleet.spawn`` uses too (``fleet/launch/_supervisor.py``); this file adds what
+is ``fleetrun``'s own: how a worker starts (:class:`ScriptWorker`), the echo of
+worker 0's log, the launcher's signals, the report and the restarts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -21,24 +20,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
-from fleet.launch import _stop, _tables
+from fleet.launch import _tables
 from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, worker_base_environ
 from fleet.launch._failure import Failure, signal_name
-from fleet.launch._stop import TERMINATE_GRACE, die_with_parent
-from fleet.launch._watchdog import STOPPED_STATES, Watchdog, Watched, process_state
+from fleet.launch._stop import die_with_parent
+from fleet.launch._supervisor import Outcome, Supervisor, Worker
 
 log = logging.getLogger("fleet.launch")
 
 #: Each worker runs ``python -u _run.py SCRIPT ARGS`` (see fleet/launch/_run.py).
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run.py")
-_POLL = 0.1  # seconds between looks at exits and at worker 0's log
-_CHECK_EVERY = 0.5  # seconds between watchdog checks
-# After the first failure, how long other exits may still arrive before the culprit is
-# named: a worker killed by a signal makes its peers fail in their next collective, and
-# their exits may reach the launcher first.
-_SETTLE = 0.5
 
 
 class SignalCatcher:
@@ -62,6 +56,11 @@ class SignalCatcher:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
+
+    def another(self) -> Callable[[], bool]:
+        """Whether a signal came after this call: a second Ctrl-C hurries the stop."""
+        seen = len(self.received)
+        return lambda: len(self.received) > seen
 
 
 class LogFollower:
@@ -88,156 +87,54 @@ class LogFollower:
         self._file.close()
 
 
-class _Worker:
+class ScriptWorker(Worker):
+    """A worker of ``fleetrun``: a ``Popen`` of the runner, its output in a log file."""
+
     def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, log_path: str, offset: int):
-        self.spec, self.proc, self.log_path, self.log_offset = spec, proc, log_path, offset
-        self.started = time.time()
-        self.returncode: int | None = None
-        self.exited = threading.Event()
+        super().__init__(spec, proc.pid)
+        self.proc, self.log_path, self.log_offset = proc, log_path, offset
 
-    @property
-    def rank(self) -> int:
-        return self.spec.rank
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def has_exited(self) -> bool:
-        return self.exited.is_set()
-
-    def wait_exit(self, timeout: float) -> bool:
-        return self.exited.wait(timeout)
-
-    def wait(self, events: queue.Queue) -> None:
-        self.returncode = self.proc.wait()
-        self.exited.set()
-        events.put(self)
-
-    def watched(self) -> Watched:
-        return Watched(self.rank, self.proc.pid, self.spec.environ["FLEET_HEARTBEAT_FILE"],
-                       started=self.started,
-                       finished=self.exited.is_set() and self.returncode == 0)
-
-    def failure(self, stuck: str | None = None) -> Failure:
-        return Failure(rank=self.rank, pid=self.proc.pid, returncode=self.returncode,
-                       stuck=stuck, log_path=self.log_path, log_offset=self.log_offset)
+    def _wait_for_exit(self) -> int:
+        return self.proc.wait()
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    failure: Failure | None = None
-    signum: int | None = None
+def start_workers(config: LaunchConfig, specs: list[WorkerSpec],
+                  restart_count: int) -> Supervisor:
+    """Starts one attempt's workers: ``python -u _run.py SCRIPT ARGS``, each in a
+    session of its own, its output appended to ``workerlog.RANK`` after a restart."""
+    base = worker_base_environ(os.environ)
+    command = [sys.executable, "-u", RUNNER, config.training_script,
+               *config.training_script_args]
+    preexec = functools.partial(die_with_parent, os.getpid())
+    supervisor = Supervisor(config)
+    with supervisor.starting() as add:
+        for spec in specs:
+            path = os.path.join(config.log_dir, f"workerlog.{spec.rank}")
+            with open(path, "ab" if restart_count else "wb") as log_file:
+                if restart_count:
+                    log_file.write(f"----- restart {restart_count} -----\n".encode())
+                    log_file.flush()
+                offset = log_file.tell()
+                proc = subprocess.Popen(
+                    command, env={**base, **spec.environ}, stdin=subprocess.DEVNULL,
+                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=preexec,
+                )
+                add(ScriptWorker(spec, proc, path, offset))
+    return supervisor
 
 
-class WorkerGroup:
-    """One attempt: this node's workers, started together and stopped together."""
-
-    def __init__(self, config: LaunchConfig, specs: list[WorkerSpec], restart_count: int,
-                 out: IO[str]):
-        self.config, self.specs, self.restart_count, self.out = config, specs, restart_count, out
-        self.workers: list[_Worker] = []
-        self._events: queue.Queue[_Worker] = queue.Queue()
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        base = worker_base_environ(os.environ)
-        command = [sys.executable, "-u", RUNNER, self.config.training_script,
-                   *self.config.training_script_args]
-        preexec = functools.partial(die_with_parent, os.getpid())
-        try:
-            for spec in self.specs:
-                path = os.path.join(self.config.log_dir, f"workerlog.{spec.rank}")
-                with open(path, "ab" if self.restart_count else "wb") as log_file:
-                    if self.restart_count:
-                        log_file.write(f"----- restart {self.restart_count} -----\n".encode())
-                        log_file.flush()
-                    offset = log_file.tell()
-                    proc = subprocess.Popen(
-                        command, env={**base, **spec.environ}, stdin=subprocess.DEVNULL,
-                        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                        preexec_fn=preexec,
-                    )
-                    self.workers.append(_Worker(spec, proc, path, offset))
-        finally:  # waiters start after every fork: preexec_fn runs in a one-thread parent
-            for w in self.workers:
-                t = threading.Thread(target=w.wait, args=(self._events,), daemon=True,
-                                     name=f"fleet-wait-rank{w.rank}")
-                t.start()
-                self._threads.append(t)
-
-    def watch(self, signals: SignalCatcher) -> Outcome:
-        """Until every worker exits 0 (``Outcome()``), one fails, or the launcher is signalled."""
-        first = self.workers[0]  # echoed as it is: one rank's lines, nothing mixes
-        log.info("rank %d's output follows (every worker's: %s)", first.rank,
-                 os.path.join(self.config.log_dir, "workerlog.N"))
-        follower = LogFollower(first.log_path, first.log_offset, "", self.out)
-        watchdog = Watchdog(self.config.progress_timeout,
-                            first_step_min=self.config.first_step_min,
-                            uneven_grace=self.config.uneven_grace)
-        remaining = {w.rank for w in self.workers}
-        next_check = time.monotonic() + _CHECK_EVERY
-        try:
-            while True:
-                if signals.received:
-                    return Outcome(signum=signals.received[0])
-                try:
-                    w = self._events.get(timeout=_POLL)
-                except queue.Empty:
-                    w = None
-                follower.poll()
-                if w is not None:
-                    if w.returncode != 0:
-                        return Outcome(failure=self._culprit(w).failure())
-                    remaining.discard(w.rank)
-                    if not remaining:
-                        return Outcome()
-                    continue
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + _CHECK_EVERY
-                    stuck = watchdog.check(w.watched() for w in self.workers)
-                    if stuck is not None:
-                        worker = next(w for w in self.workers if w.rank == stuck.rank)
-                        return Outcome(failure=worker.failure(stuck=stuck.reason))
-        finally:
-            follower.close()
-
-    def _culprit(self, first: _Worker) -> _Worker:
-        """The failed worker to name, given the first failure heard of: the exits that
-        arrive within ``_SETTLE`` seconds count too, and a death by a signal comes
-        first (a killed peer makes the others raise in their collectives)."""
-        if first.returncode < 0:  # killed by a signal: nothing can come before it
-            return first
-        failed = [first]
-        deadline = time.monotonic() + _SETTLE
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                w = self._events.get(timeout=left)
-            except queue.Empty:
-                break
-            if w.returncode != 0:
-                failed.append(w)
-        return min(failed, key=lambda w: (w.returncode >= 0, failed.index(w)))
-
-    def stopped_ranks(self) -> list[int]:
-        return [w.rank for w in self.workers
-                if not w.exited.is_set() and process_state(w.proc.pid) in STOPPED_STATES]
-
-    def stop(self, signals: SignalCatcher | None = None, grace: float = TERMINATE_GRACE) -> None:
-        """Stops every worker (``_stop.stop``); a second signal to the launcher hurries."""
-        seen = len(signals.received) if signals else 0
-        _stop.stop(self.workers, grace,
-                   hurry=lambda: signals is not None and len(signals.received) > seen)
-        self._join_waiters()
-
-    def reap(self) -> None:
-        """SIGKILL to every group (leftover children too), then wait for every worker."""
-        _stop.kill(self.workers)
-        self._join_waiters()
-
-    def _join_waiters(self) -> None:
-        for t in self._threads:
-            t.join(timeout=10)
+def watch(supervisor: Supervisor, config: LaunchConfig, signals: SignalCatcher,
+          out: IO[str]) -> Outcome:
+    """Runs the supervisor with worker 0's log echoed to ``out`` as it is written."""
+    first = supervisor.workers[0]  # echoed as it is: one rank's lines, nothing mixes
+    log.info("rank %d's output follows (every worker's: %s)", first.rank,
+             os.path.join(config.log_dir, "workerlog.N"))
+    follower = LogFollower(first.log_path, first.log_offset, "", out)
+    try:
+        return supervisor.run(signals=signals, tick=follower.poll)
+    finally:
+        follower.close()
 
 
 def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
@@ -259,50 +156,56 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
     try:
         with SignalCatcher() as signals:
             while True:
-                for name in os.listdir(heartbeat_dir):
-                    os.unlink(os.path.join(heartbeat_dir, name))
-                specs = plan_workers(config, restart, heartbeat_dir)
-                log.info(
-                    "Local start %d processes%s. First process distributed environment "
-                    "info (Only For Debug):\n%s", len(specs),
-                    f" (restart {restart})" if restart else "",
-                    _tables.env_table(specs[0].environ, config.verbose_env),
-                )
-                group = WorkerGroup(config, specs, restart, out)
-                group.start()
-                outcome = group.watch(signals)
-                if outcome.signum is not None:
-                    log.warning("got %s: stopping all %d workers", signal_name(outcome.signum),
-                                len(specs))
-                    group.stop(signals)
-                    return 128 + outcome.signum
-                if outcome.failure is None:
-                    group.reap()
-                    log.info("all %d workers finished", len(specs))
-                    return 0
-                _report(group, outcome.failure, signals)
-                if signals.received:  # stopped by hand while stopping: no restart
-                    return 128 + signals.received[0]
-                if restart < config.max_restarts:
-                    restart += 1
-                    log.warning("restarting all %d workers (restart %d of %d)", len(specs),
-                                restart, config.max_restarts)
-                    continue
-                log.error("job failed: rank %d %s; exit code %d", outcome.failure.rank,
-                          outcome.failure.short, outcome.failure.exit_code)
-                return outcome.failure.exit_code
+                code = _attempt(config, restart, heartbeat_dir, signals, out)
+                if code is not None:
+                    return code
+                restart += 1
     finally:
         shutil.rmtree(heartbeat_dir, ignore_errors=True)
 
 
-def _report(group: WorkerGroup, failure: Failure, signals: SignalCatcher) -> None:
-    stopped = [r for r in group.stopped_ranks() if r != failure.rank]
+def _attempt(config: LaunchConfig, restart: int, heartbeat_dir: str, signals: SignalCatcher,
+             out: IO[str]) -> int | None:
+    """One start of every worker; the launcher's exit code, or ``None`` to restart."""
+    for name in os.listdir(heartbeat_dir):
+        os.unlink(os.path.join(heartbeat_dir, name))
+    specs = plan_workers(config, restart, heartbeat_dir)
+    log.info(
+        "Local start %d processes%s. First process distributed environment "
+        "info (Only For Debug):\n%s", len(specs), f" (restart {restart})" if restart else "",
+        _tables.env_table(specs[0].environ, config.verbose_env),
+    )
+    supervisor = start_workers(config, specs, restart)
+    outcome = watch(supervisor, config, signals, out)
+    if outcome.signum is not None:
+        log.warning("got %s: stopping all %d workers", signal_name(outcome.signum), len(specs))
+        supervisor.stop(hurry=signals.another())
+        return 128 + outcome.signum
+    if outcome.failure is None:
+        supervisor.reap()
+        log.info("all %d workers finished", len(specs))
+        return 0
+    _report(supervisor, outcome.failure, signals)
+    if signals.received:  # stopped by hand while stopping: no restart
+        return 128 + signals.received[0]
+    if restart < config.max_restarts:
+        log.warning("restarting all %d workers (restart %d of %d)", len(specs), restart + 1,
+                    config.max_restarts)
+        return None
+    log.error("job failed: rank %d %s; exit code %d", outcome.failure.rank,
+              outcome.failure.short, outcome.failure.exit_code)
+    return outcome.failure.exit_code
+
+
+def _report(supervisor: Supervisor, failure: Failure, signals: SignalCatcher) -> None:
+    """Names the failed worker, stops the others, and prints its last lines."""
+    stopped = [r for r in supervisor.stopped_ranks() if r != failure.rank]
     log.error("%s; stopping the other workers", failure.summary())
     if stopped:
         log.error("note: rank(s) %s %s stopped (SIGSTOP?) and may be the cause",
                   ", ".join(map(str, stopped)), "is" if len(stopped) == 1 else "are")
     started = time.monotonic()
-    group.stop(signals)
+    supervisor.stop(hurry=signals.another())
     log.info("stopped all workers in %.1f s", time.monotonic() - started)
     tail = failure.log_tail()
     log.error(

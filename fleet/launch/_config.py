@@ -125,6 +125,17 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
     not exist, a node rank outside ``nnodes``, inconsistent options.
     """
     environ = os.environ if environ is None else environ
+    _check_values(config)
+    gpus, nproc = _processes(config, environ)
+    nnodes, node_rank, master = _nodes(config)
+    return dataclasses.replace(
+        config, nproc_per_node=nproc, gpus=gpus, nnodes=nnodes, node_rank=node_rank,
+        master=master,
+    )
+
+
+def _check_values(config: LaunchConfig) -> None:
+    """The values that can be checked one by one."""
     _positive("nproc_per_node", config.nproc_per_node)
     _positive("cpu_devices", config.cpu_devices)
     _positive("nnodes", config.nnodes)
@@ -145,6 +156,10 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
     if not config.job_id or "," in config.job_id:
         raise FleetConfigError(f"--job_id {config.job_id!r} must be a non-empty name")
 
+
+def _processes(config: LaunchConfig,
+               environ: Mapping[str, str]) -> tuple[tuple[str, ...] | None, int]:
+    """This node's GPUs (``None``: CPU processes) and number of processes."""
     gpus, nproc = config.gpus, config.nproc_per_node
     if gpus is not None and config.cpu_devices is not None:
         raise FleetConfigError(
@@ -172,8 +187,12 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
                     f"{len(visible)} processes, or --cpu_devices N for CPU processes"
                 )
             gpus = tuple(visible[:nproc])
-    nproc = nproc or 1
+    return gpus, nproc or 1
 
+
+def _nodes(config: LaunchConfig) -> tuple[int, int, str | None]:
+    """The number of nodes, this node's rank, and the coordinator (``None``: loopback
+    and a port picked per attempt); a fixed coordinator's port is checked on node 0."""
     ips, nnodes, node_rank, master = config.ips, config.nnodes, config.node_rank, config.master
     port = config.started_port
     if port is not None:
@@ -218,10 +237,7 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
         if node_rank == 0:
             bind = host if nnodes == 1 or _net.is_loopback(host) else ""
             _net.check_port_free(bind, port, "--master")
-    return dataclasses.replace(
-        config, nproc_per_node=nproc, gpus=gpus, nnodes=nnodes, node_rank=node_rank,
-        master=master,
-    )
+    return nnodes, node_rank, master
 
 
 def _node_from_ip(node_ip: str, ips: tuple[str, ...] | None,

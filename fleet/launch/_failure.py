@@ -40,6 +40,7 @@ class Failure:
     pid: int
     returncode: int | None = None  # None: stuck (see ``stuck``)
     stuck: str | None = None
+    error: str | None = None  # the error text the worker sent (fleet.spawn: its traceback)
     log_path: str | None = None
     log_offset: int = 0  # where this attempt's output starts in the log
 

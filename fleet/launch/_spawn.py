@@ -6,16 +6,20 @@ Each process is started with the ``spawn`` start method and the environment a
 failure (an exception, a non-zero exit, a signal, a stuck process) stops the
 others and is raised in the parent as :class:`fleet.launch.WorkerFailedError`
 with the child's traceback.
+
+The processes are watched and stopped by the supervisor ``fleetrun`` uses too
+(``fleet/launch/_supervisor.py``); this file adds what is ``fleet.spawn``'s own:
+how a child starts and what it sends back (:class:`SpawnedWorker`,
+:func:`_child_main`), and the failure as an exception. Its options are checked
+in ``fleet/launch/_spawn_options.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import shutil
 import sys
 import tempfile
@@ -26,29 +30,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fleet import _worker
-from fleet._errors import FleetConfigError, FleetTypeError
-from fleet.launch import _stop, _tables
-from fleet.launch._args import ALIASES
-from fleet.launch._args import OPTIONS as _CLI_OPTIONS
-from fleet.launch._config import (
-    LaunchConfig,
-    WorkerSpec,
-    plan_workers,
-    resolve,
-    worker_base_environ,
-)
-from fleet.launch._failure import STUCK_EXIT_CODE, WorkerFailedError, describe_returncode, exit_code_of
+from fleet.launch import _tables
+from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, resolve, worker_base_environ
+from fleet.launch._failure import Failure, WorkerFailedError
+from fleet.launch._spawn_options import check_picklable, config_from_options
 from fleet.launch._stop import die_with_parent
-from fleet.launch._watchdog import Watchdog, Watched
+from fleet.launch._supervisor import Supervisor, Worker
 
-# fleetrun's options that fleet.spawn takes too (fleet/launch/_args.py is their one
-# table: types, defaults, aliases), and its own ``print_config``.
-_SHARED = ("cpu_devices", "gpus", "job_id", "master", "progress_timeout", "first_step_min",
-           "uneven_grace", "verbose_env")
-_NAMES = {alias: name for name in _SHARED for alias in (name, *ALIASES.get(name, ()))}
-OPTIONS = tuple(sorted([*_SHARED, "print_config"]))
-_ALIASES_TEXT = "; ".join(f"{', '.join(ALIASES[n])} for {n}" for n in _SHARED if n in ALIASES)
-_CHECK_EVERY = 0.5
 _environ_lock = threading.Lock()
 
 
@@ -89,26 +77,17 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         >>> fleet.spawn(train, args=(10,), nprocs=2, cpu_devices=2).return_values  # doctest: +SKIP
         [0, 10]
     """
-    _check_picklable(func, args)
-    config = resolve(_config_from_options(nprocs, options))
+    check_picklable(func, args)
+    config = resolve(config_from_options(nprocs, options))
     if options.get("print_config"):
         print(_tables.config_table(config.table()), flush=True)
     heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     specs = plan_workers(config, 0, heartbeat_dir)
     if options.get("print_config"):
         print(_tables.env_table(specs[0].environ, config.verbose_env), flush=True)
-    ctx = multiprocessing.get_context("spawn")
-    base = worker_base_environ(os.environ)
     context = SpawnContext(config, specs, heartbeat_dir)
     try:
-        for spec in specs:
-            reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_child_main, args=(func, tuple(args), writer, os.getpid()),
-                                  daemon=daemon, name=f"fleet-spawn-rank{spec.rank}")
-            with _environ({**base, **spec.environ}):
-                process.start()
-            writer.close()
-            context._add(process, reader)
+        context._start(func, tuple(args), daemon)
     except BaseException:
         context._stop()
         raise
@@ -118,72 +97,105 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
     return context
 
 
-def _check_picklable(func: Callable[..., Any], args: Sequence[Any]) -> None:
-    """The children get ``func`` and ``args`` by pickle: refuse what will not pickle."""
-    if not callable(func):
-        raise FleetTypeError(f"fleet.spawn needs a function, got {type(func).__name__} {func!r}")
-    name = getattr(func, "__qualname__", repr(func))
-    try:
-        pickle.dumps(func)
-    except Exception as e:  # noqa: BLE001 (PicklingError, AttributeError, TypeError...)
-        kind = ("a lambda" if "<lambda>" in name else
-                "a local function" if "<locals>" in name else "not picklable")
-        raise FleetTypeError(
-            f"fleet.spawn cannot send {name!r} to the new processes: it is {kind} "
-            f"(pickle: {type(e).__name__}: {e}). Give a function defined at the top level "
-            "of an importable module (not __main__ of an interactive session), e.g. "
-            "def train(lr): ... in train.py, and fleet.spawn(train, args=(0.1,))"
-        ) from None
-    try:
-        pickle.dumps(tuple(args))
-    except Exception as e:  # noqa: BLE001
-        raise FleetTypeError(
-            f"fleet.spawn cannot send args={args!r} to the new processes (pickle: "
-            f"{type(e).__name__}: {e}); pass values that pickle (numbers, strings, arrays)"
-        ) from None
+class SpawnContext:
+    """The processes of one ``fleet.spawn`` call.
 
+    Attributes:
+        processes: the ``multiprocessing.Process`` objects, in rank order.
+        return_values: what ``func`` returned in each process (after ``join``).
+    """
 
-def _config_from_options(nprocs: int, options: dict[str, Any]) -> LaunchConfig:
-    unknown = sorted(set(options) - set(OPTIONS) - set(_NAMES))
-    if unknown:
-        hints = {n: difflib.get_close_matches(n, OPTIONS, n=1) for n in unknown}
-        said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
-                         for n, h in hints.items())
-        raise FleetConfigError(
-            f"fleet.spawn got unknown option(s) {said}; valid options: {', '.join(OPTIONS)} "
-            f"(aliases: {_ALIASES_TEXT})"
-        )
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
-        raise FleetConfigError(
-            f"nprocs={nprocs!r} must be a positive integer, or -1 for one process per "
-            "visible GPU (1 without GPUs)"
-        )
-    values: dict[str, Any] = {}
-    for key, value in options.items():
-        if key == "print_config":
-            continue
-        name = _NAMES[key]
-        if name in values:
-            raise FleetConfigError(f"fleet.spawn got {name!r} twice (as {key!r} too)")
-        values[name] = _option_value(name, value)
-    return LaunchConfig(nproc_per_node=None if nprocs == -1 else nprocs, **values)
+    def __init__(self, config: LaunchConfig, specs: list[WorkerSpec], heartbeat_dir: str):
+        self.config, self.specs, self._heartbeat_dir = config, specs, heartbeat_dir
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.return_values: list[Any] = [None] * len(specs)
+        self._supervisor = Supervisor(config)
+        self._ended = False
 
+    def _start(self, func: Callable[..., Any], args: tuple, daemon: bool) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        base = worker_base_environ(os.environ)
+        with self._supervisor.starting() as add:
+            for spec in self.specs:
+                reader, writer = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_child_main, args=(func, args, writer, os.getpid()),
+                                      daemon=daemon, name=f"fleet-spawn-rank{spec.rank}")
+                with _environ({**base, **spec.environ}):
+                    process.start()
+                writer.close()
+                self.processes.append(process)
+                add(SpawnedWorker(spec, process, reader, self.return_values))
 
-def _option_value(name: str, value: Any) -> Any:
-    """A keyword option as its field: text goes through fleetrun's own converter."""
-    convert, default, _ = _CLI_OPTIONS[name]
-    if value is None:
-        return default
-    if name == "gpus" and not isinstance(value, str):
-        value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-    if isinstance(value, str):
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits up to ``timeout`` s (``None``: until something happens); ``True`` once
+        every process finished. Raises :class:`WorkerFailedError` on the first failure,
+        after stopping the other processes."""
+        if self._ended:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return convert(value)
-        except ValueError:
-            raise FleetConfigError(f"fleet.spawn option {name}={value!r} is not valid") from None
-    if name in ("progress_timeout", "first_step_min", "uneven_grace"):
-        return float(value)
-    return value
+            outcome = self._supervisor.run(deadline=deadline)
+        except KeyboardInterrupt:
+            self._stop()
+            raise
+        if outcome is None:
+            return False
+        self._stop()  # the others; else leftover children of the workers, and the heartbeats
+        if outcome.failure is not None:
+            raise _failed(outcome.failure)
+        return True
+
+    def _stop(self) -> None:
+        self._ended = True
+        self._supervisor.stop()
+        shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
+
+
+def _failed(failure: Failure) -> WorkerFailedError:
+    where = f"fleet.spawn: process {failure.rank} (pid {failure.pid})"
+    tb = failure.error
+    message = (f"{where} raised an exception; the other processes were stopped. "
+               f"Its traceback:\n\n{tb}" if tb else
+               f"{where} {failure.how}; the other processes were stopped")
+    return WorkerFailedError(message, rank=failure.rank, exitcode=failure.exit_code,
+                             worker_traceback=tb)
+
+
+class SpawnedWorker(Worker):
+    """A worker of ``fleet.spawn``: a ``multiprocessing`` child that sends ``("ok",
+    value)`` or ``("error", traceback)`` over a pipe before it ends."""
+
+    def __init__(self, spec: WorkerSpec, process: Any, reader: Any, results: list[Any]):
+        super().__init__(spec, process.pid)
+        self.process, self._reader, self._results = process, reader, results
+
+    def _wait_for_exit(self) -> int:
+        sentinel = self.process.sentinel
+        while not self._reader.closed:  # read as it comes: a big result fills the pipe
+            if sentinel in multiprocessing.connection.wait([self._reader, sentinel]):
+                break
+            self._receive()
+        self._receive()
+        self.process.join()
+        return self.process.exitcode
+
+    def _receive(self) -> None:
+        reader = self._reader
+        while not reader.closed:
+            try:
+                if not reader.poll(0):
+                    return
+                kind, value = reader.recv()
+            except (EOFError, OSError):
+                reader.close()
+                return
+            if kind == "ok":
+                self._results[self.spec.local_rank] = value
+            else:
+                self.error = value
 
 
 @contextlib.contextmanager
@@ -227,131 +239,3 @@ def _send_error(conn: Any, text: str, code: int = 1) -> None:
     sys.stderr.flush()
     # Skip interpreter exit: jax.distributed's shutdown would wait for the healthy peers.
     os._exit(code)
-
-
-class SpawnContext:
-    """The processes of one ``fleet.spawn`` call.
-
-    Attributes:
-        processes: the ``multiprocessing.Process`` objects, in rank order.
-        return_values: what ``func`` returned in each process (after ``join``).
-    """
-
-    def __init__(self, config: LaunchConfig, specs: list[WorkerSpec], heartbeat_dir: str):
-        self.config, self.specs, self._heartbeat_dir = config, specs, heartbeat_dir
-        self.processes: list[multiprocessing.process.BaseProcess] = []
-        self.return_values: list[Any] = [None] * len(specs)
-        self._readers: list[Any] = []
-        self._errors: dict[int, str] = {}
-        self._done: set[int] = set()
-        self._watchdog = Watchdog(config.progress_timeout, first_step_min=config.first_step_min,
-                                  uneven_grace=config.uneven_grace)
-        self._started = time.time()
-
-    def _add(self, process: Any, reader: Any) -> None:
-        self.processes.append(process)
-        self._readers.append(reader)
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Waits up to ``timeout`` s (``None``: until something happens); ``True`` once
-        every process finished. Raises :class:`WorkerFailedError` on the first failure,
-        after stopping the other processes."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while len(self._done) < len(self.processes):
-                waiting = {p.sentinel: r for r, p in enumerate(self.processes) if r not in self._done}
-                waiting.update({c: r for r, c in enumerate(self._readers) if not c.closed})
-                left = _CHECK_EVERY if deadline is None else min(_CHECK_EVERY,
-                                                                  deadline - time.monotonic())
-                ready = multiprocessing.connection.wait(list(waiting), max(left, 0))
-                exited = []
-                for obj in ready:
-                    rank = waiting[obj]
-                    if obj is self.processes[rank].sentinel:
-                        exited.append(rank)
-                    else:
-                        self._receive(rank)
-                for rank in exited:
-                    self._receive(rank)
-                    self.processes[rank].join()
-                    self._done.add(rank)
-                failed = [r for r in exited
-                          if self.processes[r].exitcode != 0 or r in self._errors]
-                if failed:  # signal deaths first: a killed peer makes the others raise
-                    self._fail(min(failed, key=lambda r: (self.processes[r].exitcode >= 0, r)))
-                self._check_stuck()
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-        except KeyboardInterrupt:
-            self._stop()
-            raise
-        if len(self._done) == len(self.processes):
-            self._stop()  # leftover children of the workers, and the heartbeat files
-            return True
-        return False
-
-    def _receive(self, rank: int) -> None:
-        reader = self._readers[rank]
-        while not reader.closed:
-            try:
-                if not reader.poll(0):
-                    return
-                kind, value = reader.recv()
-            except (EOFError, OSError):
-                reader.close()
-                return
-            if kind == "ok":
-                self.return_values[rank] = value
-            else:
-                self._errors[rank] = value
-
-    def _check_stuck(self) -> None:
-        stuck = self._watchdog.check(
-            Watched(r, p.pid, self.specs[r].environ["FLEET_HEARTBEAT_FILE"],
-                    started=self._started, finished=r in self._done and p.exitcode == 0)
-            for r, p in enumerate(self.processes)
-        )
-        if stuck is not None:
-            self._fail(stuck.rank, stuck=stuck.reason)
-
-    def _fail(self, rank: int, stuck: str | None = None) -> None:
-        self._stop()
-        process = self.processes[rank]
-        where = f"fleet.spawn: process {rank} (pid {process.pid})"
-        if stuck is not None:
-            exitcode, how = STUCK_EXIT_CODE, f"is stuck: {stuck}"
-        else:
-            exitcode = exit_code_of(process.exitcode) or 1
-            how = describe_returncode(process.exitcode)
-        tb = self._errors.get(rank)
-        message = (f"{where} raised an exception; the other processes were stopped. "
-                   f"Its traceback:\n\n{tb}" if tb else
-                   f"{where} {how}; the other processes were stopped")
-        raise WorkerFailedError(message, rank=rank, exitcode=exitcode, worker_traceback=tb)
-
-    def _stop(self) -> None:
-        _stop.stop([_Child(p) for p in self.processes])
-        for r in range(len(self.processes)):
-            self._done.add(r)
-        shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
-
-
-class _Child:
-    """A ``multiprocessing`` process as ``_stop`` sees a worker."""
-
-    def __init__(self, process: Any):
-        self._process = process
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    def has_exited(self) -> bool:
-        return self._process.exitcode is not None
-
-    def wait_exit(self, timeout: float) -> bool:
-        self._process.join(timeout)
-        return self._process.exitcode is not None

@@ -26,8 +26,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class Stoppable(Protocol):
-    """A worker as the stop protocol sees it (a ``Popen`` or a ``multiprocessing``
-    process behind a small adapter)."""
+    """A worker as the stop protocol sees it (``_supervisor.Worker``: a ``Popen`` or a
+    ``multiprocessing`` process behind a small adapter)."""
 
     @property
     def pid(self) -> int | None: ...

@@ -1,0 +1,217 @@
+"""The one supervisor of ``fleetrun`` and ``fleet.spawn``: watch the workers, name
+the first failure, stop the rest.
+
+Both launchers start their workers their own way (a ``subprocess.Popen`` of the
+script, ``fleet/launch/_agent.py``; a ``multiprocessing`` child that sends its
+result or traceback over a pipe, ``fleet/launch/_spawn.py``) and hand them here
+as :class:`Worker` adapters, which say only how to wait for a worker's end (and
+what error text it sent). Everything else is done here, the same way for both:
+
+* one thread per worker waits for its exit and posts it on a queue, so the
+  supervisor learns the order in which workers died;
+* :meth:`Supervisor.run` waits for those exits, for a signal to the launcher
+  and for a deadline, and every ``_CHECK_EVERY`` seconds asks the watchdog
+  (``fleet/launch/_watchdog.py``) for a stuck worker;
+* the culprit of a failure is chosen among the exits that arrive within
+  ``_SETTLE`` seconds of the first, a death by a signal first
+  (:meth:`Supervisor._culprit`);
+* the workers are stopped as ``fleet/launch/_stop.py`` says.
+
+What to say about the failure (a log and an exit code, or an exception) is the
+launchers' own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from fleet.launch import _stop
+from fleet.launch._config import LaunchConfig, WorkerSpec
+from fleet.launch._failure import Failure
+from fleet.launch._watchdog import STOPPED_STATES, Watchdog, Watched, process_state
+
+_POLL = 0.1  # seconds between looks at signals and at the caller's tick (log echo)
+_CHECK_EVERY = 0.5  # seconds between watchdog checks
+# After the first failure, how long other exits may still arrive before the culprit is
+# named: a worker killed by a signal makes its peers fail in their next collective, and
+# their exits may reach the launcher first.
+_SETTLE = 0.5
+
+
+class Worker:
+    """A started worker as the supervisor sees it.
+
+    An adapter implements :meth:`_wait_for_exit` and may set :attr:`error` (the
+    error text the worker sent) and :attr:`log_path` / :attr:`log_offset` (where
+    this attempt's output is).
+    """
+
+    def __init__(self, spec: WorkerSpec, pid: int):
+        self.spec, self.pid = spec, pid
+        self.started = time.time()
+        self.returncode: int | None = None  # negative: killed by that signal
+        self.error: str | None = None
+        self.log_path: str | None = None
+        self.log_offset = 0
+        self.exited = threading.Event()  # set once the process has ended and been reaped
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def failed(self) -> bool:
+        """It exited non-zero, died of a signal, or sent an error."""
+        return self.returncode != 0 or self.error is not None
+
+    def has_exited(self) -> bool:
+        return self.exited.is_set()
+
+    def wait_exit(self, timeout: float) -> bool:
+        return self.exited.wait(timeout)
+
+    def _wait_for_exit(self) -> int:
+        """Blocks until the process has ended and is reaped; its returncode."""
+        raise NotImplementedError
+
+    def _watch_exit(self, events: queue.Queue[Worker]) -> None:
+        """The body of the worker's waiter thread: the only place that reaps it."""
+        self.returncode = self._wait_for_exit()
+        self.exited.set()
+        events.put(self)
+
+    def watched(self) -> Watched:
+        return Watched(self.rank, self.pid, self.spec.environ["FLEET_HEARTBEAT_FILE"],
+                       started=self.started,
+                       finished=self.exited.is_set() and self.returncode == 0)
+
+    def failure(self, stuck: str | None = None) -> Failure:
+        return Failure(rank=self.rank, pid=self.pid,
+                       returncode=None if stuck is not None else self.returncode,
+                       stuck=stuck, error=self.error, log_path=self.log_path,
+                       log_offset=self.log_offset)
+
+
+class Signalled(Protocol):
+    """The launcher's signals, as a list its loops read (``_agent.SignalCatcher``)."""
+
+    received: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How :meth:`Supervisor.run` ended: every worker finished (neither field), one
+    failed (``failure``), or the launcher got a signal (``signum``)."""
+
+    failure: Failure | None = None
+    signum: int | None = None
+
+
+class Supervisor:
+    """One group of workers, started together and stopped together.
+
+    Use: ``with supervisor.starting() as add:`` start each worker and ``add`` it;
+    then :meth:`run` until it returns an :class:`Outcome`; then :meth:`stop` (or
+    :meth:`reap` when every worker finished).
+    """
+
+    def __init__(self, config: LaunchConfig):
+        self.workers: list[Worker] = []
+        self._watchdog = Watchdog(config.progress_timeout, first_step_min=config.first_step_min,
+                                  uneven_grace=config.uneven_grace)
+        self._events: queue.Queue[Worker] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._finished: set[int] = set()
+        self._next_check = time.monotonic() + _CHECK_EVERY
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[Callable[[Worker], None]]:
+        """Around the starts: yields ``add``. The waiter threads start after the last
+        fork (a ``preexec_fn`` runs in a one-thread parent); a failed start stops the
+        workers already started."""
+        try:
+            yield self.workers.append
+        except BaseException:
+            self._start_waiters()
+            self.stop()
+            raise
+        self._start_waiters()
+
+    def _start_waiters(self) -> None:
+        for w in self.workers:
+            t = threading.Thread(target=w._watch_exit, args=(self._events,), daemon=True,
+                                 name=f"fleet-wait-rank{w.rank}")
+            t.start()
+            self._threads.append(t)
+
+    def run(self, signals: Signalled | None = None, tick: Callable[[], None] = lambda: None,
+            deadline: float | None = None) -> Outcome | None:
+        """Until every worker exits 0 (``Outcome()``), one fails or is stuck, or the
+        launcher is signalled; ``None`` once ``deadline`` (``time.monotonic()``)
+        passes. ``tick`` runs after each wait (at least every ``_POLL`` seconds)."""
+        while True:
+            if signals is not None and signals.received:
+                return Outcome(signum=signals.received[0])
+            wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
+            try:
+                w = self._events.get(timeout=wait)
+            except queue.Empty:
+                w = None
+            tick()
+            if w is not None:
+                if w.failed:
+                    return Outcome(failure=self._culprit(w).failure())
+                self._finished.add(w.rank)
+                if len(self._finished) == len(self.workers):
+                    return Outcome()
+            elif time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + _CHECK_EVERY
+                stuck = self._watchdog.check(each.watched() for each in self.workers)
+                if stuck is not None:
+                    worker = next(each for each in self.workers if each.rank == stuck.rank)
+                    return Outcome(failure=worker.failure(stuck=stuck.reason))
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _culprit(self, first: Worker) -> Worker:
+        """The failed worker to name, given the first failure heard of: the exits that
+        arrive within ``_SETTLE`` seconds count too, and a death by a signal comes
+        first (a killed peer makes the others raise in their collectives)."""
+        if first.returncode < 0:  # killed by a signal: nothing can come before it
+            return first
+        failed = [first]
+        deadline = time.monotonic() + _SETTLE
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                w = self._events.get(timeout=left)
+            except queue.Empty:
+                break
+            if w.failed:
+                failed.append(w)
+        return min(failed, key=lambda w: (w.returncode >= 0, failed.index(w)))
+
+    def stopped_ranks(self) -> list[int]:
+        """The ranks of the live workers that are stopped (``SIGSTOP``, a debugger)."""
+        return [w.rank for w in self.workers
+                if not w.exited.is_set() and process_state(w.pid) in STOPPED_STATES]
+
+    def stop(self, hurry: Callable[[], bool] = lambda: False,
+             grace: float = _stop.TERMINATE_GRACE) -> None:
+        """Stops every worker (``_stop.stop``), and waits for their waiters."""
+        _stop.stop(self.workers, grace, hurry=hurry)
+        self._join_waiters()
+
+    def reap(self) -> None:
+        """SIGKILL to every group (leftover children too), then wait for every worker."""
+        _stop.kill(self.workers)
+        self._join_waiters()
+
+    def _join_waiters(self) -> None:
+        for t in self._threads:
+            t.join(timeout=10)
