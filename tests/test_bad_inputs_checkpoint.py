@@ -125,3 +125,23 @@ def test_a_refused_overwrite_keeps_the_step(make_world, tmp_path):
     with CheckpointManager(tmp_path / "ckpt") as manager:
         got = manager.restore(1, state={"w": np.zeros(3)}).state["w"]
     assert got.tobytes() == np.arange(3.0).tobytes()
+
+
+def test_save_and_restore_take_one_list_of_parts(make_world, tmp_path):
+    """Issue 20: save, restore and restore_latest take the parts of one signature
+    (fleet.checkpoint._state.Contents): the same keywords, shown by help(), and a
+    misspelled one is a TypeError before anything is read or written."""
+    import inspect
+
+    make_world(1)
+    parts = ["model", "optimizer", "state", "rng", "loader"]
+    assert list(inspect.signature(CheckpointManager.save).parameters) == [
+        "self", "step", *parts, "epoch", "metadata", "force"]
+    assert list(inspect.signature(CheckpointManager.restore).parameters) == ["self", "step", *parts]
+    assert list(inspect.signature(CheckpointManager.restore_latest).parameters) == ["self", *parts]
+    with CheckpointManager(tmp_path / "ckpt", async_save=False) as manager:
+        for call, args in [("save", (1,)), ("restore", (1,)), ("restore_latest", ())]:
+            with pytest.raises(TypeError, match=rf"CheckpointManager.{call}\(\) got an "
+                                                r"unexpected keyword argument 'modle'"):
+                getattr(manager, call)(*args, modle=np.ones(2))
+        assert manager.all_steps() == []

@@ -38,11 +38,40 @@ A checkpoint holds replicated state once, so any number of processes (and any
 devices) can restore one written by any other number. Sharded state, when fleet
 has it, is written shard by shard and read into the sharding of the arrays it is
 restored into (orbax reshards), so it moves between process counts as well.
+
+The folder, one idea a module:
+
+==================  ===========================================================
+``_io.py``          ``fleet.save`` / ``fleet.load``: the atomic write, and the
+                    reading of files and of the orbax directories fleet wrote
+``_file.py``        the file ``fleet.save`` writes (a zip of ``.npy`` and JSON)
+``_manager.py``     :class:`CheckpointManager`: the public class, save policy
+``_state.py``       what a checkpoint holds (``Contents``: the keywords of
+                    ``save`` / ``restore``) and how its parts are read from
+                    live objects and put back
+``_tree.py``        training state as flat ``{dotted path: leaf}`` dicts, and
+                    how two of them differ
+``_meta.py``        a step's ``meta`` JSON, its checksums summed in the
+                    background, the orbax handlers of a step's items
+``_restore.py``     restoring a step (checked, verified), falling back from a
+                    damaged step to the newest intact one; :class:`Restored`
+``_pending.py``     a save in flight: its failure, its end at interpreter exit
+``_integrity.py``   the CRC-32 of every array shard, written and verified
+``_disk.py``        whether a failed save failed because the disk is full
+``_errors.py``      :class:`FleetCheckpointError` and its kin
+==================  ===========================================================
+
+Imports: the package's core (``fleet._*`` modules: ``_agree``, ``_compat``,
+``_errors``, ``_sharding``, ``_tree``, ``_world``), jax, flax, numpy and
+orbax-checkpoint; never ``fleet.hapi``, ``fleet.launch`` or ``fleet.io`` (a
+loader is anything with ``state_dict()`` / ``set_state_dict()``), and the core
+never imports this folder.
 """
 
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.checkpoint._io import load, save
-from fleet.checkpoint._manager import CheckpointManager, Restored
+from fleet.checkpoint._manager import CheckpointManager
+from fleet.checkpoint._restore import Restored
 
 __all__ = [
     "CheckpointManager",

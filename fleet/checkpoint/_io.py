@@ -18,15 +18,25 @@ crash leaves either the old or the new checkpoint there, never a mixture.
 ``fleet.load`` verifies every checksum and raises :class:`FleetCheckpointError`,
 naming the array, on a mismatch.
 
-``fleet.load`` also reads the directories this fleet wrote before: a checkpoint
-of the earlier ``fleet.save`` (an orbax PyTree directory) and one part of a
-:class:`fleet.CheckpointManager` step (:mod:`fleet.checkpoint._directory`).
+``fleet.load`` also reads the orbax PyTree directories (``_METADATA``, arrays in
+tensorstore's OCDBT format) this fleet wrote, with orbax's public API:
+
+* a checkpoint written by ``fleet.save`` before it wrote its own file (fleet up
+  to issue 19), with ``fleet_checksums.json``, ``{"algorithm": "crc32",
+  "arrays": {keystr: crc32}}`` (absent in the very first version);
+* one part of a :class:`fleet.CheckpointManager` step (``ckpt/100/model``); its
+  checksums are in the step's ``meta/metadata`` JSON, ``"checksums": {part:
+  {dotted key: {shard index: crc32}}}``.
+
+Their arrays come back as numpy arrays, numbers and strings as Python values,
+lists and dicts as written (tuples as lists).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import shutil
 import uuid
@@ -34,11 +44,15 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
 
-from fleet.checkpoint import _directory, _disk, _file, _integrity, _tree
+from fleet.checkpoint import _disk, _file, _integrity, _tree
 from fleet.checkpoint._errors import FleetCheckpointError
 
 _LEAVES = "arrays, numpy or Python numbers, strings"
+_CHECKSUMS = "fleet_checksums.json"  # (in a directory of the earlier fleet.save)
+_METADATA = "_METADATA"  # orbax's PyTree metadata, in every such directory
 
 
 def _host_leaf(path: tuple, x: Any) -> Any:
@@ -141,7 +155,7 @@ def _sync_directory(directory: str) -> None:
 def _refuse_non_checkpoint(final: str) -> None:
     if os.path.isdir(final):
         entries = os.listdir(final)
-        if entries and _directory.METADATA not in entries and _directory.CHECKSUMS not in entries:
+        if entries and _METADATA not in entries and _CHECKSUMS not in entries:
             raise FleetCheckpointError(
                 f"fleet.save: {final} is a directory that is not a checkpoint (it holds "
                 f"{sorted(entries)[:5]}); fleet.save replaces only what fleet.save wrote: "
@@ -245,12 +259,12 @@ def load(path: str | os.PathLike) -> Any:
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
-        if not _directory.is_pytree(path):
+        if not os.path.isfile(os.path.join(path, _METADATA)):
             what = "an empty directory" if not os.listdir(path) else "a directory without _METADATA"
             raise FleetCheckpointError(
                 f"fleet.load: {path} is not a checkpoint written by fleet.save ({what})")
-        value = _directory.read(path)
-        _verify(path, _arrays(value), _directory.stored_sums(path) or {})
+        value = _read_directory(path)
+        _verify(path, _arrays(value), _directory_sums(path) or {})
         return value
     if not os.path.isfile(path):
         raise FleetCheckpointError(
@@ -267,6 +281,65 @@ def load(path: str | os.PathLike) -> Any:
             f"fleet.load: {path} was written by a newer fleet ({e}); upgrade fleet") from None
     _verify(path, arrays, {k: {None: crc} for k, crc in sums.items()})
     return value
+
+
+# --------------------------------------------------------------------------- orbax directories
+
+
+def _restore_args(m: Any) -> ocp.RestoreArgs:
+    arrays = isinstance(m, ocp.metadata.ArrayMetadata) and not isinstance(
+        m, ocp.metadata.ScalarMetadata)
+    return ocp.RestoreArgs(restore_type=np.ndarray if arrays else None)
+
+
+def _read_directory(path: str) -> Any:
+    """The tree in the orbax PyTree directory ``path``, read by this process alone."""
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone)
+    checkpointer = ocp.Checkpointer(handler, multiprocessing_options=alone)
+    try:
+        try:
+            tree = handler.metadata(epath.Path(path)).tree
+        except (FileNotFoundError, ValueError) as e:
+            raise FleetCheckpointError(
+                f"fleet.load: {path} is not a checkpoint written by fleet.save ({e})"
+            ) from None
+        restore_args = jax.tree.map(_restore_args, tree)
+        try:
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                restore_args=restore_args))
+        except Exception as e:  # noqa: BLE001 (tensorstore's errors on a damaged file)
+            raise FleetCheckpointError(
+                f"fleet.load: {path} is damaged: {str(e).splitlines()[0][:500]}"
+            ) from None
+    finally:
+        checkpointer.close()
+
+
+def _directory_sums(path: str) -> dict[str, dict[str | None, int]] | None:
+    """The checksums written with the directory ``path``, ``{keystr: {shard index:
+    crc}}`` (``None`` for the whole array), or ``None`` if there are none: the old
+    fleet.save's file, or for one part of a CheckpointManager step its ``meta``."""
+    own = os.path.join(path, _CHECKSUMS)
+    if os.path.exists(own):
+        try:
+            with open(own) as f:
+                arrays = json.load(f)["arrays"]
+            return {k: {None: int(crc)} for k, crc in arrays.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise FleetCheckpointError(
+                f"fleet.load: {path} is damaged: its {_CHECKSUMS} cannot be read ({e})") from None
+    meta = os.path.join(os.path.dirname(path), "meta", "metadata")
+    try:
+        with open(meta) as f:
+            sums = json.load(f)["checksums"][os.path.basename(path)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {jax.tree_util.keystr((jax.tree_util.DictKey(k),)): v for k, v in sums.items()}
+
+
+# --------------------------------------------------------------------------- verification
 
 
 def _arrays(tree: Any) -> dict[str, Any]:

@@ -12,12 +12,17 @@ A checkpoint holds up to four array parts and one JSON part:
   implementations of key leaves.
 
 Restoring checks every part first and changes nothing when anything differs.
+
+:class:`Contents` is the one list of these parts: ``CheckpointManager.save``,
+``restore`` and ``restore_latest`` take them as keywords, through it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,8 +33,6 @@ from fleet import _sharding
 from fleet._tree import module_variables
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
-
-ARRAY_PARTS = ("model", "optimizer", "state", "rng")
 
 
 @dataclasses.dataclass
@@ -102,9 +105,62 @@ class Part:
         return jax.tree_util.tree_unflatten(self.treedef, list(new.values()))
 
 
-def parts(**objects: Any) -> dict[str, Part]:
-    """The array parts given (``None`` means absent)."""
-    return {name: Part.of(name, obj) for name, obj in objects.items() if obj is not None}
+# --------------------------------------------------------------------------- what a checkpoint holds
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Contents:
+    """What a checkpoint holds: the objects ``save`` reads and ``restore`` fills,
+    each given as a keyword (``None``: not saved, or not restored).
+
+    Attributes:
+        model: an NNX model (``fleet.DataParallel`` or plain): every variable,
+            parameters, batch-norm statistics and RNG streams alike; restored in place.
+        optimizer: an ``nnx.Optimizer`` (``fleet.DistributedOptimizer``); restored
+            in place.
+        state: any pytree of arrays (a Linen ``TrainState``); restored as a new value.
+        rng: a PRNG key or a pytree of keys the script carries; restored as new keys.
+        loader: a ``fleet.io.DataLoader`` or batch sampler: its position (JSON), so
+            a restored job continues with the very next batch; restored in place.
+    """
+
+    model: Any = None
+    optimizer: Any = None
+    state: Any = None
+    rng: Any = None
+    loader: Any = None
+
+    @classmethod
+    def of(cls, call: str, objects: dict[str, Any]) -> Contents:
+        """The keyword objects given to ``CheckpointManager.<call>``; another keyword
+        is a ``TypeError``, as Python raises for any function."""
+        for name in objects:
+            if name not in _NAMES:
+                raise TypeError(
+                    f"CheckpointManager.{call}() got an unexpected keyword argument {name!r}")
+        return cls(**objects)
+
+    def parts(self) -> dict[str, Part]:
+        """The array parts given, by name (the loader's position is JSON, no array part)."""
+        return {name: Part.of(name, obj) for name in ARRAY_PARTS
+                if (obj := getattr(self, name)) is not None}
+
+
+_NAMES = tuple(field.name for field in dataclasses.fields(Contents))
+#: The parts stored as arrays, one orbax item each.
+ARRAY_PARTS = tuple(name for name in _NAMES if name != "loader")
+
+
+def takes_contents(method: Callable) -> Callable:
+    """Shows :class:`Contents`'s fields as keyword-only parameters of ``method``
+    (``help``, ``inspect.signature``), in place of its ``**objects``."""
+    signature = inspect.signature(method)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    at = next((i for i, p in enumerate(params) if p.kind is p.KEYWORD_ONLY), len(params))
+    fields = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation="Any") for name in _NAMES]
+    method.__signature__ = signature.replace(parameters=params[:at] + fields + params[at:])
+    return method
 
 
 # --------------------------------------------------------------------------- loader

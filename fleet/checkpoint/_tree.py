@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fleet._sharding import is_shard
 from fleet._tree import dotted as _dotted
 from fleet._tree import first_replica, is_key
 
@@ -33,8 +34,6 @@ def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
     """``({dotted path: leaf}, treedef)`` of a pytree; a lone leaf is ``"value"``.
     Sharded optimizer state (``fleet._sharding.Shard``) is one leaf, at the path
     the unsharded array has."""
-    from fleet._sharding import is_shard
-
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_shard)
     leaves = {(_dotted(path) or "value"): leaf for path, leaf in flat}
     if len(leaves) != len(flat):

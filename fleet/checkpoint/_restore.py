@@ -1,0 +1,189 @@
+"""Restoring a step into live objects, checked and verified first, and falling
+back from a damaged step to the newest intact one.
+
+:func:`read` restores one step: it reads the step's ``meta`` JSON, checks every
+part asked for against the step's orbax metadata (keys, shapes, dtypes, PRNG
+implementations, the loader's dataset and batch size) and raises, listing every
+difference, before reading any array. The arrays read are verified against
+their checksums, on every process, before anything is set in place: a step
+that is damaged for one process is damaged for all (:class:`Damaged`).
+
+:func:`latest` restores the newest intact step: a damaged one is moved aside
+(``<step>.damaged``, so it is neither listed nor overwritten) with a
+:class:`fleet.FleetWarning`, and the step before is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from fleet import _agree
+from fleet._errors import FleetError, FleetWarning
+from fleet._world import world
+from fleet.checkpoint import _integrity, _meta, _state, _tree
+from fleet.checkpoint._errors import Damaged, FleetCheckpointError, first_line
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`CheckpointManager.restore` read besides the objects it set in place.
+
+    Attributes:
+        step: the step of the checkpoint (continue with ``step + 1``).
+        epoch: the ``epoch`` given to ``save`` (``None`` if none was).
+        metadata: the ``metadata`` given to ``save`` (``{}`` if none was).
+        state: the restored ``state`` pytree (``None`` if not asked for).
+        rng: the restored ``rng`` key(s) (``None`` if not asked for).
+    """
+
+    step: int
+    epoch: int | None
+    metadata: dict[str, Any]
+    state: Any = None
+    rng: Any = None
+
+
+def latest(orbax: ocp.CheckpointManager, directory: str,
+           contents: _state.Contents) -> Restored | None:
+    """:func:`read` of the newest intact step of ``orbax`` (in ``directory``);
+    ``None`` if there is none. Damaged steps are moved aside, with a warning
+    (attributed to the caller of ``CheckpointManager.restore_latest``)."""
+    damaged = []
+    for step in reversed(sorted(orbax.all_steps())):
+        try:
+            return read(orbax, directory, step, contents)
+        except Damaged as e:
+            moved = _set_aside(orbax, directory, step)
+            damaged.append(step)
+            warnings.warn(f"{e}; skipped it (moved to {moved}) and trying the step before",
+                          FleetWarning, stacklevel=3)
+    if damaged:
+        raise FleetCheckpointError(
+            f"every checkpoint in {directory} is damaged (steps {damaged}, moved to "
+            "<step>.damaged); nothing was restored"
+        )
+    return None
+
+
+def _set_aside(orbax: ocp.CheckpointManager, directory: str, step: int) -> str:
+    """Renames the damaged ``step`` so it is no longer listed (nor overwritten)."""
+    target = ""
+    if jax.process_index() == 0:
+        source = os.path.join(directory, str(step))
+        target, n = f"{source}.damaged", 1
+        while os.path.lexists(target):
+            n += 1
+            target = f"{source}.damaged-{n}"
+        os.rename(source, target)
+    if jax.process_count() > 1:  # (the others wait for the rename, and name it alike)
+        target = _agree.agree("fleet.CheckpointManager.restore_latest(set aside)", target)[0]
+    orbax.reload()
+    return target
+
+
+def read(orbax: ocp.CheckpointManager, directory: str, step: int,
+         contents: _state.Contents) -> Restored:
+    """Restores ``step`` into ``contents``: checked, then read and verified, then set.
+
+    Raises:
+        FleetCheckpointError: the step does not fit ``contents`` (nothing changed).
+        Damaged: the step cannot be read as it was written (nothing changed).
+    """
+    world()  # a clear error before orbax's if fleet.init was not called
+    parts = contents.parts()
+    meta = _meta.read(orbax, directory, step)
+    problems = _problems(orbax, directory, step, meta, parts)
+    if contents.loader is not None:
+        problems += _state.loader_problems(contents.loader, meta.get("loader"))
+    if problems:
+        raise FleetCheckpointError(
+            f"checkpoint {directory}/{step} does not fit what it is restored into "
+            f"({len(problems)} difference{'s' if len(problems) > 1 else ''}; nothing was "
+            "changed):\n  " + "\n  ".join(problems)
+        )
+    values = _read_verified(orbax, directory, step, meta, parts)
+    new = {name: p.put(values[name] if p.leaves else {}) for name, p in parts.items()}
+    if contents.loader is not None:
+        contents.loader.set_state_dict(meta["loader"])
+    return Restored(step=step, epoch=meta.get("epoch"), metadata=meta.get("metadata") or {},
+                    state=new.get("state"), rng=new.get("rng"))
+
+
+def _read_verified(orbax: ocp.CheckpointManager, directory: str, step: int,
+                   meta: dict[str, Any], parts: dict[str, _state.Part]) -> dict[str, Any]:
+    """The arrays of ``parts`` in ``step``, each verified against its checksum (the
+    verdict agreed by every process); raises :class:`Damaged` if any is not."""
+    args = {}
+    for name, part in parts.items():
+        if part.leaves:  # (an empty part has no orbax item)
+            items, restore_args = part.targets()
+            args[name] = ocp.args.PyTreeRestore(items, restore_args=restore_args)
+    values, verdict = {}, ""
+    try:
+        values = orbax.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        sums = meta.get("checksums") or {}
+        bad = [f"{name} {b}" for name in args
+               for b in _integrity.mismatches(sums.get(name, {}), dict(values[name]))]
+        if bad:
+            many = len(bad) > 1
+            verdict = (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
+                       f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
+    except FleetError:
+        raise
+    except Exception as e:  # noqa: BLE001 (tensorstore's errors on damaged files)
+        verdict = f"it cannot be read ({first_line(e)})"
+    if jax.process_count() > 1:  # damaged for one process means damaged for all
+        verdicts = _agree.agree("fleet.CheckpointManager.restore(verify)", verdict)
+        verdict = next((f"{v} (found by rank {r})" for r, v in enumerate(verdicts) if v), "")
+    if verdict:
+        raise Damaged(f"checkpoint {directory}/{step} is damaged: {verdict}")
+    return values
+
+
+def _problems(orbax: ocp.CheckpointManager, directory: str, step: int, meta: dict,
+              parts: dict[str, _state.Part]) -> list[str]:
+    """Every way the arrays of ``step`` do not fit ``parts`` (a part whose object
+    grows a gradient accumulator is replaced by the grown one)."""
+    try:
+        items = orbax.metadata(step).item_metadata
+    except Exception as e:  # noqa: BLE001 (a deleted or cut-short metadata file)
+        raise Damaged(f"checkpoint {directory}/{step} is damaged: its metadata "
+                      f"cannot be read ({first_line(e)})") from None
+    problems = []
+    for name, part in parts.items():
+        if name not in meta["parts"]:
+            problems.append(
+                f"{name}: not in the checkpoint (it holds {', '.join(meta['parts']) or 'no arrays'})"
+            )
+            continue
+        item = items[name] if name in items else None
+        tree = {} if item is None else getattr(item, "tree", item)
+        if part.leaves and not tree:
+            raise Damaged(f"checkpoint {directory}/{step} is damaged: the metadata "
+                          f"of its {name!r} item is missing")
+        saved = {k: (tuple(m.shape), np.dtype(m.dtype).name) for k, m in tree.items()}
+        if _grows_accumulator(part, saved):
+            part = parts[name] = _state.Part.of(name, part.obj)
+        problems += [f"{name}: {p}" for p in _tree.differences(
+            saved, part.signatures(), meta["key_impls"].get(name, {}), part.impls())]
+    return problems
+
+
+def _grows_accumulator(part: _state.Part, saved: dict) -> bool:
+    """A checkpoint taken between ``no_sync`` steps holds the distributed optimizer's
+    ``grad_accum``; a freshly built optimizer gets one (zeros) before the restore
+    fills it. Returns whether the object changed."""
+    ensure = getattr(part.obj, "ensure_accumulator", None)
+    prefix = "grad_accum."
+    extra = {k: v for k, v in saved.items() if k.startswith(prefix) and k not in part.leaves}
+    if ensure is None or not extra:
+        return False
+    return ensure({k[len(prefix):].replace(":", "."): (shape[1:], np.dtype(dtype))
+                   for k, (shape, dtype) in extra.items()})
