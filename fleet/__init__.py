@@ -19,9 +19,7 @@ _apply_cpu_collective_environ()
 
 from fleet import _world, io, optimizer
 from fleet._agree import FleetTimeoutError
-from fleet._buckets import BucketConfig
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
-from fleet._env import WorkerEnv
 from fleet._errors import (
     FleetAttributeError,
     FleetConfigError,
@@ -37,8 +35,6 @@ from fleet._reduce import fused_allreduce_gradients
 from fleet._replicas import check_replicas
 from fleet._step import DistributedStep, distributed_step
 from fleet._world import (
-    DATA_AXIS,
-    World,
     barrier_worker,
     init,
     init_parallel_env,
@@ -55,51 +51,55 @@ from fleet.launch import spawn
 from fleet.strategy import DistributedStrategy
 
 __all__ = [
-    "DATA_AXIS",
-    "CheckpointManager",
-    "FleetCheckpointError",
-    "load",
-    "save",
-    "BucketConfig",
-    "DataParallel",
-    "DistributedOptimizer",
-    "DistributedStep",
-    "LinenDataParallel",
-    "Model",
-    "all_gather",
-    "all_reduce",
-    "barrier",
-    "broadcast",
-    "callbacks",
-    "check_replicas",
+    # the job: joining it, and where this process sits in it
+    "init",
+    "init_parallel_env",
+    "DistributedStrategy",
+    "world",
+    "worker_index",
+    "worker_num",
+    "is_first_worker",
+    "num_replicas",
+    "num_local_replicas",
+    "barrier_worker",
+    "spawn",
+    # training data-parallel: the four changes
     "distributed_model",
+    "DataParallel",
+    "LinenDataParallel",
     "distributed_optimizer",
+    "DistributedOptimizer",
     "distributed_step",
+    "DistributedStep",
     "fused_allreduce_gradients",
+    "check_replicas",
     "io",
     "optimizer",
-    "DistributedStrategy",
-    "FleetAttributeError",
-    "FleetConfigError",
+    # collectives
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    # checkpoints
+    "save",
+    "load",
+    "CheckpointManager",
+    # the high-level API
+    "Model",
+    "callbacks",
+    "metric",
+    # errors
     "FleetError",
+    "FleetAttributeError",
+    "FleetCheckpointError",
+    "FleetConfigError",
     "FleetNotInitializedError",
     "FleetTimeoutError",
     "FleetTypeError",
     "FleetUnsupportedError",
     "FleetWarning",
-    "WorkerEnv",
-    "World",
-    "barrier_worker",
-    "init",
-    "init_parallel_env",
-    "is_first_worker",
-    "metric",
-    "num_local_replicas",
-    "num_replicas",
-    "spawn",
-    "worker_index",
-    "worker_num",
-    "world",
 ]
 
+# A process the launcher started joins the job now, before the script computes
+# (fleet._worker.join_launched_job: only that very process, never its children).
 _world.join_launched_job()

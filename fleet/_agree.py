@@ -80,7 +80,7 @@ def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]
         try:
             values[other] = client.blocking_key_value_get(prefix + str(other), left_ms)
         except Exception as e:  # noqa: BLE001 (jaxlib raises its own runtime error)
-            timed_out = "DEADLINE" in str(e).upper() or "timed out" in str(e).lower()
+            timed_out = time.monotonic() >= deadline - 0.05  # the wait ran its course
             try:
                 present = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(prefix)}
                 missing = [r for r in range(nproc) if str(r) not in present]
@@ -101,3 +101,22 @@ def join(name: str, *, timeout_s: float | None = None) -> None:
     put it before a JAX collective that would otherwise wait forever for a rank
     that never makes the call."""
     agree(name, "", timeout_s=timeout_s)
+
+
+def raise_together(name: str, *, timeout_s: float = 10.0) -> None:
+    """Before every process raises the same error, after ``agree(name, ...)``
+    showed a disagreement: process 0, whose exit takes JAX's key-value service
+    down with it, returns once every other process has called this (or after
+    ``timeout_s``), so that each raises its own error instead of dying in a read
+    when the service goes away. Never raises."""
+    client, rank = _compat.distributed_client(), jax.process_index()
+    if client is None or jax.process_count() == 1:
+        return
+    prefix = f"fleet/agree/{name}/raising/"
+    try:
+        client.key_value_set(prefix + str(rank), "1")
+        if rank == 0:
+            for other in range(1, jax.process_count()):
+                client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001 (best effort: the error is raised either way)
+        pass

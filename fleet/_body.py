@@ -20,12 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _guards, _roles, _sharding, _sync
+from fleet import _guards, _roles, _sync
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
 from fleet._tree import dotted
 from fleet._world import DATA_AXIS, world
+from fleet.strategy import _sharding
 
 _SHARD_GRADS_READ = (
     "strategy.sharding: the step reads the wrapped model's gradients outside "

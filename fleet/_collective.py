@@ -15,11 +15,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from fleet import _sync
 from fleet._agree import join
 from fleet._errors import FleetConfigError
-from fleet._world import DATA_AXIS
+from fleet._world import DATA_AXIS, wait_for_all
 
 _OPS = ("sum", "max", "min", "avg", "prod")
 
@@ -65,9 +66,6 @@ def broadcast(x: Any, src: int = 0) -> Any:
         return jax.tree.map(pick, x)
     if jax.process_count() == 1:
         return x
-    from jax.experimental import multihost_utils
-
-
     join("fleet.broadcast (outside a step)")
     return multihost_utils.broadcast_one_to_all(x, is_source=jax.process_index() == src)
 
@@ -83,19 +81,12 @@ def all_gather(x: Any) -> Any:
 
 
 def _process_allgather(x: Any) -> Any:
-    from jax.experimental import multihost_utils
-
-
     join("fleet.all_reduce / all_gather (outside a step)")
     return multihost_utils.process_allgather(x, tiled=False)
 
 
 def barrier() -> None:
-    """Waits for every process. Inside a step it does nothing: replicas run in
-    lockstep there."""
-    if not _in_step() and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-
-        join("fleet.barrier")
-        multihost_utils.sync_global_devices("fleet.barrier")
+    """Waits for every process (:func:`fleet.barrier_worker`). Inside a step it does
+    nothing: replicas run in lockstep there."""
+    if not _in_step():
+        wait_for_all("fleet.barrier")

@@ -128,7 +128,7 @@ def set_class(obj: Any, cls: type) -> None:
       ``DataParallel`` view and any optimizer built on it share, so their type
       changes where they are;
     * a sharded optimizer's state variables become ``Sharded…`` (:func:`add_mixin`);
-    * a recomputed sub-module becomes ``Recompute…`` (``fleet/_recompute.py``):
+    * a recomputed sub-module becomes ``Recompute…`` (``fleet/strategy/_recompute.py``):
       Python calls a module through its type, and a wrapper module would change
       the state's paths.
     """

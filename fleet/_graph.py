@@ -5,7 +5,7 @@
 structure holds: the variables the step reads before a call and writes after
 it, and what each one is (synced parameter, per-replica accumulator, sharded
 optimizer state, buffer). :func:`tree_layout` and :func:`tree_rows` place the
-sharded optimizer state of pytree arguments (``fleet._sharding.Shard``).
+sharded optimizer state of pytree arguments (``fleet.strategy._sharding.Shard``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.training.optimizer import OptState
 
-from fleet import _compat, _sharding, _sync
+from fleet import _compat, _sync
 from fleet._tree import dotted
+from fleet.strategy import _sharding
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,7 +42,7 @@ class Plan:
     mesh: Any
     grad_merge: str | None = None  # strategy.gradient_merge: "local" calls, then "final"
     sharded: bool = False  # strategy.sharding: the step holds sharded optimizer state
-    tree_shards: Any = None  # the trees' structure, with sharded leaves (fleet._sharding.Shard)
+    tree_shards: Any = None  # the trees' structure, with sharded leaves (fleet.strategy._sharding.Shard)
 
     def _key(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -119,7 +120,7 @@ def is_buffer(v: nnx.Variable) -> bool:
 
 def tree_layout(tree_shards: tuple, sharded: Any, other: Any) -> list:
     """The tree arguments' structure with ``sharded`` at their sharded optimizer
-    state (fleet._sharding.Shard) and ``other`` elsewhere: their specs or shardings."""
+    state (fleet.strategy._sharding.Shard) and ``other`` elsewhere: their specs or shardings."""
     structure, flags = tree_shards
     return jax.tree.unflatten(structure, [sharded if f else other for f in flags])
 

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
-from fleet import _amp, _compat, _recompute, _sync
+from fleet import _compat, _sync
 from fleet._buckets import BucketConfig, strategy_buckets
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients
@@ -39,6 +39,7 @@ from fleet._tree import (
     state_dict,
 )
 from fleet._world import current_strategy, world
+from fleet.strategy import _amp, _recompute
 
 
 def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:

@@ -15,7 +15,7 @@ does not reduce them again. What it adds:
   count: the global-batch gradient again (one all-reduce per leaf, merged by
   XLA, instead of fleet's buckets);
 * the strategy's optimizer sections: ``lars`` / ``lamb`` swap the inner
-  optimizer (:mod:`fleet._large_batch`); ``gradient_merge`` steps once every
+  optimizer (:mod:`fleet.strategy._large_batch`); ``gradient_merge`` steps once every
   ``k_steps`` calls; float16 ``amp`` keeps the loss scale and skips steps whose
   gradients are not finite.
 
@@ -34,12 +34,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fleet import _amp, _compat, _large_batch, _sharding, _sync
+from fleet import _compat, _sync
 from fleet._buckets import strategy_buckets
 from fleet._errors import FleetError, FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients
 from fleet._tree import dotted, module_variables, replicate_in_place
 from fleet._world import current_strategy, world
+from fleet.strategy import _amp, _large_batch, _shard_probe, _sharding
 
 
 class _AllReduceThen(optax.GradientTransformationExtraArgs):
@@ -63,7 +64,7 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
         if shard is None:
             return state
         # strategy.sharding: the parameter-shaped state, split over the replicas.
-        _sharding.verify(inner, params, shard)
+        _shard_probe.verify(inner, params, shard)
         return _sharding.shard_state(state, _sharding.plan(inner.init, params, shard))
 
     def update(grads, state, params=None, **extra):
@@ -164,7 +165,7 @@ class DistributedOptimizer(nnx.Optimizer):
                 continue
             cfg = _sharding.config()
             layouts = _sharding.plan(inner.init, params, cfg)
-            _sharding.verify(inner, params, cfg)
+            _shard_probe.verify(inner, params, cfg)
             for var, layout in zip(self._state_variables(), layouts):
                 if layout is not None:
                     var.set_value(_sharding.to_shards(var.get_value(), layout))
@@ -207,7 +208,7 @@ class DistributedOptimizer(nnx.Optimizer):
         if not self.sharded:
             return super().update(model, grads, **kwargs)
         # nnx.Optimizer.update, with the sharded leaves handed to the optax update
-        # as fleet._sharding.Shard nodes.
+        # as fleet.strategy._sharding.Shard nodes.
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         variables = self._state_variables()
@@ -248,7 +249,6 @@ class DistributedOptimizer(nnx.Optimizer):
         """What an update writes: the model's ``wrt`` variables, the optimizer
         state and its step counter."""
         from flax.nnx import filterlib
-
 
         wrt = filterlib.to_predicate(self.wrt)
         out = [v for k, v in module_variables(model).items() if wrt(tuple(k.split(".")), v)]

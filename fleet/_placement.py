@@ -1,8 +1,9 @@
 """Where a step's arguments live: batches as global arrays over ``data``, the
 rest replicated on the mesh.
 
-:func:`global_batch` is the one path from a process's rows to the global
-``jax.Array`` a step takes (``fleet.io``'s loaders take it too);
+:func:`to_global` is the one path from a process's rows to a global
+``jax.Array`` (a step's numpy batch, ``fleet.io``'s loaders); :func:`global_batch`
+checks a step's batch argument and places it;
 :func:`placed` moves committed arrays made elsewhere (one device, another mesh)
 onto the mesh when ``jit`` refuses them.
 """
@@ -17,9 +18,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _sharding
 from fleet._errors import FleetConfigError
 from fleet._world import DATA_AXIS, World, world
+from fleet.strategy import _sharding
+
+
+def to_global(rows: Sequence[np.ndarray], sharding: NamedSharding) -> list[jax.Array]:
+    """This process's rows of each array as global ``jax.Array`` s sharded by
+    ``sharding`` (over ``data``): fleet's one path from local rows to a global
+    array, in one batched transfer (``jax.make_array_from_process_local_data``).
+    With one process the rows are the whole array."""
+    return list(jax.make_array_from_process_local_data(sharding, list(rows)))
 
 
 def global_batch(position: int, value: Any, w: World) -> Any:

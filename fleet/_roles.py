@@ -14,9 +14,9 @@ from flax import nnx
 
 from fleet import _sync
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
-from fleet._sharding import is_shard
 from fleet._tree import dotted
 from fleet._world import DATA_AXIS
+from fleet.strategy._sharding import is_shard
 
 NNX, TREE, BATCH, REPL, STATIC = "nnx", "state", "batch", "replicated", "static"
 REDUCES = ("mean", "sum", "gather", None)

@@ -70,7 +70,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _guards, _roles, _sharding, _sync, _worker
+from fleet import _guards, _roles, _sync, _worker
 from fleet._body import Program
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._graph import GraphCache, Plan, tree_layout
@@ -83,6 +83,7 @@ from fleet._placement import global_batch
 from fleet._placement import placed as place_on_mesh
 from fleet._replicas import check_replicas
 from fleet._world import DATA_AXIS, world
+from fleet.strategy import _sharding
 
 
 class DistributedStep:

@@ -78,7 +78,7 @@ class SyncTrace:
     grad_divisor: Any = None  # synced gradients are divided by it (loss scale, merge avg)
     loss_scale: Any = None  # float16 amp: the distributed optimizer's scale, this step
     finite: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
-    shard: Any = None  # strategy.sharding (fleet._sharding.Config) when the step shards
+    shard: Any = None  # strategy.sharding (fleet.strategy._sharding.Config) when the step shards
     shard_grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> grad
     shard_finite: Any = None  # float16 amp under sharding: all replicas' slices finite
 

@@ -8,6 +8,7 @@ with every replica holding process 0's values.
 
 from __future__ import annotations
 
+import json
 import zlib
 from typing import Any
 
@@ -15,16 +16,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from fleet._agree import join
+from fleet._agree import agree
 from fleet._errors import FleetError
 from fleet._world import world
 
 
 def dotted(path: tuple) -> str:
-    """``"layers.0.kernel"`` for a key path (dict keys, indices, attributes)."""
+    """``"layers.0.kernel"`` for a path: a JAX key path (dict keys, indices,
+    attributes) or an NNX path (strings and ints). fleet's one dotted name."""
     parts = []
     for key in path:
+        if isinstance(key, (str, int)):
+            parts.append(str(key))
+            continue
         for attr in ("key", "idx", "name"):
             if hasattr(key, attr):
                 parts.append(str(getattr(key, attr)))
@@ -60,7 +66,7 @@ def like(current: Any, host: np.ndarray) -> Any:
 def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:
     """The object's variables by dotted path (``"linear1.kernel"``)."""
     flat = nnx.to_flat_state(nnx.state(module))
-    return {".".join(map(str, path)): var for path, var in flat}
+    return {dotted(path): var for path, var in flat}
 
 
 def state_dict(obj: nnx.Pytree) -> dict[str, np.ndarray]:
@@ -92,21 +98,21 @@ def load_state_dict(obj: nnx.Pytree, values: dict[str, Any], what: str, hint: st
         var.set_raw_value(placed[key])
 
 
-def _check_same_across_processes(paths: list[str], leaves: list[np.ndarray]) -> None:
-    from jax.experimental import multihost_utils
-
+def _check_same_across_processes(call: str, paths: list[str], leaves: list[np.ndarray]) -> None:
+    """Every process holds the same names, shapes and dtypes (one bounded
+    :func:`fleet._agree.agree`: a process that never comes is named)."""
     desc = [zlib.crc32(f"{p}:{x.shape}:{x.dtype}".encode()) for p, x in zip(paths, leaves)]
-    counts = multihost_utils.process_allgather(np.array([len(desc)], np.int64))
-    if len(set(counts.ravel().tolist())) != 1:
+    tables = [json.loads(v) for v in agree(call, json.dumps(desc))]
+    counts = [len(t) for t in tables]
+    if len(set(counts)) != 1:
         raise FleetError(
             f"processes hold models of different sizes (parameter counts per process: "
-            f"{counts.ravel().tolist()}); every process must build the same model"
+            f"{counts}); every process must build the same model"
         )
-    table = multihost_utils.process_allgather(np.array(desc, np.int64))
     for i, path in enumerate(paths):
-        column = table.reshape(-1, len(desc))[:, i]
-        if (column != column[0]).any():
-            bad = int(np.nonzero(column != column[0])[0][0])
+        column = [t[i] for t in tables]
+        bad = next((rank for rank, d in enumerate(column) if d != column[0]), None)
+        if bad is not None:
             raise FleetError(
                 f"parameter {path!r} differs in shape or dtype between process 0 and "
                 f"process {bad} (here: shape {leaves[i].shape}, dtype {leaves[i].dtype}); "
@@ -128,12 +134,9 @@ def replicate(tree: Any) -> Any:
     impls = [jax.random.key_impl(x) if is_key(x) else None for _, x in paths_leaves]
     host = [to_host(x) for _, x in paths_leaves]
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-
-        join("placing replicated state (fleet.distributed_model / distributed_optimizer / "
-             "set_state_dict)")
-        _check_same_across_processes(paths, host)
+        _check_same_across_processes(
+            "placing replicated state (fleet.distributed_model / distributed_optimizer / "
+            "set_state_dict)", paths, host)
         host = list(multihost_utils.broadcast_one_to_all(host))
     placed = []
     for h, impl in zip(host, impls):

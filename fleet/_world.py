@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fleet import _xla_flags
@@ -161,7 +162,13 @@ def worker_index() -> int:
 
 
 def worker_num() -> int:
-    """Number of processes in the job."""
+    """Number of processes in the job.
+
+    Not the number of replicas: in Paddle one worker drives one GPU, but here a
+    process can hold several devices, each a replica. Split a global batch by
+    :func:`num_replicas` (``global_batch // fleet.num_replicas()`` rows per
+    replica); a ported ``global_batch // fleet.worker_num()`` is the rows per
+    *process*, off by the local device count."""
     return jax.process_count()
 
 
@@ -171,7 +178,10 @@ def is_first_worker() -> bool:
 
 
 def num_replicas() -> int:
-    """Number of data-parallel replicas: every device of every process."""
+    """Number of data-parallel replicas: every device of every process
+    (``worker_num() * num_local_replicas()`` when every process holds as many
+    devices). What a global batch is split over; :func:`worker_num` counts
+    processes."""
     return world().num_replicas
 
 
@@ -185,12 +195,16 @@ def barrier_worker() -> None:
 
     Collective: a process that never arrives is named after at most
     ``FLEET_AGREE_TIMEOUT`` seconds (60)."""
+    wait_for_all("fleet.barrier_worker")
+
+
+def wait_for_all(call: str) -> None:
+    """fleet's one barrier across processes (``fleet.barrier_worker``,
+    ``fleet.barrier``): a process that never arrives is named after at most
+    ``FLEET_AGREE_TIMEOUT`` seconds, in a message that names ``call``."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-
-        join("fleet.barrier_worker")
-        multihost_utils.sync_global_devices("fleet.barrier_worker")
+        join(call)
+        multihost_utils.sync_global_devices(call)
 
 
 def first_local_replica(w: World | None = None) -> int:

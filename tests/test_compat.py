@@ -217,10 +217,11 @@ def test_summed_state_sees_a_replicated_input_cast_to_varying():
 
 
 def test_placeholder_uses_sees_a_read_of_the_gradient_placeholder():
-    from fleet import _guards, _sharding
+    from fleet import _guards
+    from fleet.strategy import _shard_comm
 
     def bad(g):  # reads the placeholder fleet hands to jax.grad under sharding
-        (placeholder,) = _sharding.fleet_shard_grad(((g.shape, "float32"),))
+        (placeholder,) = _shard_comm.fleet_shard_grad(((g.shape, "float32"),))
         return placeholder * 2.0
 
     assert _guards.placeholder_uses(jax.make_jaxpr(bad)(jnp.ones(3))) == ["mul"]

@@ -8,6 +8,7 @@ from flax import nnx
 
 import fleet
 from fleet import _world
+from fleet._env import WorkerEnv
 from tests import models
 
 
@@ -164,10 +165,10 @@ def test_bad_worker_environment(monkeypatch):
     monkeypatch.setenv("FLEET_WORLD_SIZE", "2")
     monkeypatch.setenv("FLEET_RANK", "5")
     with pytest.raises(fleet.FleetConfigError, match=r"rank 5 is outside the job's 2 processes"):
-        fleet.WorkerEnv.from_environ()
+        WorkerEnv.from_environ()
     monkeypatch.setenv("FLEET_RANK", "one")
     with pytest.raises(fleet.FleetConfigError, match="FLEET_RANK='one' is not an integer"):
-        fleet.WorkerEnv.from_environ()
+        WorkerEnv.from_environ()
 
 
 def test_unhashable_static_argument(trained):

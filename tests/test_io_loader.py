@@ -708,3 +708,32 @@ def test_gather_for_metrics_for_an_earlier_step_of_the_iteration(world):
             loader.gather_for_metrics(x, step=step + 1)
     seen += loader.gather_for_metrics(previous, step=len(loader) - 1).tolist()
     assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loop_left_early_keeps_its_position_and_resume_continues_there(
+        world, num_workers, no_leftover_children):
+    """The position lives in the loader's iterator; once the loop is left (the iterator
+    dropped), the state still says where it stopped, and gather_for_metrics still
+    knows the batches it yielded. A new loop starts the next epoch; a restore continues."""
+    ds = FlipDataset(70)
+
+    def make():
+        return DataLoader(ds, batch_size=1, shuffle=True, num_workers=num_workers,
+                          return_numpy=True)
+
+    epoch0 = [as_numpy(b) for b in make()]
+    loader = make()
+    for step, batch in enumerate(loader):  # noqa: B007 (the last batch is used below)
+        if step == 3:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert {k: state["sampler"][k] for k in ("epoch", "batches_done")} == {
+        "epoch": 0, "batches_done": 4}
+    assert len(loader.gather_for_metrics(batch["label"], step=3)) == len(batch["label"])
+    restarted = make()
+    restarted.set_state_dict(state)
+    assert_batches_equal([as_numpy(b) for b in restarted], epoch0[4:])
+    next(iter(loader))
+    assert loader.state_dict()["sampler"]["epoch"] == 1
+    loader.close()

@@ -310,3 +310,23 @@ def test_state_and_epoch_errors(no_world):
         s.set_epoch(-1)
     with pytest.raises(fleet.FleetConfigError, match=r"step=3 is outside 0..2"):
         s.padding_mask(3)
+
+
+def test_the_sampler_holds_no_shared_position(no_world):
+    """state_dict() is computed: a shallow copy restored elsewhere (what a checkpoint's
+    probe does) leaves the original alone, and a pickled sampler keeps its state."""
+    import copy
+    import pickle
+
+    s = sampler(20, 2, 2, 0, shuffle=True)
+    it = iter(s)
+    next(it), next(it)
+    before = s.state_dict()
+    copy.copy(s).set_state_dict({"epoch": 5, "batches_done": 1})
+    assert s.state_dict() == before and before["batches_done"] == 2
+    assert pickle.loads(pickle.dumps(s)).state_dict() == before
+    restored = sampler(20, 2, 2, 0, shuffle=True)
+    restored.set_state_dict(before)
+    dropped = iter(restored)  # started, then dropped before a batch was handed out
+    del dropped
+    assert restored.state_dict() == before

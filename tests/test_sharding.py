@@ -17,7 +17,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet import _sharding
+from fleet.strategy import _shard_probe, _sharding
 from tests import models, tiers
 
 STEPS = 30
@@ -457,7 +457,7 @@ def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monke
     make_world(4, strategy(2))
     with pytest.raises(fleet.FleetUnsupportedError, match="differs from the slice"):
         train_nnx("linear", data, optax.lamb(1e-2))
-    monkeypatch.setattr(_sharding, "verify", lambda *a, **k: None)
+    monkeypatch.setattr(_shard_probe, "verify", lambda *a, **k: None)
     make_world(4, strategy(2))
     wrong, _, _, _ = train_nnx("linear", data, optax.lamb(1e-2))
     d = models.max_diff(models.flat_params(wrong), models.flat_params(ref))

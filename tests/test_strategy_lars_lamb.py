@@ -25,7 +25,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
+from fleet.strategy._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
 from tests import models
 
 STEPS, BATCH, TOL = 10, 16, 1e-6

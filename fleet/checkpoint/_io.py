@@ -47,6 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from fleet._tree import first_replica
 from fleet.checkpoint import _disk, _file, _integrity, _tree
 from fleet.checkpoint._errors import FleetCheckpointError
 
@@ -71,7 +72,7 @@ def _host_leaf(path: tuple, x: Any) -> Any:
         if _tree.is_key(x):
             x = jax.random.key_data(x)
         try:
-            x = _tree.host_value(x)
+            x = first_replica(x)
         except ValueError:
             raise FleetCheckpointError(
                 f"fleet.save: {where} is sharded over processes; fleet.save writes one "

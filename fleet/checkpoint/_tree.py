@@ -20,9 +20,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet._sharding import is_shard
 from fleet._tree import dotted as _dotted
 from fleet._tree import first_replica, is_key
+from fleet.strategy._sharding import is_shard
 
 
 def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
@@ -32,7 +32,7 @@ def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
 
 def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
     """``({dotted path: leaf}, treedef)`` of a pytree; a lone leaf is ``"value"``.
-    Sharded optimizer state (``fleet._sharding.Shard``) is one leaf, at the path
+    Sharded optimizer state (``fleet.strategy._sharding.Shard``) is one leaf, at the path
     the unsharded array has."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_shard)
     leaves = {(_dotted(path) or "value"): leaf for path, leaf in flat}
@@ -109,11 +109,6 @@ def _impl_text(impl: str | None) -> str:
     return f"a {impl!r} PRNG key" if impl else "plain data, not a PRNG key"
 
 
-def host_value(x: Any) -> np.ndarray:
-    """``x`` as a numpy array: a replicated global array gives its first local copy."""
-    return first_replica(x)
-
-
 def is_global(x: Any) -> bool:
     """Whether orbax can write ``x`` as it is: a ``jax.Array`` of this job's devices.
 
@@ -135,7 +130,7 @@ def stored(leaves: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, leaf in leaves.items():
         value = jax.random.key_data(leaf) if is_key(leaf) else leaf
-        out[key] = value if is_global(leaf) else np.array(host_value(value), copy=True)
+        out[key] = value if is_global(leaf) else np.array(first_replica(value), copy=True)
     return out
 
 
@@ -166,7 +161,7 @@ def restored(value: Any, like: Any) -> Any:
         if is_key(like):
             return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
         return value
-    host = host_value(value)
+    host = first_replica(value)
     if type(like) in _PY_KINDS:
         return type(like)(host.item())
     if isinstance(like, np.generic):

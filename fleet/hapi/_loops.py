@@ -143,3 +143,26 @@ def public(logs: dict[str, Any]) -> dict[str, Any]:
 def _number(value: Any) -> float | int:
     value = np.asarray(value)
     return int(value) if np.issubdtype(value.dtype, np.integer) else float(value)
+
+
+def train_epochs(model: Any, cbks: Any, train_loader: Any, eval_loader: Any, epochs: range,
+                 eval_freq: int, num_iters: int | None, accumulate: int) -> dict[str, Any]:
+    """``Model.fit``'s epochs: each trained, then evaluated every ``eval_freq``
+    epochs from the first (Paddle's ``epoch % eval_freq == 0``), its record added
+    to ``model.history``; returns the last epoch's logs."""
+    logs: dict[str, Any] = {}
+    done = 0
+    for epoch in epochs:
+        cbks.on_epoch_begin(epoch)
+        limit = None if num_iters is None else num_iters - done
+        logs, _ = run_epoch(model, train_loader, "train", cbks, limit, accumulate)
+        done += logs.pop("_steps")
+        cbks.on_epoch_end(epoch, logs)
+        record = {"epoch": epoch, **public(logs)}
+        if eval_loader is not None and epoch % eval_freq == 0:
+            eval_logs, _ = run_epoch(model, eval_loader, "eval", cbks)
+            record.update({f"eval_{k}": v for k, v in public(eval_logs).items()})
+        model.history.append(record)
+        if model.stop_training or (num_iters is not None and done >= num_iters):
+            break
+    return logs

@@ -39,10 +39,10 @@ from fleet.hapi._inputs import (
     int_at_least,
     make_loader,
 )
-from fleet.hapi._loops import public, run_epoch
+from fleet.hapi._loops import public, run_epoch, train_epochs
 from fleet.hapi._metric import Metric
 from fleet.hapi._summary import summary as _summary
-from fleet.io._loader import to_host
+from fleet.io._placement import gather_to_host
 
 
 class Model:
@@ -138,7 +138,7 @@ class Model:
         check_ready(self, "train_batch", need_optimizer=True)
         self.network.train()
         loss, rows = self.train_step(as_tuple(inputs), as_tuple(labels), update)
-        values = [m.update(*jax.tree.map(to_host, r)) for m, r in zip(self.metrics, rows)]
+        values = [m.update(*jax.tree.map(gather_to_host, r)) for m, r in zip(self.metrics, rows)]
         return ([float(loss)], values) if self.metrics else [float(loss)]
 
     def eval_batch(self, inputs: Any, labels: Any = None) -> Any:
@@ -146,14 +146,14 @@ class Model:
         check_ready(self, "eval_batch")
         self.network.eval()
         losses, rows = self.eval_step(as_tuple(inputs), as_tuple(labels))
-        values = [m.update(*jax.tree.map(to_host, r)) for m, r in zip(self.metrics, rows)]
-        loss = [float(np.mean(to_host(losses)))] if losses is not None else []
+        values = [m.update(*jax.tree.map(gather_to_host, r)) for m, r in zip(self.metrics, rows)]
+        loss = [float(np.mean(gather_to_host(losses)))] if losses is not None else []
         return (loss, values) if self.metrics else loss
 
     def predict_batch(self, inputs: Any) -> list[np.ndarray]:
         """The network's outputs for one global batch, as host arrays."""
         self.network.eval()
-        out = jax.tree.map(to_host, self.predict_step(as_tuple(inputs)))
+        out = jax.tree.map(gather_to_host, self.predict_step(as_tuple(inputs)))
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     # -- loops --------------------------------------------------------------------------
@@ -217,22 +217,10 @@ class Model:
                 "save_dir": None if save_dir is None else os.fspath(save_dir)},
                 save_dir, save_freq, train_loader, resume)
             start = checkpoint.restore_latest() if resume else 0
-            self.stop_training, self.history, done = False, [], 0
+            self.stop_training, self.history = False, []
             cbks.on_begin("train")
-            logs: dict[str, Any] = {}
-            for epoch in range(start, epochs):
-                cbks.on_epoch_begin(epoch)
-                limit = None if num_iters is None else num_iters - done
-                logs, _ = run_epoch(self, train_loader, "train", cbks, limit, accumulate)
-                done += logs.pop("_steps")
-                cbks.on_epoch_end(epoch, logs)
-                record = {"epoch": epoch, **public(logs)}
-                if eval_loader is not None and epoch % eval_freq == 0:  # Paddle's epochs
-                    eval_logs, _ = run_epoch(self, eval_loader, "eval", cbks)
-                    record.update({f"eval_{k}": v for k, v in public(eval_logs).items()})
-                self.history.append(record)
-                if self.stop_training or (num_iters is not None and done >= num_iters):
-                    break
+            logs = train_epochs(self, cbks, train_loader, eval_loader, range(start, epochs),
+                                eval_freq, num_iters, accumulate)
             cbks.on_end("train", logs)
             return self.history
         finally:

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from fleet._errors import FleetConfigError
+from fleet._tree import dotted
 
 
 def _rows(network: nnx.Module) -> list[tuple[str, str, str, int, int]]:
@@ -26,7 +27,7 @@ def _rows(network: nnx.Module) -> list[tuple[str, str, str, int, int]]:
         total = sum(int(np.prod(np.shape(v.get_value()))) for _, v in own)
         trainable = sum(int(np.prod(np.shape(v.get_value()))) for _, v in own
                         if isinstance(v, nnx.Param))
-        name = ".".join(map(str, path)) or "(network)"
+        name = dotted(path) or "(network)"
         kind = type(module).__name__
         if kind.startswith("DataParallel["):
             kind = kind[len("DataParallel["):-1]

@@ -6,7 +6,14 @@ processes) -> ``jax.make_array_from_process_local_data`` places the process-loca
 rows on this process's devices, giving a global array sharded over the ``data``
 axis (``fleet.world().batch``).
 
-How batches are loaded ahead and overlap the training step: ``fleet/io/_pipeline.py``.
+How batches are loaded ahead and overlap the training step: ``fleet/io/_pipeline.py``;
+how they are placed on the mesh: ``fleet/io/_placement.py``.
+
+Where iteration stands lives in the iterator ``iter(loader)`` returns, which counts
+a batch when it hands it out (``fleet/io/_position.py``). The loader holds no
+position: ``state_dict()`` is the sampler's, which reads that iterator (a batch
+sampler of your own has none, so the loader reads the iterator itself), and
+``set_state_dict()`` gives the next iteration its start.
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fleet import _world
 from fleet._errors import FleetConfigError, FleetTypeError
+from fleet._world import world
 from fleet.io._errors import FleetDataError
 from fleet.io._pipeline import (
     InlineProducer,
@@ -29,7 +36,9 @@ from fleet.io._pipeline import (
     from_workers,
     in_process,
 )
-from fleet.io._sampler import BatchSampler, DistributedBatchSampler, Position
+from fleet.io._placement import GlobalTransfer, check_sampler_fits_world, gather_to_host
+from fleet.io._position import Position, Tracker, resume_point
+from fleet.io._sampler import BatchSampler, DistributedBatchSampler
 from fleet.io._workers import WorkerPool
 
 
@@ -133,12 +142,9 @@ class DataLoader:
         self.persistent_workers = bool(persistent_workers)
         self.use_buffer_reader = use_buffer_reader
         if not self.return_numpy:
-            _check_sampler_fits_world(batch_sampler, _world.world())
-        # Where iteration stands: the sampler's Position (a fleet sampler keeps it), or,
-        # for a batch sampler of your own, one the loader keeps. Advanced as batches are
-        # handed out; _first is where the running iteration began.
-        self._position: Position | None = None
-        self._first = 0
+            check_sampler_fits_world(batch_sampler, world())
+        self._tracker = Tracker()  # reads the last iteration (gather_for_metrics, state)
+        self._restored: Position | None = None  # a batch sampler of your own: its start
         self._current: weakref.ref | None = None
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
@@ -152,18 +158,14 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._close_current()
-        to_host = self.return_numpy
-        world = None if to_host else _world.world()
-        if isinstance(self.batch_sampler, BatchSampler):
-            position, batches = self.batch_sampler.start_epoch()
-            indices = iter(batches[position.done:])  # index arrays, no list round trip
-        else:  # a batch sampler of your own: the loader keeps the position (no epochs)
-            restored = self._position
-            fresh = restored is None or restored.started
-            position = Position(0, 0) if fresh else restored
-            position.started = True
-            indices = itertools.islice(iter(self.batch_sampler), position.done, None)
-        self._position, self._first = position, position.done
+        here = None if self.return_numpy else world()
+        sampler = self.batch_sampler
+        if isinstance(sampler, BatchSampler):
+            start = sampler.start_epoch()
+            indices = iter(sampler.batches(start.epoch)[start.done:])  # no list round trip
+        else:  # a batch sampler of your own: no epochs; a restored start skips batches
+            start, self._restored = resume_point(self._restored, 0), None
+            indices = itertools.islice(iter(sampler), start.done, None)
 
         pool, owns_pool = None, False
         if self.num_workers > 0:
@@ -171,16 +173,19 @@ class DataLoader:
             source = from_workers(pool, indices, self.prefetch_factor * self.num_workers)
         else:
             source = in_process(self.dataset, indices, self.collate_fn)
-        if to_host:
-            transfer = None
-        else:
-            transfer = _GlobalTransfer(world.batch, world.num_local_replicas, position.done)
+        transfer = None
+        if here is not None:
+            transfer = GlobalTransfer(here.batch, here.num_local_replicas, start.done)
         if self._threaded():
             producer, lookahead = ThreadProducer(source, self.prefetch_factor), 1
         else:
             producer, lookahead = InlineProducer(source), 0
-        iterator = LoaderIterator(producer, transfer, lookahead, pool, owns_pool, position,
+        iterator = LoaderIterator(producer, transfer, lookahead, pool, owns_pool, start,
                                   len(self))
+        if isinstance(sampler, BatchSampler):
+            sampler.follow(iterator)
+        self._tracker = Tracker()
+        self._tracker.follow(iterator)
         self._current = weakref.ref(iterator)
         return iterator
 
@@ -232,9 +237,10 @@ class DataLoader:
         """
         if isinstance(self.batch_sampler, BatchSampler):
             return {"sampler": self.batch_sampler.state_dict()}
-        position = self._position
-        running = position is not None and not position.finished
-        return {"batches_done": position.done if running else 0}
+        last = self._tracker.last()
+        if last is not None and not last.finished:
+            return {"batches_done": last.done}  # running, or stopped before the end
+        return {"batches_done": resume_point(self._restored, 0).done}
 
     def set_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next iteration continue after the last batch counted in ``state``."""
@@ -246,9 +252,9 @@ class DataLoader:
                     "DataLoader.state_dict() returned"
                 )
             self.batch_sampler.set_state_dict(state["sampler"])
-            self._position = None
         else:
-            self._position = Position(0, int(state["batches_done"]))
+            self._restored = Position(0, int(state["batches_done"]))
+        self._tracker = Tracker()
 
     def gather_for_metrics(self, outputs: Any, step: int | None = None) -> Any:
         """Per-example ``outputs`` of the last batch, gathered to host, padding dropped.
@@ -280,23 +286,23 @@ class DataLoader:
             >>> sorted(np.concatenate(seen).tolist()) == list(range(10))
             True
         """
-        position = self._position
-        if position is None or not position.started or position.done == self._first:
+        last = self._tracker.last()
+        if last is None or last.done == last.first:
             raise FleetConfigError(
                 "gather_for_metrics() was called before the loader yielded a batch; call "
                 "it inside the loop, once per batch, with that batch's outputs"
             )
         if step is None:
-            step = position.done - 1
-        elif not self._first <= step < position.done:
+            step = last.done - 1
+        elif not last.first <= step < last.done:
             raise FleetConfigError(
                 f"gather_for_metrics(step={step}): this iteration has yielded batches "
-                f"{self._first}..{position.done - 1}; pass one of those"
+                f"{last.first}..{last.done - 1}; pass one of those"
             )
-        host = jax.tree_util.tree_map(to_host, outputs)
+        host = jax.tree_util.tree_map(gather_to_host, outputs)
         if not hasattr(self.batch_sampler, "padding_mask"):
             return host
-        keep = ~self.batch_sampler.padding_mask(step, position.epoch)
+        keep = ~self.batch_sampler.padding_mask(step, last.epoch)
 
         def drop(a):
             if a.ndim == 0 or len(a) != len(keep):
@@ -314,82 +320,3 @@ class DataLoader:
         if current is not None:
             current.close()
         self._current = None
-
-
-class _GlobalTransfer:
-    """Places a process-local numpy batch on the mesh as global arrays.
-
-    All numeric leaves go in one ``jax.make_array_from_process_local_data`` call
-    (one batched transfer); strings and other non-numeric leaves stay on the host.
-    """
-
-    def __init__(self, sharding, num_local: int, first_step: int):
-        self.sharding, self.num_local, self.step = sharding, num_local, first_step
-
-    def __call__(self, batch: Any) -> Any:
-        step = self.step
-        self.step += 1
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        numeric = []
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, (str, bytes)) or not hasattr(leaf, "__array__"):
-                continue
-            leaf = np.asarray(leaf)
-            if leaf.dtype.kind not in "biufc":
-                continue
-            if leaf.ndim == 0 or leaf.shape[0] % self.num_local:
-                raise FleetDataError(
-                    f"batch {step} has an array of shape {leaf.shape}, whose leading axis "
-                    f"does not split over this process's {self.num_local} devices; use a "
-                    "DistributedBatchSampler (batch_size is then per device), or "
-                    "drop_last=True, or return_numpy=True"
-                )
-            leaves[i] = leaf
-            numeric.append(i)
-        if not numeric:
-            return batch
-        placed = jax.make_array_from_process_local_data(
-            self.sharding, [leaves[i] for i in numeric]
-        )
-        for i, array in zip(numeric, placed):
-            leaves[i] = array
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def to_host(x: Any) -> np.ndarray:
-    """``x`` as a numpy array with every process's rows (a global array is gathered)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    if not isinstance(x, jax.Array) and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
-    return np.asarray(x)
-
-
-def _check_sampler_fits_world(sampler: Any, world: _world.World) -> None:
-    """A sampler feeding global arrays must give each process its own, disjoint share."""
-    if isinstance(sampler, DistributedBatchSampler):
-        per_device = (sampler.num_replicas == world.num_replicas
-                      and sampler.num_local_replicas == world.num_local_replicas
-                      and sampler.rank == _world.first_local_replica(world))
-        per_process = (sampler.num_replicas == jax.process_count()
-                       and sampler.num_local_replicas == 1
-                       and sampler.rank == jax.process_index())
-        if not (per_device or per_process):
-            raise FleetConfigError(
-                f"the DistributedBatchSampler covers replicas [{sampler.rank}, "
-                f"{sampler.rank + sampler.num_local_replicas}) of {sampler.num_replicas}, "
-                f"but this process feeds devices [{_world.first_local_replica(world)}, "
-                f"{_world.first_local_replica(world) + world.num_local_replicas}) of "
-                f"{world.num_replicas}; build the sampler after fleet.init with "
-                "num_replicas=None and rank=None, or use return_numpy=True"
-            )
-    elif isinstance(sampler, BatchSampler) and jax.process_count() > 1:
-        raise FleetConfigError(
-            f"a plain BatchSampler gives every one of the {jax.process_count()} processes "
-            "the same batches, so the global batch would repeat them; use "
-            "DistributedBatchSampler"
-        )

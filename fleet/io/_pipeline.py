@@ -5,7 +5,9 @@ process, :func:`from_workers` from worker processes, keeping ``depth`` batches i
 flight. A producer runs the source: :class:`ThreadProducer` in a daemon thread up
 to ``prefetch_factor`` batches ahead (Paddle's ``use_buffer_reader``),
 :class:`InlineProducer` in the caller's thread when asked. :class:`LoaderIterator`
-places batches on the devices and hands them out.
+places batches on the devices and hands them out; it holds the iteration's position
+(``fleet/io/_position.py``), counting a batch when it hands it out, never when it is
+loaded ahead.
 
 Overlap. Per-sample loading runs in a background thread (``use_buffer_reader``) or
 in worker processes, up to ``prefetch_factor`` host batches ahead, and the main
@@ -33,25 +35,28 @@ from collections.abc import Iterator
 from typing import Any
 
 from fleet.io._collate import fetch_batch
+from fleet.io._position import Iteration, Position
 from fleet.io._workers import WorkerPool
 
 _THREAD_JOIN_TIMEOUT_S = 30.0
 
 
-class LoaderIterator:
+class LoaderIterator(Iteration):
     """What ``iter(loader)`` returns; stops its thread and workers when closed or dropped.
 
-    ``_ready`` holds, in order, what the producer delivered and the main thread
-    already placed on the devices: ``("batch", arrays)``, ``("end", None)`` or
-    ``("error", exception)`` -- an error is raised only after the batches before it.
+    It holds the iteration's position (``epoch``, ``done``: batches handed out), which
+    the loader's and the sampler's ``state_dict()`` read. ``_ready`` holds, in order,
+    what the producer delivered and the main thread already placed on the devices:
+    ``("batch", arrays)``, ``("end", None)`` or ``("error", exception)`` -- an error is
+    raised only after the batches before it.
     """
 
-    def __init__(self, producer, transfer, lookahead, pool, owns_pool, position, length):
+    def __init__(self, producer, transfer, lookahead, pool, owns_pool, start: Position,
+                 length: int):
+        super().__init__(start, length)
         self._producer, self._transfer = producer, transfer
         self._lookahead = lookahead  # batches placed on the devices beyond the one handed out
         self._pool, self._owns_pool = pool, owns_pool
-        self._position = position  # the sampler's (or loader's) Position: counted here
-        self._remaining = length - position.done
         self._ready: deque[tuple[str, Any]] = deque()
         self._closed = False
 
@@ -59,7 +64,7 @@ class LoaderIterator:
         return self
 
     def __len__(self) -> int:
-        return self._remaining
+        return self.length - self.first  # the batches this iteration yields
 
     def __next__(self):
         if self._closed:
@@ -75,10 +80,10 @@ class LoaderIterator:
             self.close()
             raise
         if kind == "batch":
-            self._position.done += 1  # counted when handed out, not when loaded ahead
+            self.done += 1  # counted when handed out, not when loaded ahead
             return payload
         if kind == "end":
-            self._position.finished = True
+            self._stop(finished=True)
             self.close()
             raise StopIteration
         self.close()
@@ -107,9 +112,10 @@ class LoaderIterator:
         if self._closed:
             return
         self._closed = True
+        self._stop()  # tells the trackers where it stopped
         self._ready.clear()
         self._producer.request_stop()
-        pool_in_use = self._pool is not None and not self._position.finished
+        pool_in_use = self._pool is not None and not self.finished
         if self._pool is not None and (self._owns_pool or pool_in_use):
             self._pool.close()  # Its workers die, so the thread's pending recv ends.
         self._producer.join()

@@ -1,101 +1,27 @@
 """Batch samplers: which dataset indices make up each batch, epoch by epoch.
 
-The index arithmetic is two pure functions, :func:`padded_order` and
-:func:`batch_slices`; the samplers are thin stateful shells that add the epoch
-counter and mid-epoch resume. Both samplers yield lists of ints (Paddle's
-``paddle.io.BatchSampler`` / ``DistributedBatchSampler``).
+Both samplers yield lists of ints (Paddle's ``paddle.io.BatchSampler`` /
+``DistributedBatchSampler``). A sampler is a pure order, :meth:`~BatchSampler.batches`
+(``fleet/io/_order.py`` has the index arithmetic and Paddle's algorithm), plus an
+epoch counter (:meth:`~BatchSampler.set_epoch`) and, after
+:meth:`~BatchSampler.set_state_dict`, the position the next iteration starts from.
 
-Where iteration stands is one :class:`Position` (an epoch and the batches handed
-out in it), held by the sampler and advanced by whoever hands the batches out: the
-sampler's own iterator, or the ``DataLoader``, which counts a batch when the user
-receives it (not when it is loaded ahead). ``state_dict()`` reads it, and
-``set_state_dict()`` puts a restored one in place.
-
-How :class:`DistributedBatchSampler` splits an epoch (Paddle's algorithm):
-
-1. Pad ``range(n)`` to ``total_size``, the next multiple of ``num_replicas``, by
-   repeating indices from its start, cyclically when ``n < num_replicas``:
-   ``order = [0, 1, ..., n-1, 0, 1, ...]``.
-2. With ``shuffle=True``, shuffle that padded list in place with
-   ``numpy.random.RandomState(epoch).shuffle`` -- the same on every replica.
-3. Split batch-strided: in every full window of ``batch_size * num_replicas``
-   indices, replica ``r`` takes the ``r``-th block of ``batch_size``; the
-   remainder (a multiple of ``num_replicas``) is cut into ``num_replicas`` equal
-   contiguous pieces, one last, smaller batch per replica. ``drop_last`` drops
-   that last partial batch on every replica.
-
-So step ``k``'s batches of all replicas, in replica order, are one contiguous run
-of ``order``: the global batch a ``BatchSampler(batch_size * num_replicas)`` over
-``order`` would give.
-
-Where this differs from Paddle's code: Paddle pads with ``indices[:total - n]``,
-which comes up short when ``n < num_replicas / 2`` (fleet pads cyclically); Paddle
-advances ``epoch`` only when shuffling (fleet on every iteration, which changes
-nothing without shuffle); Paddle's ``BatchSampler(shuffle=True)`` draws from numpy's
-global RNG (fleet's from ``RandomState(epoch)``, so it can resume).
+It holds no running position: the iterator that hands its batches out does (its
+own iterator, or a ``DataLoader``'s; ``fleet/io/_position.py``), and
+:meth:`~BatchSampler.state_dict` is computed from that iterator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import numpy as np
 
-from fleet._errors import FleetConfigError, FleetTypeError
-
-# --------------------------------------------------------------------------- pure core
-
-
-def padded_order(
-    dataset_size: int, num_replicas: int, epoch: int, shuffle: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """One epoch's index order, padded to a multiple of ``num_replicas``.
-
-    Returns:
-        ``(order, is_padding)``: ``order[j]`` is the dataset index at position ``j``;
-        ``is_padding[j]`` marks the repeated entries added by the padding (their
-        position in the list before shuffling is ``>= dataset_size``).
-
-    Example:
-        >>> order, pad = padded_order(5, 4, epoch=0, shuffle=False)
-        >>> order.tolist(), pad.tolist()
-        ([0, 1, 2, 3, 4, 0, 1, 2], [False, False, False, False, False, True, True, True])
-    """
-    total = -(-dataset_size // num_replicas) * num_replicas
-    positions = np.arange(total)
-    if shuffle:
-        np.random.RandomState(epoch).shuffle(positions)
-    return positions % dataset_size, positions >= dataset_size
-
-
-def batch_slices(
-    total_size: int, batch_size: int, num_replicas: int, first: int, count: int, drop_last: bool
-) -> list[slice]:
-    """Where the batches of replicas ``[first, first + count)`` lie in the padded order.
-
-    Step ``k``'s slice holds those replicas' ``k``-th batches, concatenated in
-    replica order (``count`` blocks of ``batch_size``, or of the last partial size).
-    ``first=0, count=num_replicas`` gives the global batches.
-
-    Example:
-        >>> batch_slices(10, batch_size=2, num_replicas=2, first=1, count=1, drop_last=False)
-        [slice(2, 4, None), slice(6, 8, None), slice(9, 10, None)]
-    """
-    window = batch_size * num_replicas
-    full, tail = divmod(total_size, window)
-    slices = [
-        slice(k * window + first * batch_size, k * window + (first + count) * batch_size)
-        for k in range(full)
-    ]
-    last = tail // num_replicas
-    if last and not drop_last:
-        start = full * window
-        slices.append(slice(start + first * last, start + (first + count) * last))
-    return slices
-
-
-# --------------------------------------------------------------------------- samplers
+from fleet._errors import FleetConfigError
+from fleet.io._order import batch_slices, fixed_order, padded_order, padding_rows, plain_order
+from fleet.io._position import Iteration, Position, Tracker, resume_point
+from fleet.io._sampler_args import agree_on_length, dataset_size, positive_int, resolve_replicas
 
 
 class BatchSampler:
@@ -141,11 +67,12 @@ class BatchSampler:
         self.dataset = dataset
         self.sampler = sampler
         self.shuffle = bool(shuffle)
-        self.batch_size = _positive_int("batch_size", batch_size)
+        self.batch_size = positive_int("batch_size", batch_size)
         self.drop_last = bool(drop_last)
-        self._size = _dataset_size(dataset if dataset is not None else sampler)
+        self._size = dataset_size(dataset if dataset is not None else sampler)
         self.epoch = 0  # the epoch the next iteration starts (unless one is restored)
-        self._position: Position | None = None  # the running, or a restored, epoch
+        self._restored: Position | None = None  # set_state_dict's start of the next iteration
+        self._tracker = Tracker()  # reads the last iteration over this sampler
         if not isinstance(self, DistributedBatchSampler):  # it checks once it knows its split
             self._check_not_empty()
 
@@ -165,10 +92,8 @@ class BatchSampler:
     # Subclasses change these two.
     def _order(self, epoch: int) -> np.ndarray:
         if self.sampler is not None:
-            return np.asarray(list(self.sampler), dtype=np.int64)
-        if self.shuffle:
-            return np.random.RandomState(epoch).permutation(self._size)
-        return np.arange(self._size)
+            return fixed_order(self.sampler)
+        return plain_order(self._size, epoch, self.shuffle)
 
     def _slices(self, total_size: int) -> list[slice]:
         return batch_slices(total_size, self.batch_size, 1, 0, 1, self.drop_last)
@@ -183,34 +108,37 @@ class BatchSampler:
         order = self._order(epoch)
         return [order[s] for s in self._slices(len(order))]
 
-    def __iter__(self):
-        position, batches = self.start_epoch()
-        return _hand_out(batches, position)
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.start_epoch()
+        iterator = _SamplerIterator(start, self.batches(start.epoch))
+        self.follow(iterator)
+        return iterator
 
-    def start_epoch(self) -> tuple[Position, list[np.ndarray]]:
-        """Starts the next epoch: its :class:`Position` and its batches (index arrays).
+    def start_epoch(self) -> Position:
+        """Starts the next iteration: where it begins, and ``self.epoch`` moves on.
 
-        The position is where a restored state stopped (:meth:`set_state_dict`), or
-        the start of epoch ``self.epoch``; ``self.epoch`` moves on to the next one.
-        The caller hands out ``batches[position.done:]`` and counts each batch in
-        ``position.done`` as it hands it out (so :meth:`state_dict` is exact), and
-        sets ``position.finished`` at the end. This is what ``DataLoader`` does.
+        It begins where a restored state stopped (:meth:`set_state_dict`), or at
+        the first batch of epoch ``self.epoch``. The caller hands out
+        ``batches(start.epoch)[start.done:]`` from an iterator that holds the
+        position (an :class:`~fleet.io._position.Iteration`) and passes that
+        iterator to :meth:`follow`. This is what ``iter(sampler)`` and
+        ``DataLoader`` do.
 
         Example:
             >>> s = BatchSampler(sampler=range(5), batch_size=2)
-            >>> position, batches = s.start_epoch()
-            >>> position.epoch, [b.tolist() for b in batches], s.epoch
-            (0, [[0, 1], [2, 3], [4]], 1)
+            >>> start = s.start_epoch()
+            >>> start, [b.tolist() for b in s.batches(start.epoch)[start.done:]], s.epoch
+            (Position(epoch=0, done=0), [[0, 1], [2, 3], [4]], 1)
         """
-        restored = self._position
-        if restored is not None and not restored.started and restored.epoch == self.epoch:
-            position = restored
-        else:
-            position = Position(self.epoch, 0)
-        position.started = True
-        self._position = position
-        self.epoch = position.epoch + 1
-        return position, self.batches(position.epoch)
+        start = resume_point(self._restored, self.epoch)
+        self._restored, self._tracker = None, Tracker()
+        self.epoch = start.epoch + 1
+        return start
+
+    def follow(self, iteration: Iteration) -> None:
+        """:meth:`state_dict` reports where ``iteration`` stands, the iteration that
+        :meth:`start_epoch` began (read through a weak reference, never stored)."""
+        self._tracker.follow(iteration)
 
     def __len__(self) -> int:
         return len(self._slices(self._total_size()))
@@ -234,13 +162,11 @@ class BatchSampler:
         During an epoch this is the running epoch and the number of batches yielded
         so far; between epochs it is the next epoch and 0.
         """
-        position = self._position
-        if position is not None and (
-                (position.started and not position.finished and position.done < len(self))
-                or (not position.started and position.epoch == self.epoch)):
-            epoch, done = position.epoch, position.done  # running, or restored
+        last = self._tracker.last()
+        if last is not None and not last.finished and last.done < len(self):
+            epoch, done = last.epoch, last.done  # running, or stopped before the epoch's end
         else:
-            epoch, done = self.epoch, 0
+            epoch, done = resume_point(self._restored, self.epoch)  # restored, or the next
         return {"epoch": epoch, "batches_done": done, **self._fingerprint()}
 
     def set_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,7 +198,7 @@ class BatchSampler:
                 "per epoch); pass what state_dict() returned"
             )
         self.epoch = epoch
-        self._position = Position(epoch, done)
+        self._restored, self._tracker = Position(epoch, done), Tracker()
 
     def _fingerprint(self) -> dict[str, Any]:
         return {"dataset_size": self._size, "batch_size": self.batch_size}
@@ -281,7 +207,7 @@ class BatchSampler:
 class DistributedBatchSampler(BatchSampler):
     """Each replica's share of every batch (Paddle's ``DistributedBatchSampler``).
 
-    See this module's docstring for the exact split. ``batch_size`` is per replica,
+    ``fleet/io/_order.py`` has the exact split. ``batch_size`` is per replica,
     and a replica is a device. This process covers replicas
     ``[rank, rank + num_local_replicas)``; each yielded batch is their batches
     concatenated in replica (device) order, ``batch_size * num_local_replicas``
@@ -329,7 +255,7 @@ class DistributedBatchSampler(BatchSampler):
                 "DistributedBatchSampler got an empty dataset (len 0); there is nothing "
                 "to split over the replicas"
             )
-        self.num_replicas, self.rank, self.num_local_replicas = _resolve_replicas(
+        self.num_replicas, self.rank, self.num_local_replicas = resolve_replicas(
             num_replicas, rank, num_local_replicas
         )
         self.num_samples = -(-self._size // self.num_replicas)
@@ -347,40 +273,11 @@ class DistributedBatchSampler(BatchSampler):
     def _total_size(self) -> int:
         return self.total_size
 
-    def start_epoch(self) -> tuple[Position, list[np.ndarray]]:
-        if not self._agreed:
-            self._agree_on_length()
+    def start_epoch(self) -> Position:
+        if not self._agreed:  # collective, once: every process splits the same length
+            agree_on_length(self._size, self.num_replicas, self.num_local_replicas)
             self._agreed = True
         return super().start_epoch()
-
-    def _agree_on_length(self) -> None:
-        """Every process must split the same index list; a dataset of another length on
-        one process would give it another number of batches, and the job would hang in
-        the step after the shorter process's last batch."""
-        from fleet import _world
-
-        if not _world.is_initialized() or self.num_local_replicas == self.num_replicas:
-            return  # this process feeds every replica: nobody to agree with
-        import jax
-
-        from fleet._agree import agree
-
-        if jax.process_count() == 1:
-            return
-        name = "fleet.io.DistributedBatchSampler.dataset_length"
-        lengths = [int(v) for v in agree(name, str(self._size))]
-        if len(set(lengths)) > 1:
-            _coordinator_last(name)
-            by_length: dict[int, list[int]] = {}
-            for process, n in enumerate(lengths):
-                by_length.setdefault(n, []).append(process)
-            told = "; ".join(f"len(dataset) = {n} on process(es) {ps}"
-                             for n, ps in by_length.items())
-            raise FleetConfigError(
-                f"DistributedBatchSampler: the processes' datasets differ in length ({told}); "
-                "every process must build the same dataset (the sampler splits it by index), "
-                "or the processes get different numbers of batches and the job hangs"
-            )
 
     def padding_mask(self, step: int, epoch: int | None = None) -> np.ndarray:
         """Which rows of step ``step``'s *global* batch are padding duplicates.
@@ -399,122 +296,37 @@ class DistributedBatchSampler(BatchSampler):
             [[False, False, False, False], [False, True]]
         """
         if epoch is None:
-            running = self._position is not None and self._position.started
-            epoch = self._position.epoch if running else self.epoch
-        order_pad = padded_order(self._size, self.num_replicas, epoch, self.shuffle)[1]
-        slices = batch_slices(self.total_size, self.batch_size, self.num_replicas, 0,
-                              self.num_replicas, self.drop_last)
-        if not 0 <= step < len(slices):
+            last = self._tracker.last()
+            epoch = last.epoch if last is not None else self.epoch
+        masks = padding_rows(self._size, self.batch_size, self.num_replicas, epoch,
+                             self.shuffle, self.drop_last)
+        if not 0 <= step < len(masks):
             raise FleetConfigError(
-                f"step={step} is outside 0..{len(slices) - 1}, the {len(slices)} batches "
+                f"step={step} is outside 0..{len(masks) - 1}, the {len(masks)} batches "
                 "of an epoch"
             )
-        return order_pad[slices[step]]
+        return masks[step]
 
     def _fingerprint(self) -> dict[str, Any]:
         return {**super()._fingerprint(), "num_replicas": self.num_replicas,
                 "shuffle": self.shuffle, "drop_last": self.drop_last}
 
 
-# --------------------------------------------------------------------------- helpers
+class _SamplerIterator(Iteration):
+    """``iter(sampler)``: its epoch's batches as lists of ints, from the start position
+    on; it holds the position and counts each batch as it hands it out."""
 
+    def __init__(self, start: Position, batches: list[np.ndarray]):
+        super().__init__(start, len(batches))
+        self._batches = batches
 
-def _coordinator_last(name: str, timeout_s: float = 10.0) -> None:
-    """Before every process raises the same error: process 0, whose exit takes JAX's
-    key-value service down with it, waits until every other process has read what
-    it needs (each sets a key once done), so each raises its own error instead of
-    dying in a read when the service goes away."""
-    import jax
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
 
-    from fleet import _compat
-
-    client, rank = _compat.distributed_client(), jax.process_index()
-    prefix = f"fleet/agree/{name}/raising/"
-    try:
-        client.key_value_set(prefix + str(rank), "1")
-        if rank == 0:
-            for other in range(1, jax.process_count()):
-                client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000))
-    except Exception:  # noqa: BLE001 (best effort: the error is raised either way)
-        pass
-
-
-class Position:
-    """Where iteration stands: ``epoch`` and ``done``, the batches of it handed out.
-
-    ``started``: the epoch is running (else it is a restored position, waiting for
-    the next iteration); ``finished``: every batch was handed out.
-    """
-
-    __slots__ = ("epoch", "done", "started", "finished")
-
-    def __init__(self, epoch: int, done: int):
-        self.epoch, self.done, self.started, self.finished = epoch, done, False, False
-
-    def __repr__(self) -> str:
-        return (f"Position(epoch={self.epoch}, done={self.done}, started={self.started}, "
-                f"finished={self.finished})")
-
-
-def _hand_out(batches: list[np.ndarray], position: Position):
-    for batch in batches[position.done:]:
-        position.done += 1
-        yield batch.tolist()
-    position.finished = True
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise FleetTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise FleetConfigError(f"{name}={value} must be at least 1")
-    return int(value)
-
-
-def _dataset_size(dataset: Any) -> int:
-    try:
-        return len(dataset)
-    except TypeError:
-        raise FleetTypeError(
-            f"{type(dataset).__name__} has no len(); a sampler needs a map-style dataset "
-            "(define __len__ and __getitem__) or a sized sampler"
-        ) from None
-    except (ValueError, OverflowError):  # __len__ returned a negative (or huge) number
-        raise FleetConfigError(
-            f"len() of the {type(dataset).__name__} is {type(dataset).__len__(dataset)!r}; "
-            "__len__ must return the number of samples, an int >= 0"
-        ) from None
-
-
-def _resolve_replicas(
-    num_replicas: int | None, rank: int | None, num_local_replicas: int | None
-) -> tuple[int, int, int]:
-    from fleet import _world
-
-    world = _world.world() if _world.is_initialized() else None
-    if num_replicas is None:
-        num_replicas = world.num_replicas if world is not None else 1
-    num_replicas = _positive_int("num_replicas", num_replicas)
-    per_device = world is not None and rank is None and num_replicas == world.num_replicas
-    if num_local_replicas is None:
-        num_local_replicas = world.num_local_replicas if per_device else 1
-    num_local_replicas = _positive_int("num_local_replicas", num_local_replicas)
-    if rank is None:
-        if per_device:
-            rank = _world.first_local_replica(world)
-        elif world is not None:
-            import jax
-
-            rank = jax.process_index() * num_local_replicas
-        else:
-            rank = 0
-    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool):
-        raise FleetTypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
-    if not 0 <= rank or rank + num_local_replicas > num_replicas:
-        raise FleetConfigError(
-            f"rank={rank} with num_local_replicas={num_local_replicas} covers replicas "
-            f"[{rank}, {rank + num_local_replicas}), outside the {num_replicas} replicas "
-            f"(allowed ranks: 0..{num_replicas - num_local_replicas}); leave rank and "
-            "num_replicas as None to take them from fleet.init"
-        )
-    return num_replicas, int(rank), num_local_replicas
+    def __next__(self) -> list[int]:
+        if self.finished or self.done >= self.length:
+            self._stop(finished=True)
+            raise StopIteration
+        batch = self._batches[self.done]
+        self.done += 1
+        return batch.tolist()

@@ -1,7 +1,24 @@
-"""Configuration of fleet: ``DistributedStrategy`` and its feature sections.
+"""``fleet.strategy``: Paddle's ``DistributedStrategy``, and each section's implementation.
 
-It imports nothing of fleet but its errors (``fleet._errors``): the core reads
-the configuration, never the other way round.
+* ``_strategy.py``: the configuration, ``DistributedStrategy`` and its
+  ``*_configs`` sections. It imports nothing of fleet but its errors: the core
+  reads the configuration, never the other way round. This package's
+  ``__init__`` imports only it.
+* the sections, each built on the core (``fleet._sync``, ``fleet._world``...),
+  which imports them where it applies them (the wrapped model, the distributed
+  optimizer, the step):
+
+  - ``_amp.py``: ``strategy.amp``, the layers' computation dtype and float16
+    loss scaling;
+  - ``_recompute.py``: ``strategy.recompute``, named sub-modules under
+    ``nnx.remat``;
+  - ``_large_batch.py``: ``strategy.lars`` / ``strategy.lamb``;
+  - ``_sharding.py``: ``strategy.sharding`` (ZeRO stages 1 and 2), with its
+    collectives (``_shard_comm.py``), its probe (``_shard_probe.py``) and the
+    whole-tensor norms across slices (``_slices.py``).
+
+  Gradient merge lives in the distributed optimizer (``fleet/_optimizer.py``)
+  and the step; ``fp16_allreduce`` in the buckets (``fleet/_buckets.py``).
 """
 
 from fleet.strategy._strategy import (

@@ -21,9 +21,10 @@ One step, inside the per-device body:
 2. the optimizer runs the inner optax update on the slices (its own slices of
    the parameters and state). Whole-tensor norms (LAMB / LARS trust ratios,
    ``optax.clip_by_global_norm``) are completed across the slices by
-   :mod:`fleet._slices` (a ``psum`` of each sum over a whole slice), without
+   :mod:`fleet.strategy._slices` (a ``psum`` of each sum over a whole slice), without
    touching optax; any other transformation that is not elementwise is
-   caught by a probe (:func:`verify`) before the first step and refused;
+   caught by a probe (:func:`fleet.strategy._shard_probe.verify`) before the first step
+   and refused;
 3. the updates are all-gathered in buckets of ``segment_broadcast_MB`` and
    applied to the full parameters, replicated as in plain data parallelism.
 
@@ -41,43 +42,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _compat, _slices, _sync
-from fleet._buckets import plan_buckets, strategy_buckets
+from fleet import _compat, _sync
+from fleet._buckets import strategy_buckets
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet._world import DATA_AXIS, current_strategy, world
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How one logical array of ``shape`` is split: ``degree`` chunks of ``chunk``
-    elements (zero padded), laid out over ``replicas`` rows."""
-
-    shape: tuple[int, ...]
-    degree: int
-    replicas: int
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def chunk(self) -> int:
-        return max(1, -(-self.size // self.degree))
-
-    @property
-    def padded(self) -> int:
-        return self.chunk * self.degree
+from fleet.strategy import _slices
+from fleet.strategy._shard_comm import Layout, fleet_shard_grad, gather, own_slice, reduce_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,113 +219,6 @@ def shard_state(state: Any, layouts: list[Layout | None]) -> Any:
         x if lay is None else Shard(to_shards(x, lay), lay) for x, lay in zip(leaves, layouts)])
 
 
-# --------------------------------------------------------------------------- collectives
-
-
-@functools.partial(jax.jit, static_argnames="specs")
-def fleet_shard_grad(specs: tuple) -> list:
-    """Placeholders (zeros) for the gradients of a sharded step: the reduced
-    gradient exists only as slices (see :mod:`fleet._sharding`). A ``jit``
-    named so in the jaxpr: the step refuses a program that reads them."""
-    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
-
-
-
-
-def _shard_index(layout_degree: int) -> Any:
-    return jax.lax.axis_index(DATA_AXIS) % layout_degree
-
-
-def _rows(x: Any, layout: Layout) -> Any:
-    """A full (per-replica) array as ``(degree, chunk)``: flattened and padded."""
-    return jnp.pad(jnp.ravel(x), (0, layout.padded - layout.size)).reshape(
-        layout.degree, layout.chunk)
-
-
-def own_slice(x: Any, layout: Layout) -> Any:
-    """This replica's chunk of a full array."""
-    return jax.lax.dynamic_index_in_dim(_rows(x, layout), _shard_index(layout.degree),
-                                        keepdims=False)
-
-
-@functools.partial(jax.jit, static_argnames=("wire", "scatter"))
-def fleet_scatter(*leaves: Any, wire: str | None = None, scatter: bool = True) -> list:
-    """One bucket's reduce-scatter: ``(degree, chunk)`` rows summed over the
-    replicas, each replica keeping its chunk, then divided by the replica count
-    (the mean). ``scatter=False`` (hybrid sharding, or the one-device trace):
-    an all-reduce, then the replica's chunk."""
-    n = jax.lax.axis_size(DATA_AXIS)
-    sent = [(x / n).astype(wire) if wire else x for x in leaves]
-    if scatter:
-        out = jax.lax.psum_scatter(sent, DATA_AXIS, scatter_dimension=0, tiled=False)
-    else:
-        summed = jax.lax.psum(sent, DATA_AXIS)
-        out = [jax.lax.dynamic_index_in_dim(s, jax.lax.axis_index(DATA_AXIS) % s.shape[0],
-                                            keepdims=False) for s in summed]
-    if wire:
-        return [o.astype(x.dtype) for o, x in zip(out, leaves)]
-    return [o / n for o in out]
-
-
-@jax.jit
-def fleet_gather(*slices: Any) -> list:
-    """One all-gather bucket: the replicas' chunks, concatenated, gathered once
-    (invariant: every replica gets the same rows)."""
-    sizes = [s.shape[0] for s in slices]
-    rows = jax.lax.all_gather(jnp.concatenate(slices) if len(slices) > 1 else slices[0],
-                              DATA_AXIS, to="invarying")
-    out, offset = [], 0
-    for size in sizes:
-        out.append(rows[:, offset:offset + size])
-        offset += size
-    return out
-
-
-def reduce_slices(leaves: Sequence, cfg: Config, divisor: Any = None) -> list:
-    """The reduced (mean) gradient slices of per-replica local gradients, one
-    reduce-scatter per gradient bucket (``fuse_grad_size_in_MB``)."""
-    layouts = [cfg.layout(jnp.shape(x)) for x in leaves]
-    scatter = cfg.degree == cfg.replicas == jax.lax.axis_size(DATA_AXIS)
-    out: list = [None] * len(leaves)
-    nbytes = [x.size * x.dtype.itemsize for x in leaves]
-    for bucket in plan_buckets(nbytes, strategy_buckets()):
-        rows = [_rows(leaves[i], layouts[i]) for i in bucket]
-        if scatter or jax.lax.axis_size(DATA_AXIS) == cfg.replicas:
-            reduced = fleet_scatter(*rows, wire=cfg.wire, scatter=scatter)
-        else:  # the single-device trace of the step (fleet._guards.check_on_one_device)
-            reduced = [r[0] for r in rows]
-        for i, s in zip(bucket, reduced):
-            out[i] = s if divisor is None else s / divisor.astype(s.dtype)
-    return out
-
-
-def gather(slices: Sequence, layouts: Sequence[Layout], gather_bytes: int) -> list:
-    """Full arrays from the replicas' slices, in all-gather buckets of
-    ``gather_bytes`` (``segment_broadcast_MB``)."""
-    out: list = [None] * len(slices)
-    bucket: list[int] = []
-    size = 0
-    buckets = []
-    for i, s in enumerate(slices):
-        nbytes = s.size * s.dtype.itemsize
-        if bucket and (size + nbytes > gather_bytes
-                       or s.dtype != slices[bucket[0]].dtype):
-            buckets.append(bucket)
-            bucket, size = [], 0
-        bucket.append(i)
-        size += nbytes
-    if bucket:
-        buckets.append(bucket)
-    for bucket in buckets:
-        rows = fleet_gather(*[slices[i] for i in bucket])
-        for i, r in zip(bucket, rows):
-            lay = layouts[i]
-            if r.shape[0] != lay.replicas:  # the single-device trace
-                r = jnp.tile(r, (lay.replicas, 1))
-            out[i] = r[:lay.degree].reshape(-1)[:lay.size].reshape(lay.shape)
-    return out
-
-
 # --------------------------------------------------------------------------- norms
 
 
@@ -358,10 +230,10 @@ def _sum_over_slices(x: Any, cfg: Config) -> Any:
     return total / copies if copies > 1 else total
 
 
-def _sliced_update(inner: Any, cfg: Config, grads: Any, state: Any, state_marks: Any,
+def sliced_update(inner: Any, cfg: Config, grads: Any, state: Any, state_marks: Any,
                    params: Any, **extra: Any) -> tuple[Any, Any]:
     """``inner.update`` on slices, its whole-tensor norms completed across them
-    (:mod:`fleet._slices`): ``state_marks`` says which state leaves are slices."""
+    (:mod:`fleet.strategy._slices`): ``state_marks`` says which state leaves are slices."""
     return _slices.run(lambda g, s, p: inner.update(g, s, p, **extra),
                        (grads, state, params), (True, state_marks, True),
                        lambda x: _sum_over_slices(x, cfg))
@@ -420,7 +292,7 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
     if params is not None:
         p_slices = jax.tree.unflatten(g_def, [own_slice(p, lay) for p, lay in
                                               zip(jax.tree.leaves(params), layouts)])
-    u_slices, new_inner = _sliced_update(
+    u_slices, new_inner = sliced_update(
         inner, cfg, jax.tree.unflatten(g_def, slices), inner_state,
         jax.tree.unflatten(s_def, [is_shard(x) for x in s_leaves]), p_slices, **extra)
     new_leaves = jax.tree.leaves(new_inner)
@@ -429,83 +301,3 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
     u_leaves = jax.tree.leaves(u_slices)
     updates = jax.tree.unflatten(g_def, gather(u_leaves, layouts, cfg.gather_bytes))
     return updates, new_state
-
-
-# --------------------------------------------------------------------------- the probe
-
-
-def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
-    """Refuses a transformation whose update on slices is not the slice of its
-    update: two steps on small probe parameters of the same tree, run once whole
-    and once split over ``degree`` simulated replicas (``jax.vmap`` over
-    ``data``)."""
-    rng = np.random.default_rng(0)
-    p_leaves, p_def = jax.tree.flatten(params)
-    shapes = [tuple(min(d, 3) for d in jnp.shape(p)) for p in p_leaves]
-    dtypes = [jnp.result_type(p) for p in p_leaves]
-    d = cfg.degree
-    probe_cfg = dataclasses.replace(cfg, replicas=d)
-    layouts = [probe_cfg.layout(s) for s in shapes]
-
-    def draw(scale=1.0):
-        return [jnp.asarray(rng.standard_normal(s) * scale, dt) for s, dt in zip(shapes, dtypes)]
-
-    p0 = draw()
-    grads = [draw(0.1) for _ in range(steps)]
-    try:
-        full_state = inner.init(jax.tree.unflatten(p_def, p0))
-        state_layouts = plan(inner.init, jax.tree.unflatten(p_def, p0), probe_cfg)
-        ref_updates, p = [], p0
-        state = full_state
-        for g in grads:
-            u, state = inner.update(jax.tree.unflatten(p_def, g), state,
-                                    jax.tree.unflatten(p_def, p))
-            u = jax.tree.leaves(u)
-            ref_updates.append(u)
-            p = [a + b for a, b in zip(p, u)]
-
-        def replica(r, state_leaves):
-            del r
-            p_r = [own_slice(x, lay) for x, lay in zip(p0, layouts)]
-            s_def = jax.tree.structure(full_state)
-            st = jax.tree.unflatten(s_def, list(state_leaves))
-            marks = jax.tree.unflatten(s_def, [lay is not None for lay in state_layouts])
-            outs = []
-            for g in grads:
-                g_r = [own_slice(x, lay) for x, lay in zip(g, layouts)]
-                u, st = _sliced_update(inner, probe_cfg, jax.tree.unflatten(p_def, g_r), st,
-                                       marks, jax.tree.unflatten(p_def, p_r))
-                u = jax.tree.leaves(u)
-                outs.append(u)
-                p_r = [a + b for a, b in zip(p_r, u)]
-            return outs
-
-        s_full = jax.tree.leaves(full_state)
-        s_rows = [jnp.broadcast_to(x, (d, *jnp.shape(x))) if lay is None else
-                  _rows(x, lay) for x, lay in zip(s_full, state_layouts)]
-        got = jax.vmap(replica, axis_name=DATA_AXIS)(jnp.arange(d), s_rows)
-    except FleetError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure means fleet cannot split it
-        raise FleetUnsupportedError(
-            f"strategy.sharding could not run the optimizer on parameter slices "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use an "
-            "elementwise optax optimizer (adam, sgd, lamb, lars...) or turn "
-            "strategy.sharding off") from e
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(params)[0]]
-    for step, (ref, rows) in enumerate(zip(ref_updates, got)):
-        for path, want, r, lay in zip(paths, ref, rows, layouts):
-            have = np.asarray(r).reshape(-1)[:lay.size].reshape(lay.shape)
-            want = np.asarray(want)
-            tol = 1e-5 * (1.0 + float(np.max(np.abs(want), initial=0.0)))
-            if not np.allclose(have, want, rtol=0, atol=tol):
-                raise FleetUnsupportedError(
-                    f"strategy.sharding: the optimizer's update of parameter {path} on "
-                    f"slices differs from the slice of its whole update (step {step + 1} of "
-                    "a probe, max difference "
-                    f"{float(np.max(np.abs(have - want))):.2e}): it is not elementwise and "
-                    "uses a whole-tensor quantity fleet cannot split (only sums over whole "
-                    "tensors, such as norms, are computed across slices). Use an "
-                    "elementwise optimizer, LAMB, LARS or optax.clip_by_global_norm, or "
-                    "turn strategy.sharding off")

@@ -1,7 +1,7 @@
 """Whole-tensor reductions of parameter slices, completed across the replicas.
 
 Under ``strategy.sharding`` each replica runs the optimizer's update on its
-slice of every parameter-shaped array (:mod:`fleet._sharding`). Elementwise
+slice of every parameter-shaped array (:mod:`fleet.strategy._sharding`). Elementwise
 math on a slice is the slice of the whole result; a reduction over a whole
 tensor is not: LAMB's and LARS's trust ratios and ``optax.clip_by_global_norm``
 need the norm of the whole parameter or gradient, and a slice has only its part.
@@ -17,7 +17,7 @@ replica. Slices are padded with zeros, which add nothing to such sums.
 
 Anything else computed from a slice (a maximum, a partial reduction, an
 element picked by position) stays per replica. It is not made right here: the
-probe (:func:`fleet._sharding.verify`) compares the sliced update with the
+probe (:func:`fleet.strategy._shard_probe.verify`) compares the sliced update with the
 whole one before the first step and refuses an optimizer that differs.
 
 Calls inside the update (``jax.jit``, ``custom_jvp`` / ``custom_vjp``

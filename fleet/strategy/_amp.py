@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fleet._errors import FleetConfigError
+from fleet._tree import dotted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ def apply(model: nnx.Module, policy: Policy, name: str) -> int:
     choice does not carry over to its children)."""
 
     def black(path: tuple, module: Any) -> bool:
-        return _black(".".join(str(p) for p in path), module, policy.black_list)
+        return _black(dotted(path), module, policy.black_list)
 
     layers = [(path, m) for path, m in nnx.iter_modules(model) if hasattr(m, "dtype")]
     low = sum(not black(path, m) for path, m in layers)

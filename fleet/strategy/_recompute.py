@@ -26,6 +26,7 @@ from flax import nnx
 
 from fleet import _compat, _sync
 from fleet._errors import FleetConfigError
+from fleet._tree import dotted
 
 _TYPES: dict[type, type] = {}
 
@@ -51,7 +52,7 @@ def _remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 def install(model: nnx.Module, checkpoints: tuple[str, ...], policy: str) -> None:
     """Turns each named sub-module of ``model`` into its recomputed type, in place."""
-    modules = {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(model) if path}
+    modules = {dotted(path): m for path, m in nnx.iter_modules(model) if path}
     missing = [c for c in checkpoints if c not in modules]
     if missing:
         raise FleetConfigError(
