@@ -1,0 +1,155 @@
+"""The package's layers (issue 20): its import graph, drawn from the source.
+
+* no cycle: every import of ``fleet`` inside ``fleet/`` counts, at module level or
+  in a function;
+* no import inside a function, except one commented as lazy on purpose;
+* configuration (``DistributedStrategy``) imports nothing of fleet but its errors;
+* the core (``fleet/_*.py``) imports none of ``checkpoint``, ``hapi``, ``io`` and
+  ``launch`` (``fleet/__init__.py``, the public face, imports them all);
+* ``io`` takes no underscore-prefixed name from the core's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fleet
+
+ROOT = Path(fleet.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def resolve(name: str) -> str | None:
+    """The module of ``fleet`` a dotted name lives in (``fleet._sync.current``:
+    ``fleet._sync``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(path: Path) -> list[tuple[str, list[str], ast.AST, bool]]:
+    """``(module, names, node, in_function)`` for each import of fleet in a file."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("fleet"):
+                found.append((child.module, [a.name for a in child.names], child, inside))
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    if a.name.startswith("fleet"):
+                        found.append((a.name, [], child, inside))
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for name, path in MODULES.items():
+        for module, names, _, _ in imports(path):
+            targets = [resolve(f"{module}.{n}") for n in names] or [resolve(module)]
+            edges[name] |= {t for t in targets if t and t != name}
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as a path that ends where it starts, or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := walk(node)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_inside_a_function_but_the_commented_lazy_ones():
+    found = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for module, _, node, in_function in imports(path):
+            comment = " ".join(lines[max(0, node.lineno - 4):node.lineno])
+            if in_function and "on purpose" not in comment:
+                found.append(f"{name}:{node.lineno}: {module}")
+    assert found == []
+
+
+CONFIGURATION = ("fleet.strategy", "fleet.strategy._strategy")
+
+
+def test_configuration_imports_only_the_errors():
+    """``DistributedStrategy`` (``fleet/strategy/_strategy.py``, and the package's
+    ``__init__``, which imports only it): the sections' implementations beside
+    it build on the core, the configuration does not."""
+    edges = graph()
+    found = {m: sorted(t for t in edges[m] if t not in CONFIGURATION and t != "fleet._errors")
+             for m in CONFIGURATION}
+    assert {m: t for m, t in found.items() if t} == {}
+
+
+def test_the_core_imports_no_folder_above_it():
+    above = ("fleet.checkpoint", "fleet.hapi", "fleet.io", "fleet.launch")
+    edges = graph()
+    found = {m: sorted(t for t in edges[m] if t.startswith(above))
+             for m in MODULES if m.count(".") == 1 and m.split(".")[1].startswith("_")}
+    assert {m: t for m, t in found.items() if t} == {}
+
+
+def test_io_takes_no_private_name_of_the_core():
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("fleet.io"):
+            continue
+        for module, names, node, _ in imports(path):
+            if module.startswith("fleet._"):
+                found += [f"{name}:{node.lineno}: {module}.{n}" for n in names
+                          if n.startswith("_")]
+    assert found == []
+
+
+def test_no_file_over_450_lines_and_no_function_over_80():
+    """One idea per file: no file of fleet/ over 450 lines, no function over 80."""
+    long_files = {name: n for name, path in MODULES.items()
+                  if (n := len(path.read_text().splitlines())) > 450}
+    long_functions = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long_functions.append(f"{name}.{node.name}: {n} lines")
+    assert long_files == {} and long_functions == []
