@@ -1,12 +1,14 @@
 """fleet.hapi: the high-level API, Paddle's ``paddle.Model`` for a JAX mesh.
 
-Example:
-    >>> import optax  # doctest: +SKIP
-    >>> from fleet.hapi import Model, metric
-    >>> model = Model(network)  # a Flax NNX module
-    >>> model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels,
-    ...               metric.Accuracy())
-    >>> model.fit(train_dataset, test_dataset, epochs=5, batch_size=64)
+::
+
+    import fleet
+    import optax
+
+    model = fleet.Model(network)                # a Flax NNX module
+    model.prepare(optax.adam(1e-3), optax.softmax_cross_entropy_with_integer_labels,
+                  fleet.metric.Accuracy())
+    model.fit(train_dataset, test_dataset, epochs=5, batch_size=64)
 
 The same script runs on one process (every local device) and under
 ``fleetrun --nproc_per_node N`` with no change: ``import fleet`` in a worker

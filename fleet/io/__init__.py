@@ -3,11 +3,10 @@
 Paddle's ``paddle.io`` for a JAX mesh::
 
     import fleet
-    from fleet.io import DataLoader, DistributedBatchSampler
 
     fleet.init(is_collective=True)
-    sampler = DistributedBatchSampler(train_dataset, 32, shuffle=True, drop_last=True)
-    loader = DataLoader(train_dataset, batch_sampler=sampler, num_workers=2)
+    sampler = fleet.io.DistributedBatchSampler(train_dataset, 32, shuffle=True, drop_last=True)
+    loader = fleet.io.DataLoader(train_dataset, batch_sampler=sampler, num_workers=2)
     for epoch in range(epochs):
         for images, labels in loader:          # global jax.Arrays, sharded over "data"
             state, loss = train_step(state, images, labels)
