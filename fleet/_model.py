@@ -39,7 +39,7 @@ from fleet._tree import (
     state_dict,
 )
 from fleet._world import current_strategy, world
-from fleet.strategy import _amp, _recompute
+from fleet.strategy import _amp, _batch_norm, _recompute
 
 
 def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:
@@ -141,6 +141,7 @@ class DataParallel(nnx.Module):
         if strategy.recompute:
             cfg = strategy.recompute_configs
             _recompute.install(self, cfg.checkpoints, cfg.policy)
+        _batch_norm.install(self, strategy.sync_batch_norm)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``__call__``; inside a step its parameters are synced

@@ -131,7 +131,7 @@ def no_sync() -> Iterator[None]:
 
 #: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
 #: knows every other psum in a step is not fleet's (see fleet._step).
-FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_scatter", "fleet_gather")
+FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_scatter", "fleet_gather", "fleet_batch_norm")
 
 
 @jax.jit

@@ -253,6 +253,8 @@ def _check_type(owner: str, name: str, value: Any, expected: Any) -> Any:
     """Returns ``value`` converted to ``expected`` where that loses nothing, else raises."""
     if expected is bool:
         ok = isinstance(value, bool)
+    elif expected == bool | None:
+        ok = value is None or isinstance(value, bool)
     elif expected is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif expected is float:
@@ -267,7 +269,7 @@ def _check_type(owner: str, name: str, value: Any, expected: Any) -> Any:
         ok = isinstance(value, expected)
     if not ok:
         raise FleetTypeError(
-            f"{owner}.{name} must be of type {expected.__name__}, got "
+            f"{owner}.{name} must be of type {getattr(expected, '__name__', expected)}, got "
             f"{value!r} of type {type(value).__name__}"
         )
     return value
@@ -331,6 +333,12 @@ class DistributedStrategy:
             before that step (off by default: it reads flags back every step).
         fp16_allreduce: gradient buckets travel as 16-bit floats (bfloat16;
             float16 under float16 amp), divided by the replica count first.
+        sync_batch_norm: how a wrapped NNX model's ``nnx.BatchNorm`` layers
+            normalise in training mode inside a step: ``True``, over the global
+            batch (equal to one device; one small all-reduce per layer);
+            ``False``, each replica over its own rows (DDP's per-replica
+            statistics, the one deliberate difference from one device); not set
+            (``None``), a step that runs one in training mode raises and asks.
         amp, recompute, gradient_merge, lars, lamb, sharding (+ ``*_configs``):
             Paddle's feature sections (see the README's Strategy section).
         dgc, localsgd, pipeline, tensor_parallel (+ ``*_configs``):
@@ -344,6 +352,7 @@ class DistributedStrategy:
     check_replicas_every_n_steps: int = 0
     check_nan_inf: bool = False
     fp16_allreduce: bool = False
+    sync_batch_norm: bool | None = None
 
     _POSITIVE: ClassVar[tuple[str, ...]] = ("fuse_grad_size_in_MB", "last_comm_group_size_MB")
 

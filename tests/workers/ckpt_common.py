@@ -83,6 +83,9 @@ def build() -> Job:
     ys = (xs @ rs.randn(8, 1)).astype(np.float32)
     model = Net(nnx.Rngs(0, dropout=1))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    strategy = fleet.world().strategy
+    if strategy.sync_batch_norm is None:  # Net's BatchNorm: statistics over the global batch
+        strategy.sync_batch_norm = True
     model = fleet.distributed_model(model)
     optimizer = fleet.distributed_optimizer(optimizer)
     dataset = TensorDataset([xs, ys])

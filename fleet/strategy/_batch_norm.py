@@ -1,0 +1,110 @@
+"""``strategy.sync_batch_norm``: a wrapped NNX model's BatchNorm layers in a step.
+
+In a data-parallel step each replica sees its own rows, and a BatchNorm in
+training mode normalises with the statistics of the rows it sees. fleet does
+not guess which the user wants:
+
+* ``True`` (Paddle's ``sync_batch_norm``, torch's ``SyncBatchNorm``): the
+  statistics of the global batch. Inside a step each such layer runs with
+  Flax's own ``axis_name`` set to the ``data`` axis (its batch mean and mean of
+  squares averaged over the replicas: one small all-reduce per layer), in a
+  ``jit`` named ``fleet_batch_norm``, which the step's guards know as fleet's.
+  Its parameters go in already synced (read outside the ``jit``, as the
+  wrapped model's buckets give them), so their gradients are averaged like any
+  other. The step then equals the single-device step: loss, parameters,
+  running statistics, evaluation outputs.
+* ``False``: DDP's per-replica statistics, chosen explicitly. Each replica
+  normalises with its own rows; the running statistics leave the step averaged
+  over the replicas, so they stay equal everywhere. The one deliberate
+  difference from one device.
+* not set (``None``, the default): the first call of a step that runs a
+  BatchNorm in training mode raises, naming the layer and the two choices.
+
+Outside a step, and in evaluation mode (``use_running_average``), a layer runs
+as Flax's. The layers change class at wrapping (``Sync<cls>`` or
+``Checked<cls>``, subclasses of their own) through
+:func:`fleet._compat.set_class`, the one documented point where fleet changes
+the class of an object it did not create; the class carries the layer's path,
+for the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from fleet import _compat, _sync
+from fleet._errors import FleetError
+from fleet._tree import dotted
+from fleet._world import DATA_AXIS
+
+_TYPES: dict[tuple[type, str, bool | None], type] = {}
+
+
+def _training(layer: nnx.BatchNorm, kwargs: dict) -> bool:
+    use = kwargs.get("use_running_average")
+    use = layer.use_running_average if use is None else use
+    return not use
+
+
+def _sync_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    base = type(self).fleet_base
+    if _sync.current() is None or not _training(self, kwargs):
+        return base.__call__(self, x, *args, **kwargs)
+
+    def fleet_batch_norm(layer, x):
+        return base.__call__(layer, x, *args, **kwargs)
+
+    # The synced values, read here (outside the jit), go in as the raw values.
+    params = [v for _, v in nnx.iter_graph(self) if isinstance(v, _sync.SyncedRead)]
+    raw = [v.get_raw_value() for v in params]
+    for v in params:
+        v.set_raw_value(v.get_value())
+    axis_name = self.axis_name
+    self.axis_name = DATA_AXIS
+    try:
+        return nnx.jit(fleet_batch_norm)(self, x)
+    finally:
+        self.axis_name = axis_name
+        for v, r in zip(params, raw):
+            v.set_raw_value(r)
+
+
+def _checked_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    base = type(self).fleet_base
+    if _sync.current() is not None and _training(self, kwargs):
+        raise FleetError(
+            f"the wrapped model's BatchNorm layer {type(self).fleet_layer!r} "
+            f"({base.__module__}.{base.__name__}) runs in training mode in a data-parallel "
+            "step, where each replica sees only its own rows, and fleet does not guess "
+            "how it should normalise. Choose one, before fleet.distributed_model:\n"
+            "  strategy.sync_batch_norm = True   # statistics over the global batch: equal "
+            "to one device, one small all-reduce per layer\n"
+            "  strategy.sync_batch_norm = False  # DDP's per-replica statistics (the "
+            "running statistics averaged over replicas)"
+        )
+    return base.__call__(self, x, *args, **kwargs)
+
+
+def install(model: nnx.Module, choice: bool | None) -> int:
+    """Gives each ``nnx.BatchNorm`` of ``model`` its step behaviour for ``choice``
+    (``strategy.sync_batch_norm``), in place; returns how many layers changed."""
+    if choice is False:
+        return 0
+    changed = 0
+    for path, module in nnx.iter_modules(model):
+        cls = type(module)
+        if not isinstance(module, nnx.BatchNorm) or hasattr(cls, "fleet_base"):
+            continue
+        name = dotted(path) or type(model).__name__
+        sub = _TYPES.get((cls, name, choice))
+        if sub is None:
+            prefix, call = ("Sync", _sync_call) if choice else ("Checked", _checked_call)
+            sub = type(f"{prefix}{cls.__name__}", (cls,), {
+                "__call__": call, "fleet_base": cls, "fleet_layer": name,
+                "__module__": __name__})
+            _TYPES[(cls, name, choice)] = sub
+        _compat.set_class(module, sub)
+        changed += 1
+    return changed

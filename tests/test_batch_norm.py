@@ -1,0 +1,165 @@
+"""strategy.sync_batch_norm (issue 21): a wrapped NNX model's BatchNorm in a step.
+
+``True`` equals the single-device step (loss, parameters, running statistics);
+``False`` equals per-replica statistics computed by hand (each replica
+normalises with its own rows, gradients and running statistics averaged); not
+set, the first call raises and names the layer and the two choices.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models, tiers
+
+STEPS, BATCH, LR = 5, 32, 0.1  # at least 4 rows per replica on 8 devices
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(6, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+        self.linear2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.bn(self.linear1(x))))
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((BATCH, 6)).astype(np.float32) * 2 + 1,
+             rng.standard_normal((BATCH, 1)).astype(np.float32)) for _ in range(STEPS)]
+
+
+def state_of(model) -> dict:
+    return {k: np.asarray(v) for k, v in models.flat_params(nnx.to_pure_dict(nnx.state(model))).items()}
+
+
+def one_device() -> tuple[list, dict]:
+    model = Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param)
+    step = nnx.jit(train_step)
+    losses = [float(step(model, optimizer, x, y)) for x, y in data()]
+    return losses, state_of(model)
+
+
+def per_replica(n: int) -> tuple[list, dict]:
+    """Each of ``n`` replicas normalises with its own rows; the losses and the
+    gradients are averaged, and so are the running statistics the replicas leave."""
+    model = Net(nnx.Rngs(0))
+    graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    losses = []
+    for x, y in data():
+        rows = len(x) // n
+        replica_losses, grads, new_stats = [], [], []
+        for r in range(n):
+            replica = nnx.merge(graphdef, params, stats, copy=True)  # each its own copy
+            part = slice(r * rows, (r + 1) * rows)
+            loss, g = nnx.value_and_grad(loss_fn)(replica, x[part], y[part])
+            replica_losses.append(loss)
+            grads.append(g)
+            new_stats.append(nnx.state(replica, nnx.BatchStat))
+        mean_grad = jax.tree.map(lambda *g: sum(g) / n, *grads)
+        params = jax.tree.map(lambda p, g: p - LR * g, params, nnx.state(mean_grad, nnx.Param))
+        stats = jax.tree.map(lambda *s: sum(s) / n, *new_stats)
+        losses.append(float(sum(replica_losses) / n))
+    return losses, state_of(nnx.merge(graphdef, params, stats))
+
+
+def fleet_run(make_world, devices: int, choice) -> tuple[list, dict, object]:
+    strategy = fleet.DistributedStrategy()
+    if choice is not None:
+        strategy.sync_batch_norm = choice
+    make_world(devices, strategy)
+    model = fleet.distributed_model(Net(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param))
+    step = fleet.distributed_step(train_step)
+    losses = [float(step(model, optimizer, x, y)) for x, y in data()]
+    return losses, state_of(model), model
+
+
+def distance(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+@pytest.mark.parametrize("devices", tiers.devices(1, 2, 4, 8))
+def test_sync_batch_norm_equals_one_device(make_world, devices):
+    want_losses, want = one_device()
+    losses, got, model = fleet_run(make_world, devices, True)
+    d_loss = float(np.max(np.abs(np.array(losses) - want_losses)))
+    d_state = distance(got, want)
+    print(f"sync_batch_norm=True, {devices} devices, {STEPS} SGD steps: |loss| = {d_loss:.1e}, "
+          f"|parameters and running statistics| = {d_state:.1e}")
+    assert d_loss <= 1e-5 and d_state <= 1e-5
+    assert "['bn']['mean']" in got and "['bn']['var']" in got  # the running statistics
+    assert fleet.check_replicas(model) == []
+    # evaluation outputs (running statistics) equal one device's too
+    reference = Net(nnx.Rngs(0))
+    nnx.update(reference, nnx.state(model))
+    reference.eval()
+    model.eval()
+    x = data()[0][0]
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(reference(x)), atol=1e-6)
+
+
+@pytest.mark.parametrize("devices", tiers.devices(1, 2, 4, 8))
+def test_per_replica_batch_norm_is_chosen_explicitly(make_world, devices):
+    want_losses, want = per_replica(devices)
+    losses, got, model = fleet_run(make_world, devices, False)
+    d_loss = float(np.max(np.abs(np.array(losses) - want_losses)))
+    d_state = distance(got, want)
+    print(f"sync_batch_norm=False, {devices} devices: against per-replica statistics by hand "
+          f"|loss| = {d_loss:.1e}, |state| = {d_state:.1e}; against one device "
+          f"|state| = {distance(got, one_device()[1]):.1e}")
+    assert d_loss <= 1e-5 and d_state <= 1e-5
+    assert fleet.check_replicas(model) == []
+
+
+@pytest.mark.parametrize("devices", tiers.devices(1, 2, 4, 8))
+def test_batch_norm_not_chosen_raises_naming_the_layer(make_world, devices):
+    with pytest.raises(fleet.FleetError) as info:
+        fleet_run(make_world, devices, None)
+    message = str(info.value)
+    print(message)
+    assert "BatchNorm layer 'bn' (flax.nnx" in message
+    assert "strategy.sync_batch_norm = True   # statistics over the global batch" in message
+    assert "strategy.sync_batch_norm = False  # DDP's per-replica statistics" in message
+
+
+def test_evaluation_and_calls_outside_a_step_run_as_flax(make_world):
+    """Not chosen: evaluation mode in a step runs; a synced layer still works
+    outside a step (training mode there normalises the rows it gets) and keeps
+    its class's identity for isinstance."""
+    make_world(4)
+    model = fleet.distributed_model(Net(nnx.Rngs(0)))
+    model.eval()
+    x, y = data()[0]
+    fleet.distributed_step(loss_fn)(model, x, y)
+    assert type(model.bn).__name__ == "CheckedBatchNorm" and isinstance(model.bn, nnx.BatchNorm)
+
+    make_world(4, fleet.DistributedStrategy(sync_batch_norm=True))
+    model = fleet.distributed_model(Net(nnx.Rngs(0)))
+    reference = Net(nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(reference(x)), atol=1e-6)
+    assert type(model.bn).__name__ == "SyncBatchNorm" and isinstance(model.bn, nnx.BatchNorm)
+
+
+def test_the_choice_is_a_bool():
+    with pytest.raises(fleet.FleetTypeError, match=r"sync_batch_norm must be of type bool \| None"):
+        fleet.DistributedStrategy(sync_batch_norm="yes")
