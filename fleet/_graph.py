@@ -48,7 +48,7 @@ class Plan:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash(self._key()))
+        object.__setattr__(self, "_hash", hash(tuple(_hash_of(v) for v in self._key())))
 
     def __hash__(self) -> int:
         return self._hash
@@ -57,6 +57,16 @@ class Plan:
         return self is other or (
             isinstance(other, Plan) and self._hash == other._hash and self._key() == other._key()
         )
+
+
+def _hash_of(value: Any) -> int:
+    """``hash(value)``, or for a value Python cannot hash (an NNX graph holding a
+    module's plain ``dict`` attribute) its type's: equal plans still hash alike,
+    and ``__eq__`` tells such plans apart."""
+    try:
+        return hash(value)
+    except TypeError:
+        return hash(type(value).__qualname__)
 
 
 class GraphCache:

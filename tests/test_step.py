@@ -194,3 +194,33 @@ def test_arrays_committed_elsewhere_are_placed_on_the_mesh(setup):
 
     with pytest.raises(fleet.FleetError, match="ValueError: the step's own error"):
         broken(model, extra, x, scale)
+
+
+class WithPlainDict(nnx.Module):
+    """A common NNX pattern (issue 21): a plain dict attribute, which nnx.jit takes."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(10, 1, rngs=rngs)
+        self.config = {"scale": 2.0, "names": ["a", "b"]}
+
+    def __call__(self, x):
+        return self.linear(x) * self.config["scale"]
+
+
+def test_a_model_with_a_plain_dict_attribute_trains(make_world):
+    """Its graph cannot be hashed (the dict); the step still compiles once and
+    trains the single-device model."""
+    data = models.batches("linear", 4, 16)
+    reference = WithPlainDict(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    ref_step = nnx.jit(models.nnx_train_step)
+    want = [float(ref_step(reference, ref_opt, x, y)) for x, y in data]
+
+    make_world(4)
+    model = fleet.distributed_model(WithPlainDict(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    got = [float(step(model, optimizer, x, y)) for x, y in data]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-6
+    assert step.trace_count == 1
