@@ -74,10 +74,8 @@ class Program:
                 # them. A distributed optimizer that got them, with no wrapped model in
                 # the step, divides them by N (raw parameters, functional optax style).
                 if record["wrapped_syncs"] or not record["tx_calls"]:
-                    raise FleetError(_guards.IMPLICIT_SUM.format(
-                        n=plan.mesh.devices.size,
-                        what=", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
-                        if summed else "state that is not a wrapped model's parameters"))
+                    raise FleetError(_guards.implicit_sum(
+                        plan.mesh.devices.size, summed, bool(record["wrapped_syncs"])))
                 record["auto_sum"] = True
                 if strategy.amp:
                     raise FleetError(

@@ -73,15 +73,31 @@ def placeholder_uses(jaxpr: Any) -> list[str]:
     return found
 
 
-IMPLICIT_SUM = (
-    "the step differentiates {what}, which is not a wrapped model's parameter: JAX sums "
-    "such gradients over the {n} replicas (N times the single-device gradient) instead of "
-    "averaging them. Wrap the model: `model = fleet.distributed_model(model)` (NNX: "
-    "compute the loss by calling the wrapped model; Linen: use the wrapped model's "
-    "`apply`, e.g. TrainState.create(apply_fn=model.apply, ...)). If the step calls "
-    "jax.lax.psum / pmean itself, use fleet.all_reduce instead."
-)
-
+def implicit_sum(n: int, summed: list[str], wrapped: bool) -> str:
+    """The message for a step whose program sums over replicas outside fleet: the
+    state leaves whose gradients JAX summed (``summed``), and whether the step
+    has a wrapped model (``wrapped``)."""
+    if not summed:
+        return (
+            f"the step sums over the {n} replicas itself (a jax.lax.psum or pmean of its "
+            "own): fleet already averages the loss, the metrics and the wrapped model's "
+            "gradients over the replicas, so remove it; to combine a value of your own "
+            "across replicas, use fleet.all_reduce")
+    what = ", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
+    if wrapped:
+        return (
+            f"the step differentiates {what} through a read outside the wrapped model's "
+            "call (an L2 penalty computed from the parameters inside the loss, say): JAX "
+            f"sums such gradients over the {n} replicas (N times the single-device "
+            "gradient) instead of averaging them. Compute such a term inside the model's "
+            "__call__, or for weight decay add optax.add_decayed_weights(...) to the optax "
+            "chain")
+    return (
+        f"the step differentiates {what}, which is not a wrapped model's parameter: JAX "
+        f"sums such gradients over the {n} replicas (N times the single-device gradient) "
+        "instead of averaging them. Wrap the model: `model = fleet.distributed_model("
+        "model)` (NNX: compute the loss by calling the wrapped model; Linen: use the "
+        "wrapped model's `apply`, e.g. TrainState.create(apply_fn=model.apply, ...))")
 
 
 def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:
@@ -106,8 +122,9 @@ def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None
 
 
 def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) -> list[str]:
-    """Names of the state leaves the traced body casts to varying implicitly
-    (the casts whose transpose is JAX's sum over replicas)."""
+    """Names of the state leaves whose values reach an implicit cast to varying in
+    the traced body (the casts whose transpose is JAX's sum over replicas): the
+    leaf itself, or a value computed from it outside the wrapped model's sync."""
     body = next((e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
                  if e.primitive.name == "shard_map"), None)
     if body is None:
@@ -116,15 +133,17 @@ def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) 
     names = list(state_names) + [
         f"argument {tree_pos[i]} leaf {dotted(p)!r}"
         for i, t in enumerate(trees) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
-    index = {id(v): i for i, v in enumerate(body.invars[:len(names)])}
-    found = []
+    deps: dict[int, frozenset] = {id(v): frozenset([i])
+                                  for i, v in enumerate(body.invars[:len(names)])}
+    found: list[int] = []
     for eqn in body.eqns:
+        came_from = frozenset().union(*(deps.get(id(v), frozenset()) for v in eqn.invars))
         if eqn.primitive.name in ("pvary", "pcast"):
-            for v in eqn.invars:
-                i = index.get(id(v))
-                if i is not None and names[i] not in found:
-                    found.append(names[i])
-    return found
+            found += sorted(i for i in came_from if i not in found)
+        elif eqn.params.get("name") not in _sync.FLEET_CALLS and came_from:
+            for v in eqn.outvars:  # (fleet's own collectives end a dependence: synced)
+                deps[id(v)] = came_from
+    return [names[i] for i in found]
 
 
 def check_finite(finite: Any, names: list[str], call: int) -> None:

@@ -299,3 +299,36 @@ def test_output_fleet_cannot_combine_needs_a_declaration(make_world):
     np.testing.assert_allclose(np.asarray(summed), np.asarray(single.T @ single), rtol=1e-5)
     with pytest.raises(fleet.FleetConfigError, match="out_reduce value 'avg' is not one of"):
         fleet.distributed_step(lambda m, x: m(x).mean(), out_reduce="avg")(model, x)
+
+
+def _l2_step(model, optimizer, x, y):
+    def loss_fn(m):
+        penalty = sum((p ** 2).sum() for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+        return ((m(x) - y) ** 2).mean() + 1e-3 * penalty
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _own_psum_step(model, optimizer, x, y):
+    loss = models.nnx_train_step(model, optimizer, x, y)
+    return jax.lax.psum(loss, "data")
+
+
+@pytest.mark.parametrize("fn, match", [
+    (_l2_step, r"differentiates argument 0 \(DataParallel\[LinearNet\]\) variable "
+               r"'_linear1\.bias'.* through a read outside the wrapped model's call .*"
+               r"optax\.add_decayed_weights"),
+    (_own_psum_step, r"the step sums over the 4 replicas itself \(a jax\.lax\.psum or pmean "
+                     r"of its own\): fleet already averages .* fleet\.all_reduce"),
+])
+def test_sums_over_replicas_name_the_leaf_and_the_fix(make_world, fn, match):
+    """Issue 21: an L2 penalty read from the parameters inside the loss names the
+    leaves and the fix; a psum of the step's own says fleet already averages."""
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match=match) as info:
+        fleet.distributed_step(fn)(model, optimizer, *models.batches("linear", 1, 8)[0])
+    assert "which is not a wrapped model's parameter" not in str(info.value)
