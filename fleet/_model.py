@@ -260,8 +260,13 @@ class LinenDataParallel(DataParallel):
         pass  # a Linen module holds no variables
 
     def init(self, *args: Any, **kwargs: Any) -> Any:
-        """``module.init``, with the variables replicated on the mesh."""
-        return replicate(self.module.init(*args, **kwargs))
+        """``module.init``, with the variables replicated on the mesh. Under
+        ``jax.jit(model.init)`` (as Flax's examples write it) the compiled program
+        places them so itself: every process computes them from the same key."""
+        variables = self.module.init(*args, **kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(variables)):
+            return jax.lax.with_sharding_constraint(variables, world().replicated)
+        return replicate(variables)
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.apply``; inside a step, the ``params`` collection's gradients

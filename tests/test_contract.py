@@ -332,3 +332,18 @@ def test_sums_over_replicas_name_the_leaf_and_the_fix(make_world, fn, match):
     with pytest.raises(fleet.FleetError, match=match) as info:
         fleet.distributed_step(fn)(model, optimizer, *models.batches("linear", 1, 8)[0])
     assert "which is not a wrapped model's parameter" not in str(info.value)
+
+
+def test_a_jitted_linen_init_gives_the_same_replicated_variables(make_world):
+    """Issue 21: Flax's examples write jax.jit(model.init); on a wrapped Linen
+    module it gives init's values, replicated on the mesh, equal everywhere."""
+    world = make_world(4)
+    module = fleet.distributed_model(models.LinenLinearNet())
+    x = models.batches("linear", 1, 8)[0][0][:1]
+    plain = module.init(jax.random.key(0), x)
+    jitted = jax.jit(module.init)(jax.random.key(0), x)
+    assert jax.tree.structure(plain) == jax.tree.structure(jitted)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.is_equivalent_to(world.replicated, b.ndim)
+    assert fleet.check_replicas(jitted) == []
