@@ -39,6 +39,7 @@ from fleet._reduce import fused_allreduce_gradients
 from fleet._replicas import check_replicas
 from fleet._step import DistributedStep, distributed_step
 from fleet._world import (
+    DATA_AXIS,
     barrier_worker,
     init,
     init_parallel_env,
@@ -79,7 +80,8 @@ __all__ = [
     "check_replicas",
     "io",
     "optimizer",
-    # collectives
+    # collectives (inside a step they run over the mesh axis DATA_AXIS, "data")
+    "DATA_AXIS",
     "all_reduce",
     "all_gather",
     "broadcast",

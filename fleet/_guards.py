@@ -112,6 +112,16 @@ def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None
         jax.eval_shape(body, *structs)
     except FleetError:
         raise
+    except AssertionError as e:  # JAX's own, for a collective over an unknown axis
+        said = str(e).splitlines()[0] if str(e) else "(no message)"
+        raise FleetError(
+            f"tracing the step raised AssertionError: {said}. "
+            "If it comes from JAX, a common cause is a collective over an axis other "
+            f"than fleet's {DATA_AXIS!r} (jax.lax.pmean(x, axis_name='batch') kept from a "
+            "jax.pmap script): fleet already averages the loss, the metrics and the "
+            "gradients over the replicas, so remove it; to combine a value of your own, "
+            f"use fleet.all_reduce (or name the axis fleet.DATA_AXIS, {DATA_AXIS!r})"
+        ) from e
     except (TypeError, ValueError) as e:
         shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(args[2])]
         raise FleetError(

@@ -347,3 +347,23 @@ def test_a_jitted_linen_init_gives_the_same_replicated_variables(make_world):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert b.sharding.is_equivalent_to(world.replicated, b.ndim)
     assert fleet.check_replicas(jitted) == []
+
+
+def _pmap_pmean_step(model, optimizer, x, y):
+    loss = models.nnx_train_step(model, optimizer, x, y)
+    return jax.lax.pmean(loss, axis_name="batch")  # kept from a jax.pmap script
+
+
+def test_a_collective_over_a_pmap_axis_name_says_what_to_do(make_world):
+    """Issue 21: JAX's bare AssertionError for axis_name='batch' becomes a FleetError
+    naming fleet's axis and saying fleet already averages."""
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match=r"collective over an axis other than fleet's "
+                                               r"'data' .*fleet already averages the loss.*"
+                                               r"fleet\.DATA_AXIS") as info:
+        fleet.distributed_step(_pmap_pmean_step)(model, optimizer,
+                                                 *models.batches("linear", 1, 8)[0])
+    assert isinstance(info.value.__cause__, AssertionError)
+    assert fleet.DATA_AXIS == "data"
