@@ -281,6 +281,8 @@ class LinenDataParallel(DataParallel):
             for i, y in zip(todo, synced):
                 leaves[i] = y
             variables = jax.tree_util.tree_unflatten(treedef, leaves)
+            with linen.intercept_methods(_note_batch_norms):
+                return self.module.apply(variables, *args, **kwargs)
         return self.module.apply(variables, *args, **kwargs)
 
     def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
@@ -305,6 +307,18 @@ class LinenDataParallel(DataParallel):
         if missing or unexpected:
             raise FleetError(f"state_dict does not fit: missing {missing}, unexpected {unexpected}")
         return replicate(jax.tree_util.tree_unflatten(treedef, [state_dict[k] for k in keys]))
+
+
+def _note_batch_norms(next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
+    """Notes, in the step's trace, each Linen ``nn.BatchNorm`` call in training mode
+    (its path and ``axis_name``): fleet cannot choose its statistics for it."""
+    module = context.module
+    if isinstance(module, linen.BatchNorm) and context.method_name == "__call__":
+        given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+        if not linen.merge_param("use_running_average", module.use_running_average, given):
+            path = "/".join(module.scope.path) if module.scope is not None else module.name
+            _sync.current().linen_batch_norms.append((path, module.axis_name))
+    return next_fun(*args, **kwargs)
 
 
 def distributed_model(model: Any) -> DataParallel:
