@@ -364,3 +364,65 @@ def test_explicit_or_corrupt_data_still_fails_loudly(archive, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"{cache / data.ARCHIVE} has MD5" in proc.stderr
     assert "GENERATED" not in proc.stdout
+
+
+def test_the_resnet_step_equals_the_single_device_step(monkeypatch, make_world):
+    """Issue 21: the example's ResNet (BatchNorm after every convolution), its own
+    train_step (augmentation included), global-batch BatchNorm (the example's
+    default): two steps on 4 devices equal two single-device steps (SGD, so that
+    Adam does not amplify float reordering): loss, parameters, running statistics."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import fleet
+
+    monkeypatch.setitem(sys.modules, "data", data)
+    train = _load("cifar10_example_train", EXAMPLE / "train.py")
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8),
+                rng.integers(0, 10, 16).astype(np.int32), np.arange(16, dtype=np.int32) + 16 * i)
+               for i in range(2)]
+
+    def run(step, model, optimizer):
+        return [float(step(model, optimizer, x, y, index, 0, 0)) for x, y, index in batches]
+
+    reference = train.ResNet(nnx.Rngs(0))
+    want = run(nnx.jit(train.train_step, static_argnums=(5, 6)), reference,
+               nnx.Optimizer(reference, optax.sgd(0.05), wrt=nnx.Param))
+    make_world(4, fleet.DistributedStrategy(sync_batch_norm=True))
+    model = fleet.distributed_model(train.ResNet(nnx.Rngs(0)))
+    got = run(fleet.distributed_step(train.train_step), model, fleet.distributed_optimizer(
+        nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)))
+    flat = {}
+    for name, tree in (("want", reference), ("got", model)):
+        flat[name] = {jax.tree_util.keystr(p): np.asarray(v) for p, v in
+                      jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(tree)))[0]}
+    d = max(float(np.max(np.abs(flat["got"][k] - flat["want"][k]))) for k in flat["want"])
+    print(f"ResNet, 2 SGD steps, 4 devices: |loss| = {max(abs(a - b) for a, b in zip(got, want)):.1e}"
+          f", |parameters and running statistics| = {d:.1e}")
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert d < 1e-5
+    assert any("bn1']['mean" in k for k in flat["got"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    ([], "resnet; BatchNorm over the global batch"),
+    (["--per-replica-bn"], "resnet; BatchNorm per replica")])
+def test_the_resnet_example_runs(tmp_path, flags, says):
+    """examples/cifar10/train.py --model resnet: global-batch BatchNorm by default,
+    per replica when asked; it trains, evaluates in eval mode and writes its metrics."""
+    proc = run_script(["--synthetic", "--model", "resnet", *flags, "--train-size", "256",
+                       "--test-size", "64", "--epochs", "1", "--batch-size", "16",
+                       "--log-freq", "2"], devices=4, cwd=tmp_path, timeout=180)
+    assert says in proc.stdout.splitlines()[0] or says in proc.stdout
+    metrics = json.loads((tmp_path / "output/cifar10/metrics.json").read_text())
+    assert metrics["devices"] == 4 and len(metrics["epochs"]) == 1
+    assert 0.0 <= metrics["epochs"][0]["val_accuracy"] <= 1.0
+
+
+def test_help_shows_the_defaults(tmp_path):
+    proc = subprocess.run([sys.executable, str(EXAMPLE / "train.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "(default: 10)" in proc.stdout and "(default: cnn)" in proc.stdout

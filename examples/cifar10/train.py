@@ -77,6 +77,45 @@ class MyNet(nnx.Module):
         return self.linear2(x)
 
 
+class Block(nnx.Module):
+    """A residual block: two 3x3 convolutions with BatchNorm, a 1x1 projection when
+    the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(cin, cout, (3, 3), strides=stride, use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(cout, momentum=0.9, rngs=rngs)
+        self.conv2 = nnx.Conv(cout, cout, (3, 3), use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(cout, momentum=0.9, rngs=rngs)
+        self.project = (nnx.Conv(cin, cout, (1, 1), strides=stride, use_bias=False, rngs=rngs)
+                        if stride != 1 or cin != cout else None)
+
+    def __call__(self, x):
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return nnx.relu(y + (x if self.project is None else self.project(x)))
+
+
+class ResNet(nnx.Module):
+    """A small ResNet for 32x32 images (ResNet-8: a stem and three residual stages of
+    16, 32 and 64 channels), BatchNorm after every convolution."""
+
+    def __init__(self, rngs: nnx.Rngs, num_classes: int = 10, width: int = 16):
+        self.stem = nnx.Conv(3, width, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, momentum=0.9, rngs=rngs)
+        self.stage1 = Block(width, width, 1, rngs)
+        self.stage2 = Block(width, 2 * width, 2, rngs)
+        self.stage3 = Block(2 * width, 4 * width, 2, rngs)
+        self.head = nnx.Linear(4 * width, num_classes, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn(self.stem(x)))
+        x = self.stage3(self.stage2(self.stage1(x)))
+        return self.head(x.mean(axis=(1, 2)))
+
+
+MODELS = {"cnn": MyNet, "resnet": ResNet}
+
+
 def normalize(images):
     return (images.astype(jnp.float32) - MEAN) / STD
 
@@ -113,16 +152,31 @@ def eval_step(model, images, labels):
     return losses, logits.argmax(-1) == labels  # per example: gathered, exact
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn",
+                   help="cnn: the seed's network; resnet: a small ResNet with BatchNorm")
+    p.add_argument("--per-replica-bn", action="store_true",
+                   help="resnet: each replica normalises with its own rows (DDP's "
+                   "BatchNorm) instead of the global batch (strategy.sync_batch_norm)")
     p.add_argument("--data-dir", help="directory with cifar-10-python.tar.gz or "
                    "cifar-10-batches-py/ (default: the cache directory)")
     p.add_argument("--synthetic", action="store_true",
                    help="train on generated CIFAR-shaped data (no download)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=32, help="images per device per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the model's initialisation and the augmentation")
     p.add_argument("--train-size", type=int, help="use the first N training images "
                    "(with --synthetic: generate N; default 50000)")
     p.add_argument("--test-size", type=int, help="use the first N test images "
@@ -203,11 +257,12 @@ def load_data(args, world) -> tuple[dict, str]:
 def main(argv=None) -> dict:
     began = time.perf_counter()
     args = parse_args(argv)
-    world = fleet.init(is_collective=True)  # 2. initialise the data-parallel world
+    strategy = fleet.DistributedStrategy(sync_batch_norm=not args.per_replica_bn)
+    world = fleet.init(is_collective=True, strategy=strategy)  # 2. the data-parallel world
     first = fleet.is_first_worker()
     splits, note = load_data(args, world)
 
-    model = MyNet(nnx.Rngs(args.seed))
+    model = MODELS[args.model](nnx.Rngs(args.seed))
     optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
     model = fleet.distributed_model(model)  # 3. the model and the optimizer
     optimizer = fleet.distributed_optimizer(optimizer)
@@ -224,7 +279,11 @@ def main(argv=None) -> dict:
         test_set, args.batch_size), num_workers=args.num_workers)
     global_batch = args.batch_size * world.num_replicas
     if first:
-        print(f"CIFAR-10{note}: {len(train_set)} training and {len(test_set)} test images; "
+        bn = ("" if args.model != "resnet" else
+              "; BatchNorm per replica" if args.per_replica_bn else
+              "; BatchNorm over the global batch")
+        print(f"CIFAR-10{note}: {args.model}{bn}; {len(train_set)} training and "
+              f"{len(test_set)} test images; "
               f"{world.num_replicas} devices in {fleet.worker_num()} processes; global batch "
               f"{global_batch}", flush=True)
 
@@ -277,12 +336,14 @@ def main(argv=None) -> dict:
         elapsed = time.perf_counter() - started
         images_per_sec = seen / elapsed if seen else float("nan")
 
+        model.eval()  # BatchNorm: the running statistics
         loss_sum, correct, count = 0.0, 0, 0
         for images, labels in valid_loader:
             per_loss, hits = valid_loader.gather_for_metrics(evaluate(model, images, labels))
             loss_sum += float(per_loss.sum(dtype=np.float64))
             correct += int(hits.sum())
             count += len(hits)
+        model.train()
         record = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": loss_sum / count,
                   "val_accuracy": correct / count, "val_images": count,
                   "images_per_sec": images_per_sec}
