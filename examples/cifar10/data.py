@@ -272,14 +272,18 @@ def download(url: str, dest: str | os.PathLike, md5: str | None, *, timeout: flo
 
 # -- generated data ------------------------------------------------------------------------
 
+FAINT = 20.0  # how far a class's pattern lies from the shared one (noise: 120)
+
+
 def synthetic(n_train: int, n_test: int, seed: int = 1234) -> dict[str, tuple[np.ndarray,
                                                                                np.ndarray]]:
-    """CIFAR-shaped data a CNN can learn: each class has its own coarse colour
-    pattern, and every image is its class's pattern plus noise (same splits as
-    :func:`read`). Generated in chunks of float32, so 50000 images need no more
-    memory than the uint8 result and a chunk."""
+    """CIFAR-shaped data a CNN learns over several epochs, not in one: the classes
+    share one coarse colour pattern and differ from it by a faint pattern of their
+    own, under heavy noise (same splits as :func:`read`). Generated in chunks of
+    float32, so 50000 images need no more memory than the uint8 result and a chunk."""
     rng = np.random.default_rng(seed)
-    patterns = rng.uniform(80, 175, (len(CLASSES), 4, 4, 3)).astype(np.float32)
+    base = rng.uniform(100, 155, (1, 4, 4, 3)).astype(np.float32)
+    patterns = base + rng.uniform(-FAINT, FAINT, (len(CLASSES), 4, 4, 3)).astype(np.float32)
     patterns = patterns.repeat(8, axis=1).repeat(8, axis=2)  # 32x32, in 8x8 blocks
     out = {}
     for split, n in (("train", n_train), ("test", n_test)):
