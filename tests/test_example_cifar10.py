@@ -288,6 +288,8 @@ def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
     resumed = run_script([*common, "--save-dir", "ckpt", "--resume", "--output-dir", "resumed"],
                          devices=4, cwd=tmp_path)
     assert "resumed from step 11 (epoch 2)" in resumed.stdout
+    # the resumed epoch prints its progress, counting on from where it stopped (issue 21)
+    assert re.search(r"^step 8/8 - loss: ", resumed.stdout, re.M), resumed.stdout
 
     a = json.loads((tmp_path / "straight" / "metrics.json").read_text())["epochs"]
     b = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["epochs"]
@@ -297,6 +299,10 @@ def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
         k: v for k, v in b[0].items() if k != timing}
     for key in ("val_loss", "val_accuracy", "val_images"):
         assert a[1][key] == b[1][key], key
+    # curves.png plots every step's loss: the records keep them, where they start
+    assert len(a[1]["step_losses"]) == 8 and a[1]["first_step"] == 0
+    assert len(b[1]["step_losses"]) == 5 and b[1]["first_step"] == 3
+    assert b[1]["step_losses"] == a[1]["step_losses"][3:]
 
 
 # -- issue 11 §1: the README's main command on a machine that cannot reach the CIFAR-10 host --

@@ -311,7 +311,9 @@ def main(argv=None) -> dict:
         if first:
             print(f"Epoch {epoch + 1}/{args.epochs}", flush=True)
         seen, window, started, losses = 0, 0, None, []
-        for i, (images, labels, index) in enumerate(train_loader):
+        # After --resume mid-epoch the loader goes on from the next batch: count on.
+        offset = min(max(global_step - epoch * len(train_loader), 0), len(train_loader))
+        for i, (images, labels, index) in enumerate(train_loader, start=offset):
             loss = step(model, optimizer, images, labels, index, args.seed, epoch)
             losses.append(loss)
             global_step += 1
@@ -319,7 +321,7 @@ def main(argv=None) -> dict:
                 break
             save(epoch)
             window += global_batch
-            if i == 0:  # time the epoch from the end of the first (compiling) step
+            if i == offset:  # time the epoch from the end of the first (compiling) step
                 loss.block_until_ready()
                 started = time.perf_counter()
             else:
@@ -346,7 +348,8 @@ def main(argv=None) -> dict:
         model.train()
         record = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": loss_sum / count,
                   "val_accuracy": correct / count, "val_images": count,
-                  "images_per_sec": images_per_sec}
+                  "images_per_sec": images_per_sec, "first_step": offset,
+                  "step_losses": [float(x) for x in losses]}
         history.append(record)
         if first:
             print(f"[validation] epoch {epoch + 1}/{args.epochs} accuracy/loss: "
@@ -380,15 +383,25 @@ def plot(history: list[dict], path: Path, note: str) -> None:
         print("matplotlib is not installed: skipped the plot (pip install matplotlib, or "
               "pip install -e '.[examples]')", flush=True)
         return
-    epochs = [h["epoch"] for h in history]
+    from matplotlib.ticker import MaxNLocator
+
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
-    ax_loss.plot(epochs, [h["val_loss"] for h in history], "o-", label="validation")
+    for h in history:  # every training step's loss, at its place in the epoch
+        losses = h.get("step_losses", [])
+        n = len(losses) + h.get("first_step", 0)
+        x = [h["epoch"] - 1 + (h.get("first_step", 0) + i + 1) / n for i in range(len(losses))]
+        ax_loss.plot(x, losses, color="C0", linewidth=0.8,
+                     label="train (per step)" if h is history[0] else None)
+    epochs = [h["epoch"] for h in history]
+    ax_loss.plot(epochs, [h["val_loss"] for h in history], "o-", color="C1", label="validation")
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss" + note)
     ax_loss.legend()
     ax_acc.plot(epochs, [h["val_accuracy"] for h in history], "o-", color="C1")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1),
-               title="validation accuracy" + note)
+               xlim=(min(epochs, default=1) - 0.5, max(epochs, default=1) + 0.5),
+               title="validation accuracy (each epoch)" + note)
+    ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
