@@ -274,6 +274,23 @@ class SyncedRead:
         return super().get_value(index=index)
 
 
+@contextlib.contextmanager
+def synced_as_raw(module: Any) -> Iterator[None]:
+    """Inside a step, around a transformed call of a sub-module (``nnx.remat``,
+    ``nnx.jit``): its wrapped parameters hold their synced values as raw values,
+    read here, outside the transformation, so the gradient reduction stays in
+    fleet's sync; restored after."""
+    params = [v for _, v in nnx.iter_graph(module) if isinstance(v, SyncedRead)]
+    raw = [v.get_raw_value() for v in params]
+    for v in params:
+        v.set_raw_value(v.get_value())
+    try:
+        yield
+    finally:
+        for v, r in zip(params, raw):
+            v.set_raw_value(r)
+
+
 def make_synced(variable: Any, spec: SyncSpec) -> None:
     """Turns a parameter into its synced type, in place (see :class:`SyncedRead`;
     :func:`fleet._compat.add_mixin` says why in place)."""

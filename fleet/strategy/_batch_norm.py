@@ -56,19 +56,13 @@ def _sync_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     def fleet_batch_norm(layer, x):
         return base.__call__(layer, x, *args, **kwargs)
 
-    # The synced values, read here (outside the jit), go in as the raw values.
-    params = [v for _, v in nnx.iter_graph(self) if isinstance(v, _sync.SyncedRead)]
-    raw = [v.get_raw_value() for v in params]
-    for v in params:
-        v.set_raw_value(v.get_value())
     axis_name = self.axis_name
     self.axis_name = DATA_AXIS
     try:
-        return nnx.jit(fleet_batch_norm)(self, x)
+        with _sync.synced_as_raw(self):  # the synced values go in, read outside the jit
+            return nnx.jit(fleet_batch_norm)(self, x)
     finally:
         self.axis_name = axis_name
-        for v, r in zip(params, raw):
-            v.set_raw_value(r)
 
 
 def _checked_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:

@@ -37,17 +37,9 @@ def _remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     if trace is None:
         return base.__call__(self, *args, **kwargs)
     policy = getattr(jax.checkpoint_policies, self.__fleet_policy__)
-    # The synced values, read here (outside the checkpoint), go in as the raw values.
-    params = [v for _, v in nnx.iter_graph(self) if isinstance(v, _sync.SyncedRead)]
-    raw = [v.get_raw_value() for v in params]
-    for v in params:
-        v.set_raw_value(v.get_value())
-    try:
+    with _sync.synced_as_raw(self):  # the synced values go in, read outside the checkpoint
         return nnx.remat(lambda m, *a, **k: base.__call__(m, *a, **k), policy=policy)(
             self, *args, **kwargs)
-    finally:
-        for v, r in zip(params, raw):
-            v.set_raw_value(r)
 
 
 def install(model: nnx.Module, checkpoints: tuple[str, ...], policy: str) -> None:
