@@ -412,6 +412,7 @@ def test_the_resnet_step_equals_the_single_device_step(monkeypatch, make_world):
     assert any("bn1']['mean" in k for k in flat["got"])
 
 
+@slow  # whole runs of the example (its step is checked in the default tier above)
 @pytest.mark.parametrize("flags, says", [
     ([], "resnet; BatchNorm over the global batch"),
     (["--per-replica-bn"], "resnet; BatchNorm per replica")])
