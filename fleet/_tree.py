@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from fleet._agree import agree
+from fleet._agree import agree, raise_together
 from fleet._errors import FleetError
 from fleet._world import world
 
@@ -103,6 +103,8 @@ def _check_same_across_processes(call: str, paths: list[str], leaves: list[np.nd
     :func:`fleet._agree.agree`: a process that never comes is named)."""
     desc = [zlib.crc32(f"{p}:{x.shape}:{x.dtype}".encode()) for p, x in zip(paths, leaves)]
     tables = [json.loads(v) for v in agree(call, json.dumps(desc))]
+    if any(t != tables[0] for t in tables):
+        raise_together(call)  # every process raises its own error, process 0 last
     counts = [len(t) for t in tables]
     if len(set(counts)) != 1:
         raise FleetError(

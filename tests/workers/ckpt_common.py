@@ -84,8 +84,14 @@ def build() -> Job:
     model = Net(nnx.Rngs(0, dropout=1))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     strategy = fleet.world().strategy
-    if strategy.sync_batch_norm is None:  # Net's BatchNorm: statistics over the global batch
-        strategy.sync_batch_norm = True
+    if strategy.sync_batch_norm is None:
+        # Net's BatchNorm: per-replica statistics, as these checkpoint tests were
+        # written. linear1.bias sits right before it, so its true gradient is zero
+        # and Adam turns its rounding noise into whole steps; with global-batch
+        # statistics that noise depends on how the replicas' all-reduce is laid
+        # out over processes, and one step after a restore on another layout no
+        # longer agrees to 1e-6 (tests/test_batch_norm.py checks sync itself).
+        strategy.sync_batch_norm = False
     model = fleet.distributed_model(model)
     optimizer = fleet.distributed_optimizer(optimizer)
     dataset = TensorDataset([xs, ys])
