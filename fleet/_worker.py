@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 
 import jax
 
@@ -127,8 +128,19 @@ _exit_state: dict[str, object] = {}
 
 def note_exit(status: object) -> None:
     """How the training script ended (``sys.exit``'s argument; 1 for an exception):
-    told by fleetrun's runner, read by the exit hook below."""
+    told by fleetrun's runner, read by the exit hook below. A failure is marked in
+    the heartbeat file at once, with its time: the launcher names the worker that
+    failed first, not a peer that failed because it went."""
     _exit_state["status"] = status
+    if _exit_code(status):
+        mark_failed()
+
+
+def mark_failed() -> None:
+    """Writes ``failed:<time>`` in this worker's heartbeat file (once)."""
+    if "failed_at" not in _exit_state:
+        _exit_state["failed_at"] = time.time()
+        _write_progress(f"failed:{_exit_state['failed_at']:.6f}")
 
 
 def _exit_code(status: object) -> int:
@@ -149,6 +161,7 @@ def _at_exit() -> None:
     if not code:
         mark_finished()
         return
+    mark_failed()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -536,3 +536,29 @@ def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
     assert supervisor._events.qsize() == 1
     # fleet.spawn's child that sent a traceback failed, whatever its exit status.
     assert exited(3, 0, error="Traceback ...").failed and not exited(3, 0).failed
+
+
+def test_the_worker_whose_script_failed_first_is_named(tmp_path):
+    """Rank 1's sys.exit(3) makes rank 0 fail in its collective (exit 1), and the
+    launcher may hear of rank 0 first. Each failing script marks the time it
+    failed in its heartbeat file (fleet._worker.mark_failed): the earliest is named."""
+    from fleet import _worker
+    from fleet.launch import _supervisor
+    from fleet.launch._config import WorkerSpec
+
+    def failed(rank, returncode, at):
+        path = tmp_path / f"beat{rank}"
+        if at is not None:
+            path.write_text(f"5 4 failed:{at:.6f}".ljust(_worker.PROGRESS_WIDTH) + "\n")
+        worker = _supervisor.Worker(WorkerSpec(rank, rank, {"FLEET_HEARTBEAT_FILE": str(path)}),
+                                    pid=0)
+        worker.returncode = returncode
+        return worker
+
+    supervisor = _supervisor.Supervisor(LaunchConfig())
+    consequence, cause = failed(0, 1, 1000.5), failed(1, 3, 1000.2)
+    supervisor._events.put(cause)
+    assert supervisor._culprit(consequence) is cause
+    unmarked = failed(2, 1, None)  # no mark (a worker outside fleet): named last
+    supervisor._events.put(unmarked)
+    assert supervisor._culprit(consequence) is consequence

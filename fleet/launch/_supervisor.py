@@ -34,7 +34,13 @@ from typing import Protocol
 from fleet.launch import _stop
 from fleet.launch._config import LaunchConfig, WorkerSpec
 from fleet.launch._failure import Failure
-from fleet.launch._watchdog import STOPPED_STATES, Watchdog, Watched, process_state
+from fleet.launch._watchdog import (
+    STOPPED_STATES,
+    Watchdog,
+    Watched,
+    process_state,
+    read_progress,
+)
 
 _POLL = 0.1  # seconds between looks at signals and at the caller's tick (log echo)
 _CHECK_EVERY = 0.5  # seconds between watchdog checks
@@ -194,7 +200,13 @@ class Supervisor:
                 break
             if w.failed:
                 failed.append(w)
-        return min(failed, key=lambda w: (w.returncode >= 0, failed.index(w)))
+        # A signal death first; then the worker whose script says it failed first
+        # (fleet._worker.mark_failed): a peer that failed because it went, later.
+        def failed_at(w: Worker) -> float:
+            at = read_progress(w.spec.environ.get("FLEET_HEARTBEAT_FILE", "")).failed_at
+            return float("inf") if at is None else at
+
+        return min(failed, key=lambda w: (w.returncode >= 0, failed_at(w), failed.index(w)))
 
     def stopped_ranks(self) -> list[int]:
         """The ranks of the live workers that are stopped (``SIGSTOP``, a debugger)."""

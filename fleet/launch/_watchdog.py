@@ -70,6 +70,7 @@ class Progress:
     begun: int | None = None
     ended: int | None = None
     done: bool = False
+    failed_at: float | None = None  # when the worker's script failed, by its own word
 
     @property
     def in_step(self) -> bool:
@@ -85,7 +86,13 @@ def read_progress(path: str) -> Progress:
         return Progress()
     parts = text.split()
     if len(parts) >= 3 and parts[0].isdigit() and parts[1].isdigit():
-        return Progress(beat, int(parts[0]), int(parts[1]), parts[2] == "done")
+        failed_at = None
+        if parts[2].startswith("failed:"):
+            try:
+                failed_at = float(parts[2][len("failed:"):])
+            except ValueError:
+                pass
+        return Progress(beat, int(parts[0]), int(parts[1]), parts[2] == "done", failed_at)
     return Progress(beat)  # touched by heartbeat() alone
 
 
