@@ -218,3 +218,24 @@ def test_linen_batch_norm_in_evaluation_runs_as_one_device(make_world):
     reference = LinenNet().apply(variables, x, train=False)
     got = fleet.distributed_step(lambda v, x: module.apply(v, x, train=False))(variables, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(reference), atol=1e-6)
+
+
+@tiers.slow  # a real fleetrun job
+def test_sync_batch_norm_across_two_processes_equals_one_device(tmp_path):
+    """2 processes x 2 devices through fleetrun, gloo all-reduces: the global-batch
+    statistics span the processes, and the run equals one device's."""
+    from pathlib import Path
+
+    from tests import jobs
+    from tests.workers import batch_norm_train
+
+    out = tmp_path / "run.npz"
+    jobs.two_processes(tmp_path, Path(batch_norm_train.__file__), str(out))
+    want_losses, want = one_device()
+    got = dict(np.load(out))
+    losses = got.pop("losses")
+    d_loss = float(np.max(np.abs(losses - want_losses)))
+    d_state = distance(got, want)
+    print(f"sync_batch_norm=True, 2 processes x 2 devices: |loss| = {d_loss:.1e}, "
+          f"|state| = {d_state:.1e}")
+    assert d_loss <= 1e-5 and d_state <= 1e-5
