@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet._errors import FleetConfigError
+from fleet._errors import FleetConfigError, FleetTypeError
 from fleet._world import DATA_AXIS, World, world
 from fleet.strategy import _sharding
 
@@ -39,6 +39,13 @@ def global_batch(position: int, value: Any, w: World) -> Any:
     multiprocess = jax.process_count() > 1
 
     def check(x: Any) -> Any:
+        if isinstance(x, np.ndarray) and x.dtype.kind not in "biufc":
+            raise FleetTypeError(
+                f"argument {position} is a numpy array of dtype {x.dtype} (shape "
+                f"{x.shape}); a step takes numbers (bool, int, float, complex arrays): "
+                "strings and objects cannot enter a JAX program. Keep them out of the "
+                "step's arguments (fleet.io's DataLoader leaves them on the host)"
+            )
         is_local = multiprocess and not (isinstance(x, jax.Array) and not x.is_fully_addressable)
         replicas = w.num_local_replicas if is_local else w.num_replicas
         if np.ndim(x) > 0 and np.shape(x)[0] == 0:

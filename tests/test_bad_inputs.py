@@ -2,6 +2,7 @@
 (issue 10). One table, read as a list: (case, call, error type, message)."""
 
 import math
+import warnings
 
 import numpy as np
 import optax
@@ -53,6 +54,15 @@ CASES = [
     ("batch_argnums not ints",
      lambda: fleet.distributed_step(_loss_step, batch_argnums=("x",)),
      fleet.FleetConfigError, r"batch_argnums=\('x',\) must be non-negative ints"),
+    ("a batch of strings (issue 22)",
+     lambda: fleet.distributed_step(lambda m, x, names: _loss_step(m, x, Y8))(
+         _model(), X8, np.array(["a"] * 8)),
+     fleet.FleetTypeError, r"argument 2 is a numpy array of dtype <U1 \(shape \(8,\)\); a "
+                           r"step takes numbers .*strings and objects cannot enter"),
+    ("a batch of objects (issue 22)",
+     lambda: fleet.distributed_step(lambda m, x, o: _loss_step(m, x, Y8))(
+         _model(), X8, np.array([object()] * 8)),
+     fleet.FleetTypeError, r"argument 2 is a numpy array of dtype object"),
     ("out_reduce of the wrong structure",
      lambda: fleet.distributed_step(_loss_step, out_reduce=("mean", "sum"))(_model(), X8, Y8),
      fleet.FleetConfigError, r"does not match the structure of the step's output"),
@@ -117,3 +127,19 @@ def test_a_collective_call_on_one_rank_only(tmp_path):
     assert "placing replicated state" in log and "rank(s) [1] did not make it" in log, log[-3000:]
     print(f"collective call on one rank: job ended in {seconds:.1f} s")
     assert seconds < 60
+
+
+def test_configs_set_without_their_switch_warn_naming_it():
+    """Issue 22: gradient_merge_configs set while gradient_merge is off changes
+    nothing; fleet.init says so, naming the switch (a FleetWarning)."""
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge_configs = {"k_steps": 4}
+    with pytest.warns(fleet.FleetWarning, match=r"strategy\.gradient_merge_configs is set "
+                                                r"\(.*k_steps=4.*\) but strategy\.gradient_merge "
+                                                r"is off, so it has no effect"):
+        strategy.check()
+    strategy.gradient_merge = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy.check()  # on: nothing to say
+        fleet.DistributedStrategy().check()  # defaults: nothing to say

@@ -167,6 +167,9 @@ BAD = [
      r"--node_ip 10.9.9.1 appears 2 times in --ips .*--node_rank"),
     (dict(ips=("10.9.9.1", "10.9.9.2"), node_ip="10.9.9.2", node_rank=0),
      r"--node_rank 0 and --node_ip 10.9.9.2 disagree"),
+    (dict(log_dir=__file__, cpu_devices=1),  # issue 22: a file, not a directory
+     r"--log_dir '.*test_launch_config.py' is a file; the workers' logs \(workerlog.N\) go "
+     r"in a directory"),
     (dict(started_port=70000), r"--started_port 70000 must be a port"),
     (dict(started_port=6170, master="127.0.0.1:6170"),
      r"--started_port 6170 and --master 127.0.0.1:6170 both give the coordinator's port"),

@@ -27,6 +27,13 @@ def strategy(**sections) -> fleet.DistributedStrategy:
     return s
 
 
+def recompute_strategy(on: bool, checkpoints: list[str]) -> fleet.DistributedStrategy:
+    """recompute on or off; its configs only with it on (configs set without their
+    switch change nothing, and fleet.init warns about them)."""
+    return strategy(recompute=True, recompute_configs={"checkpoints": checkpoints}) if on \
+        else strategy()
+
+
 def split_grad(grad_fn, x, y, n):
     """The split-sum gradient: the mean of the gradients of the n sub-batches."""
     parts = [grad_fn(a, b) for a, b in zip(np.split(x, n), np.split(y, n))]
@@ -384,8 +391,7 @@ def test_recompute_keeps_gradients_and_lowers_memory(make_world):
     x, y = models.batches("linear", 1, 512)[0]
     results = {}
     for recompute in (False, True):
-        s = strategy(recompute=recompute, recompute_configs={
-            "checkpoints": [f"layers.{i}" for i in range(6)]})
+        s = recompute_strategy(recompute, [f"layers.{i}" for i in range(6)])
         make_world(4, s)
         model = fleet.distributed_model(MLP6(nnx.Rngs(0)))
         step = fleet.distributed_step(grads_step)
@@ -446,7 +452,7 @@ def test_recompute_keeps_the_state_and_changes_class_at_the_one_point(make_world
 
     grads = {}
     for on in (False, True):
-        make_world(2, strategy(recompute=on, recompute_configs={"checkpoints": checkpoints}))
+        make_world(2, recompute_strategy(on, checkpoints))
         model = fleet.distributed_model(net(nnx.Rngs(0), width=16))
         step = fleet.distributed_step(grads_step)
         assert remat_count(step.make_jaxpr(model, x, y)) == (regions if on else 0)
@@ -481,7 +487,7 @@ def test_a_checkpoint_moves_between_recompute_on_and_off(make_world, tmp_path):
     x, y = models.batches("linear", 1, 64)[0]
     trained, saved = {}, {}
     for on in (True, False):
-        make_world(2, strategy(recompute=on, recompute_configs={"checkpoints": ["layers.3"]}))
+        make_world(2, recompute_strategy(on, ["layers.3"]))
         model = fleet.distributed_model(MLP6(nnx.Rngs(0 if on else 1), width=16))
         optimizer = fleet.distributed_optimizer(
             nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))

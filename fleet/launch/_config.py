@@ -155,6 +155,11 @@ def _check_values(config: LaunchConfig) -> None:
         )
     if not config.job_id or "," in config.job_id:
         raise FleetConfigError(f"--job_id {config.job_id!r} must be a non-empty name")
+    if os.path.exists(config.log_dir) and not os.path.isdir(config.log_dir):
+        raise FleetConfigError(
+            f"--log_dir {config.log_dir!r} is a file; the workers' logs (workerlog.N) go in "
+            "a directory: give a directory's path (it is created if missing)"
+        )
 
 
 def _processes(config: LaunchConfig,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+import warnings
 from typing import Any, ClassVar
 
 from fleet._errors import (
@@ -21,6 +22,7 @@ from fleet._errors import (
     FleetConfigError,
     FleetTypeError,
     FleetUnsupportedError,
+    FleetWarning,
 )
 
 #: The one default bucket size (MB of 2**20 bytes), and the cap of the first
@@ -409,6 +411,14 @@ class DistributedStrategy:
         a section fleet does not run, or settings that contradict each other,
         raise an error that says what to change."""
         enabled = self.enabled_sections()
+        for section, cls in _SECTIONS.items():
+            config = getattr(self, f"{section}_configs")
+            used = section == "amp" and self.fp16_allreduce  # its dtype picks the wire's
+            if section not in enabled and config != cls() and not used:
+                warnings.warn(
+                    f"strategy.{section}_configs is set ({config}) but strategy.{section} is "
+                    f"off, so it has no effect; set strategy.{section} = True to use it",
+                    FleetWarning, stacklevel=3)
         for section in enabled:
             if section in UNSUPPORTED:
                 raise FleetUnsupportedError(
