@@ -140,3 +140,13 @@ def test_children_end_with_their_parent(tmp_path, signum, sigint_default):
         parent.wait()
         for p in wait_until_gone(job_id, timeout=0):
             p.kill()
+
+
+@slow
+def test_an_exception_after_joining_the_job_reaches_the_parent(no_leftovers):
+    """Issue 22, item 13: a child that joined the job (fleet.init) and raises
+    KeyError: its type, message and traceback are in the parent's error."""
+    with pytest.raises(WorkerFailedError, match=r"process 1 \(pid \d+\) raised an exception; "
+                                                r"the other processes were stopped\. Its "
+                                                r"traceback:(.*\n)*KeyError: 'boom in rank 1'"):
+        spawn(spawn_targets.key_error_after_init, nprocs=2, progress_timeout=30)

@@ -48,3 +48,13 @@ def fail_on_rank_1(how):
 def sleep_ready():
     print(f"rank {rank()} ready", flush=True)
     time.sleep(60)
+
+
+def key_error_after_init():
+    """Both ranks join the job (fleet.init); rank 1 raises a KeyError, rank 0 waits."""
+    import fleet
+
+    fleet.init(is_collective=True)
+    if rank() == 1:
+        raise KeyError("boom in rank 1")
+    time.sleep(60)
