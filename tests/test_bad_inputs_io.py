@@ -41,6 +41,8 @@ class Samples(Dataset):
             return np.zeros(2, np.float32), Opaque()
         if self.kind == "nested none":
             return {"image": np.zeros(2, np.float32), "label": None}
+        if self.kind == "short" and i >= 5:
+            raise IndexError(i)  # __len__ says more than __getitem__ serves
         return np.zeros(2, np.float32), np.int32(i)
 
 
@@ -69,6 +71,13 @@ CASES = {
         lambda: load_all(Samples("object")), FleetDataError,
         r"sample at dataset index 0 at \[1\] is a Opaque object \(Opaque\(\)\); numpy cannot "
         r"batch it: convert it to an array or a number in __getitem__, or pass a collate_fn"),
+    "__len__ says more than __getitem__ serves (issue 22)": (
+        lambda: load_all(Samples("short")), FleetDataError,
+        r"Samples\[5\] raised IndexError \(5\), although len\(Samples\) is 8 and the sampler "
+        r"asked for index 5 of range\(0, 8\); make __len__ say how many samples"),
+    "__len__ says more than __getitem__ serves, in a worker": (
+        lambda: load_all(Samples("short"), num_workers=1), FleetDataError,
+        r"Samples\[5\] raised IndexError \(5\), although len\(Samples\) is 8"),
     "__len__ < 0, DataLoader": (
         lambda: DataLoader(Samples("ok", length=-3), batch_size=2), fleet.FleetError,
         r"len\(\) of the Samples is -3; __len__ must return the number of samples, an int "

@@ -30,10 +30,26 @@ def fetch_batch(
     if collate_fn is None and hasattr(dataset, "get_batch"):
         return dataset.get_batch(indices)
     indices = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
-    samples = [dataset[i] for i in indices]  # Python ints, as Paddle passes them
+    samples = [_sample(dataset, i) for i in indices]  # Python ints, as Paddle passes them
     if collate_fn is not None:
         return collate_fn(samples)
     return _collate(samples, indices, "")
+
+
+def _sample(dataset: Any, i: int) -> Any:
+    """``dataset[i]``; an ``IndexError`` for an index below ``len(dataset)`` says so."""
+    try:
+        return dataset[i]
+    except IndexError as e:
+        try:
+            size = len(dataset)
+        except TypeError:
+            raise e from None
+        raise FleetDataError(
+            f"{type(dataset).__name__}[{i}] raised IndexError ({e}), although "
+            f"len({type(dataset).__name__}) is {size} and the sampler asked for index {i} "
+            f"of range(0, {size}); make __len__ say how many samples __getitem__ serves"
+        ) from e
 
 
 def default_collate_fn(samples: list[Any]) -> Any:
