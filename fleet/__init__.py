@@ -17,9 +17,16 @@ things are" names each file; ``tests/test_layers.py`` keeps the layers.
 
 # First, before anything starts JAX's CPU client: a thread pool large enough that
 # XLA:CPU's collectives on several CPU devices cannot deadlock (fleet/_xla_flags.py).
+import sys as _sys
+
 from fleet._xla_flags import apply_cpu_collective_environ as _apply_cpu_collective_environ
 
-_apply_cpu_collective_environ()
+if "jax" in _sys.modules:  # imported before fleet: it may have started its backends
+    from fleet._compat import backends_are_initialized as _started
+
+    _apply_cpu_collective_environ(started=_started)
+else:
+    _apply_cpu_collective_environ()
 
 from fleet import _world, io, optimizer
 from fleet._agree import FleetTimeoutError

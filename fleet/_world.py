@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fleet import _xla_flags
+from fleet import _compat, _xla_flags
 from fleet._agree import join
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError, FleetNotInitializedError, FleetUnsupportedError
@@ -92,7 +92,8 @@ def init(
         ('data',)
     """
     global _WORLD
-    _xla_flags.apply_cpu_collective_environ()  # before the CPU client exists (a no-op after)
+    # before the CPU client exists (a no-op after)
+    _xla_flags.apply_cpu_collective_environ(started=_compat.backends_are_initialized)
     if not isinstance(is_collective, bool):
         raise FleetConfigError(
             f"fleet.init(is_collective={is_collective!r}): is_collective must be True or "

@@ -68,7 +68,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 POOL_VARIABLE = "PJRT_NPROC"
 KEEP_BARRIERS = "cse_barrier_expander"
@@ -139,13 +139,17 @@ def cpu_collective_environ(num_devices: int | None = None,
     return {POOL_VARIABLE: str(wanted)}
 
 
-def apply_cpu_collective_environ(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Sets :func:`cpu_collective_environ` in ``environ`` (``os.environ``) if JAX has not
-    created its backends yet, and where JAX runs on CPU only (``JAX_PLATFORMS=cpu``)
-    :func:`keep_remat_barriers` in its ``XLA_FLAGS``; returns whether it changed anything.
+def apply_cpu_collective_environ(environ: MutableMapping[str, str] | None = None, *,
+                                 started: Callable[[], bool] = lambda: False) -> bool:
+    """Sets :func:`cpu_collective_environ` in ``environ`` (``os.environ``) unless
+    ``started()`` says JAX has created its backends, and where JAX runs on CPU only
+    (``JAX_PLATFORMS=cpu``) :func:`keep_remat_barriers` in its ``XLA_FLAGS``; returns
+    whether it changed anything.
 
     Call it before the first JAX computation (``import fleet`` does). Once the CPU
-    client exists its pool size is fixed, and this does nothing.
+    client exists its pool size is fixed, and this does nothing. This module
+    imports nothing that imports JAX: the caller that may run after JAX passes
+    ``started`` (``fleet._compat.backends_are_initialized``).
     """
     environ = os.environ if environ is None else environ
     wanted = cpu_collective_environ(None, environ)
@@ -155,12 +159,7 @@ def apply_cpu_collective_environ(environ: MutableMapping[str, str] | None = None
             wanted["XLA_FLAGS"] = flags
     if not wanted:
         return False
-    if environ is os.environ and "jax" in sys.modules:
-        # Imported here on purpose: fleet/_compat.py imports jax, and this module runs
-        # before anything that may import jax (fleet/__init__.py).
-        from fleet import _compat
-
-        if _compat.backends_are_initialized():
-            return False
+    if environ is os.environ and started():
+        return False
     environ.update(wanted)
     return True
