@@ -137,8 +137,6 @@ class Program:
                     replicas=plan.mesh.devices.size)
         with _sync.tracing(trace):
             out = self.fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
-            if trace.linen_batch_norms:  # before its per-replica outputs are refused
-                raise FleetError(_guards.linen_batch_norm(trace.linen_batch_norms))
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
                 raise FleetError(

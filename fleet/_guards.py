@@ -100,20 +100,6 @@ def implicit_sum(n: int, summed: list[str], wrapped: bool) -> str:
         "wrapped model's `apply`, e.g. TrainState.create(apply_fn=model.apply, ...))")
 
 
-def linen_batch_norm(layers: list[tuple[str, Any]]) -> str:
-    """The message for a Linen ``nn.BatchNorm`` in training mode inside a step."""
-    path, axis = layers[0]
-    how = (f"with axis_name={axis!r}, whose own collective fleet cannot tell from the "
-           "step's" if axis is not None else "with no axis_name: each replica would "
-           "normalise with its own rows, unlike one device")
-    return (
-        f"the Linen BatchNorm {path!r} runs in training mode in the step {how}. For "
-        "statistics over the global batch (equal to one device), build the model with "
-        "Flax NNX's nnx.BatchNorm and set strategy.sync_batch_norm = True; fleet cannot "
-        "set a Linen layer's fields. For DDP's per-replica statistics on purpose, use "
-        "nnx.BatchNorm with strategy.sync_batch_norm = False")
-
-
 def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:
     """Traces the step once as the single-device step would run it (the global
     shapes, one device), so every shape error it would raise is raised here,

@@ -252,6 +252,7 @@ class LinenDataParallel(DataParallel):
                 "strategy.amp and strategy.recompute run on Flax NNX models; for a Linen "
                 "module set its layers' dtype=jnp.bfloat16 and use nn.remat yourself, or "
                 "port the model to NNX")
+        self._fleet_sync_bn = strategy.sync_batch_norm
         super().__init__(
             layers, strategy, comm_buffer_size, last_comm_buffer_size, find_unused_parameters
         )
@@ -270,7 +271,9 @@ class LinenDataParallel(DataParallel):
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.apply``; inside a step, the ``params`` collection's gradients
-        are averaged over the replicas in the backward pass."""
+        are averaged over the replicas in the backward pass, and each
+        ``nn.BatchNorm`` in training mode runs as ``strategy.sync_batch_norm`` or
+        its ``axis_name`` says (``fleet.strategy._batch_norm.linen_interceptor``)."""
         if _sync.current() is not None:
             flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
             keys = [dotted(p) for p, _ in flat]
@@ -281,9 +284,8 @@ class LinenDataParallel(DataParallel):
             for i, y in zip(todo, synced):
                 leaves[i] = y
             variables = jax.tree_util.tree_unflatten(treedef, leaves)
-            with linen.intercept_methods(_note_batch_norms):
-                return self.module.apply(variables, *args, **kwargs)
-        return self.module.apply(variables, *args, **kwargs)
+        with linen.intercept_methods(_batch_norm.linen_interceptor(self._fleet_sync_bn)):
+            return self.module.apply(variables, *args, **kwargs)
 
     def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         return self.apply(variables, *args, **kwargs)
@@ -307,18 +309,6 @@ class LinenDataParallel(DataParallel):
         if missing or unexpected:
             raise FleetError(f"state_dict does not fit: missing {missing}, unexpected {unexpected}")
         return replicate(jax.tree_util.tree_unflatten(treedef, [state_dict[k] for k in keys]))
-
-
-def _note_batch_norms(next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
-    """Notes, in the step's trace, each Linen ``nn.BatchNorm`` call in training mode
-    (its path and ``axis_name``): fleet cannot choose its statistics for it."""
-    module = context.module
-    if isinstance(module, linen.BatchNorm) and context.method_name == "__call__":
-        given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
-        if not linen.merge_param("use_running_average", module.use_running_average, given):
-            path = "/".join(module.scope.path) if module.scope is not None else module.name
-            _sync.current().linen_batch_norms.append((path, module.axis_name))
-    return next_fun(*args, **kwargs)
 
 
 def distributed_model(model: Any) -> DataParallel:

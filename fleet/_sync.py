@@ -81,7 +81,6 @@ class SyncTrace:
     shard: Any = None  # strategy.sharding (fleet.strategy._sharding.Config) when the step shards
     shard_grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> grad
     shard_finite: Any = None  # float16 amp under sharding: all replicas' slices finite
-    linen_batch_norms: list = dataclasses.field(default_factory=list)  # (path, axis_name) in training
 
     def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
         if self.check_finite:

@@ -12,8 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import linen, nnx
-from flax.training.train_state import TrainState
+from flax import nnx
 
 import fleet
 from tests import models, tiers
@@ -164,60 +163,6 @@ def test_evaluation_and_calls_outside_a_step_run_as_flax(make_world):
 def test_the_choice_is_a_bool():
     with pytest.raises(fleet.FleetTypeError, match=r"sync_batch_norm must be of type bool \| None"):
         fleet.DistributedStrategy(sync_batch_norm="yes")
-
-
-class LinenNet(linen.Module):
-    axis_name: str | None = None
-
-    @linen.compact
-    def __call__(self, x, train: bool = True):
-        x = linen.Dense(8)(x)
-        x = linen.BatchNorm(use_running_average=not train, momentum=0.9,
-                            axis_name=self.axis_name)(x)
-        return linen.Dense(1)(linen.relu(x))
-
-
-class LinenState(TrainState):
-    batch_stats: dict
-
-
-def linen_train_step(state, x, y):
-    def loss(params):
-        out, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, x,
-                                      mutable=["batch_stats"])
-        return ((out - y) ** 2).mean(), updates
-
-    (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
-    return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"]), value
-
-
-@pytest.mark.parametrize("axis_name", [None, "data"])
-def test_linen_batch_norm_in_training_says_what_to_write(make_world, axis_name):
-    """fleet cannot set a Linen layer's fields, nor tell its pmean from the step's:
-    a Linen BatchNorm in training mode is refused with the NNX route, and the old
-    suggestion (out_reduce='mean' on batch_stats, which silently changes the
-    model) is no longer offered."""
-    make_world(4)
-    module = fleet.distributed_model(LinenNet(axis_name=axis_name))
-    x, y = data()[0]
-    variables = module.init(jax.random.key(0), x)
-    state = LinenState.create(apply_fn=module.apply, params=variables["params"],
-                              batch_stats=variables["batch_stats"], tx=optax.sgd(LR))
-    with pytest.raises(fleet.FleetError, match=r"the Linen BatchNorm 'BatchNorm_0' runs in "
-                                               r"training mode.*nnx\.BatchNorm and set "
-                                               r"strategy\.sync_batch_norm = True") as info:
-        fleet.distributed_step(linen_train_step)(state, x, y)
-    assert "out_reduce" not in str(info.value)
-
-
-def test_linen_batch_norm_in_evaluation_runs_as_one_device(make_world):
-    make_world(4)
-    module = fleet.distributed_model(LinenNet())
-    x, _ = data()[0]
-    variables = module.init(jax.random.key(0), x)
-    reference = LinenNet().apply(variables, x, train=False)
-    got = fleet.distributed_step(lambda v, x: module.apply(v, x, train=False))(variables, x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(reference), atol=1e-6)
 
 
 @tiers.slow  # a real fleetrun job

@@ -1,4 +1,4 @@
-"""``strategy.sync_batch_norm``: a wrapped NNX model's BatchNorm layers in a step.
+"""``strategy.sync_batch_norm``: a wrapped model's BatchNorm layers in a step (NNX and Linen).
 
 In a data-parallel step each replica sees its own rows, and a BatchNorm in
 training mode normalises with the statistics of the rows it sees. fleet does
@@ -21,7 +21,16 @@ not guess which the user wants:
   BatchNorm in training mode raises, naming the layer and the two choices.
 
 Outside a step, and in evaluation mode (``use_running_average``), a layer runs
-as Flax's. The layers change class at wrapping (``Sync<cls>`` or
+as Flax's.
+
+A Linen ``nn.BatchNorm`` keeps its fields, so its choice is read at each call
+(:func:`linen_interceptor`, through Flax's public ``nn.intercept_methods``):
+``axis_name=fleet.DATA_AXIS`` written in the layer, or ``sync_batch_norm``, picks
+the same two behaviours; the layer then runs as a pure Linen ``apply`` of a
+clone of itself in the same ``fleet_batch_norm`` ``jit``, and its new running
+statistics are written back into the caller's ``batch_stats``. Another
+``axis_name`` (``"batch"``, kept from a ``jax.pmap`` script), or no choice at
+all, raises with what to write. The layers change class at wrapping (``Sync<cls>`` or
 ``Checked<cls>``, subclasses of their own) through
 :func:`fleet._compat.set_class`, the one documented point where fleet changes
 the class of an object it did not create; the class carries the layer's path,
@@ -30,9 +39,11 @@ for the message.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
-from flax import nnx
+import jax
+from flax import linen, nnx
 
 from fleet import _compat, _sync
 from fleet._errors import FleetError
@@ -40,6 +51,7 @@ from fleet._tree import dotted
 from fleet._world import DATA_AXIS
 
 _TYPES: dict[tuple[type, str, bool | None], type] = {}
+_IN_CLONE = contextvars.ContextVar("fleet_linen_batch_norm_clone", default=False)
 
 
 def _training(layer: nnx.BatchNorm, kwargs: dict) -> bool:
@@ -102,3 +114,70 @@ def install(model: nnx.Module, choice: bool | None) -> int:
         _compat.set_class(module, sub)
         changed += 1
     return changed
+
+
+def linen_interceptor(choice: bool | None) -> Any:
+    """The ``nn.intercept_methods`` interceptor that runs each Linen ``nn.BatchNorm``
+    of a wrapped module in a step, for ``choice`` (``strategy.sync_batch_norm``)."""
+
+    def intercept(next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
+        module = context.module
+        if (not isinstance(module, linen.BatchNorm) or context.method_name != "__call__"
+                or module.is_initializing() or _IN_CLONE.get()):
+            return next_fun(*args, **kwargs)
+        given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+        if linen.merge_param("use_running_average", module.use_running_average, given):
+            return next_fun(*args, **kwargs)
+        if _sync.current() is None:  # one device (init, a reference): the global batch
+            if module.axis_name == DATA_AXIS:
+                return _run_linen(module, args[0], kwargs, axis_name=None, average=False)
+            return next_fun(*args, **kwargs)
+        path = "/".join(module.scope.path) if module.scope is not None else module.name
+        if module.axis_name not in (None, DATA_AXIS):
+            raise FleetError(
+                f"the Linen BatchNorm {path!r} has axis_name={module.axis_name!r}, which is "
+                f"not an axis of fleet's step (kept from a jax.pmap script?). Write "
+                f"axis_name=fleet.DATA_AXIS ({DATA_AXIS!r}) for statistics over the global "
+                "batch (equal to one device), or axis_name=None with "
+                "strategy.sync_batch_norm = False for DDP's per-replica statistics")
+        if module.axis_name == DATA_AXIS or choice:
+            return _run_linen(module, args[0], kwargs, axis_name=DATA_AXIS, average=False)
+        if choice is False:
+            return _run_linen(module, args[0], kwargs, axis_name=None, average=True)
+        raise FleetError(
+            f"the Linen BatchNorm {path!r} runs in training mode in a data-parallel step, "
+            "where each replica sees only its own rows, and fleet does not guess how it "
+            "should normalise. Choose one:\n"
+            "  nn.BatchNorm(..., axis_name=fleet.DATA_AXIS)  # statistics over the global "
+            "batch: equal to one device, one small all-reduce per layer (or set "
+            "strategy.sync_batch_norm = True)\n"
+            "  strategy.sync_batch_norm = False  # DDP's per-replica statistics (the "
+            "running statistics averaged over replicas)")
+
+    return intercept
+
+
+def _run_linen(module: linen.BatchNorm, x: Any, kwargs: dict, *, axis_name: str | None,
+               average: bool) -> Any:
+    """``module`` in training mode as a pure ``apply`` of a clone with ``axis_name``,
+    in the ``fleet_batch_norm`` ``jit``; its new running statistics (averaged over
+    the replicas when ``average``) written back into ``module``'s scope."""
+    clone = module.clone(parent=None, axis_name=axis_name, use_running_average=None)
+    variables = module.variables
+    mask = kwargs.get("mask")
+
+    def fleet_batch_norm(variables, x, mask):
+        token = _IN_CLONE.set(True)  # the clone runs as Flax's
+        try:
+            y, updates = clone.apply(variables, x, use_running_average=False, mask=mask,
+                                     mutable=["batch_stats"])
+        finally:
+            _IN_CLONE.reset(token)
+        if average:
+            updates = jax.tree.map(lambda v: jax.lax.pmean(v, DATA_AXIS), updates)
+        return y, updates
+
+    y, updates = jax.jit(fleet_batch_norm)(variables, x, mask)
+    for name, value in updates.get("batch_stats", {}).items():
+        module.put_variable("batch_stats", name, value)
+    return y

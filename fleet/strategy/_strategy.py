@@ -335,8 +335,9 @@ class DistributedStrategy:
             before that step (off by default: it reads flags back every step).
         fp16_allreduce: gradient buckets travel as 16-bit floats (bfloat16;
             float16 under float16 amp), divided by the replica count first.
-        sync_batch_norm: how a wrapped NNX model's ``nnx.BatchNorm`` layers
-            normalise in training mode inside a step: ``True``, over the global
+        sync_batch_norm: how a wrapped model's BatchNorm layers (``nnx.BatchNorm``;
+            a Linen ``nn.BatchNorm`` unless its ``axis_name`` is
+            ``fleet.DATA_AXIS``) normalise in training mode inside a step: ``True``, over the global
             batch (equal to one device; one small all-reduce per layer);
             ``False``, each replica over its own rows (DDP's per-replica
             statistics, the one deliberate difference from one device); not set
