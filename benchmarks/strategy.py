@@ -13,13 +13,18 @@ Adam optimizer:
 
 Two models: the seed's CIFAR-10 CNN (examples/cifar10, global batch 128) and
 an MLP of 25M parameters (six 2048 x 2048 Linear + ReLU layers in three
-blocks of two, and a 10-way head; global batch 256). On 4 CPU devices by default; ``--device-count
+blocks of two, and a 10-way head; global batch 256). A third, ``--models
+resnet`` (the CIFAR-10 example's ResNet-8, BatchNorm after every convolution,
+global batch 128), compares ``sync_batch_norm = True`` (global-batch
+statistics, one small all-reduce per BatchNorm layer) with ``False`` (DDP's
+per-replica statistics): what the synced statistics cost. On 4 CPU devices by default; ``--device-count
 1`` runs on whatever ``jax.devices()`` gives (one GPU).
 
 Variants run interleaved, round after round (``--repeats``), each timing
 ``--steps`` steps; the table shows the median ms per step, the images (MLP:
 rows) per second at that median, the median of the per-round throughput
-ratios against fp32 (above 1: faster), and the compiled step's memory per
+ratios against the first variant (fp32; the ResNet: sync_batch_norm; above 1:
+faster), and the compiled step's memory per
 device (``memory_analysis()``: temporaries, arguments, outputs). XLA places
 temporaries (gradients, activations) in the output buffers of the new state
 while those are still free, so ``temp MB`` can read near zero (the MLP on
@@ -33,6 +38,7 @@ fp32 images/s on the MLP.
     python benchmarks/strategy.py [--steps 2] [--repeats 5] [--models cnn,mlp]
     python benchmarks/strategy.py --quick                  # smoke run, small MLP
     python benchmarks/strategy.py --device-count 1         # one GPU
+    python benchmarks/strategy.py --models resnet          # the cost of sync_batch_norm
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ parser.add_argument("--device-count", "--device_count", type=int, default=4,
                          "CPU not forced (a GPU run)")
 parser.add_argument("--steps", type=int, default=None, help="steps per timing (default 2)")
 parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5)")
-parser.add_argument("--models", default="cnn,mlp", help="comma-separated: cnn, mlp")
+parser.add_argument("--models", default="cnn,mlp", help="comma-separated: cnn, mlp, resnet")
 parser.add_argument("--quick", action="store_true",
                     help="smoke run: 2 rounds x 1 step, one warm-up step, MLP of width 512 (1.6M)")
 args = parser.parse_args()
@@ -75,6 +81,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "cifar10"))
 from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cifar10)
+from train import ResNet as CifarResNet  # noqa: E402
 
 # fleet, imported before the first computation, sizes XLA:CPU's thread pool
 # (PJRT_NPROC, fleet/_xla_flags.py) so that collectives over the fake devices cannot deadlock.
@@ -114,10 +121,15 @@ class MLP(nnx.Module):
 MODELS = {  # name -> (constructor, input shape per example, global batch, recomputed modules)
     "cnn": (CifarCNN, (32, 32, 3), 128, ["conv1", "conv2", "conv3", "linear1"]),
     "mlp": (MLP, (WIDTH,), 64 if args.quick else 256, [f"blocks.{i}" for i in range(DEPTH // 2)]),
+    "resnet": (CifarResNet, (32, 32, 3), 128, None),
 }
 
 
 def strategies(checkpoints):
+    """The variants, the first the baseline of the ratio column."""
+    if checkpoints is None:  # the ResNet: its BatchNorm statistics
+        return {"sync_batch_norm": fleet.DistributedStrategy(sync_batch_norm=True),
+                "per-replica bn": fleet.DistributedStrategy(sync_batch_norm=False)}
     fp32 = fleet.DistributedStrategy()
     amp = fleet.DistributedStrategy()
     amp.amp = True
@@ -199,12 +211,13 @@ def measure(name: str) -> None:
             jax.block_until_ready(out)
             times[v].append((time.perf_counter() - t0) / args.steps)
     retraced = [v for v, (_, _, step) in variants.items() if step.trace_count != traced[v]]
-    fp32 = np.array(times["fp32"])
+    base = next(iter(times))
+    fp32 = np.array(times[base])
     nparams = sum(p.size for p in jax.tree.leaves(nnx.state(make(nnx.Rngs(0)), nnx.Param)))
     print(f"\n{name}: {nparams / 1e6:.2f}M parameters, Adam, global batch {batch}, "
           f"{len(devices())} x {jax.devices()[0].platform}, "
           f"{args.repeats} rounds x {args.steps} step{'s' * (args.steps != 1)}; memory per device")
-    print(f"{'variant':18s} {'ms/step':>8s} {'images/s':>9s} {'vs fp32':>8s} "
+    print(f"{'variant':18s} {'ms/step':>8s} {'images/s':>9s} {'vs ' + base[:5]:>8s} "
           f"{'temp MB':>8s} {'args MB':>8s} {'out MB':>8s} {'grad temp MB':>13s}")
     for v, t in times.items():
         t = np.array(t)
