@@ -60,6 +60,7 @@ class Program:
         record = self.records.get(plan)
         if record is None:
             strategy = world().strategy
+            _guards.check_closures(self.fn)
             _guards.check_on_one_device(
                 functools.partial(self.body, plan, record={}, probe=True), plan.mesh, args, specs)
             record = {}

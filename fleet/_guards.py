@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -98,6 +99,26 @@ def implicit_sum(n: int, summed: list[str], wrapped: bool) -> str:
         "instead of averaging them. Wrap the model: `model = fleet.distributed_model("
         "model)` (NNX: compute the loss by calling the wrapped model; Linen: use the "
         "wrapped model's `apply`, e.g. TrainState.create(apply_fn=model.apply, ...))")
+
+
+def check_closures(fn: Any) -> None:
+    """Refuses a step that closes over a ``jax.Array`` split over devices (a batch
+    placed by fleet.io, say): inside the step every replica would see the whole
+    array, not its own rows. Names the variable and says to pass it in."""
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    try:
+        seen = inspect.getclosurevars(fn)
+    except TypeError:  # not a Python function (a callable object, a builtin)
+        return
+    for name, value in {**seen.globals, **seen.nonlocals}.items():
+        if isinstance(value, jax.Array) and not value.sharding.is_fully_replicated:
+            raise FleetError(
+                f"the step reads {name!r}, a jax.Array of shape {value.shape} split over "
+                f"devices ({value.sharding}), from outside its arguments: inside the step "
+                "each replica runs on its own rows, and a closed-over array is not split "
+                f"with them. Pass {name!r} to the step as an argument (a batch argument is "
+                "split with the batch; shapes inside the step are the replica's)")
 
 
 def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:

@@ -4,6 +4,7 @@
 import math
 import warnings
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -24,6 +25,16 @@ def _loss_step(model, x, y):
 
 
 X8, Y8 = np.ones((8, 10), np.float32), np.ones((8, 1), np.float32)
+
+
+def _closed_over_batch():
+    """A step that slices a global batch it closes over by its argument's rows."""
+    targets = jax.device_put(Y8, fleet.world().batch)  # as fleet.io places a batch
+
+    def step(model, x):
+        return ((model(x) - targets[: x.shape[0]]) ** 2).mean()
+
+    return fleet.distributed_step(step)(_model(), X8)
 
 CASES = [
     ("is_collective not a bool",
@@ -63,6 +74,10 @@ CASES = [
      lambda: fleet.distributed_step(lambda m, x, o: _loss_step(m, x, Y8))(
          _model(), X8, np.array([object()] * 8)),
      fleet.FleetTypeError, r"argument 2 is a numpy array of dtype object"),
+    ("a closed-over batch split over the devices (issue 21)",
+     lambda: _closed_over_batch(),
+     fleet.FleetError, r"the step reads 'targets', a jax\.Array of shape \(8, 1\) split over "
+                       r"devices .*Pass 'targets' to the step as an argument"),
     ("out_reduce of the wrong structure",
      lambda: fleet.distributed_step(_loss_step, out_reduce=("mean", "sum"))(_model(), X8, Y8),
      fleet.FleetConfigError, r"does not match the structure of the step's output"),
