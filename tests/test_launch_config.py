@@ -16,6 +16,7 @@ from fleet._env import WorkerEnv
 from fleet.launch import LaunchConfig, main, parse_args, plan_workers, resolve
 from fleet.launch._args import OPTIONS, env_name
 from fleet.launch._config import worker_base_environ
+from fleet.launch._failure import Failure
 from fleet.launch._tables import config_table, env_table
 from fleet.launch._watchdog import Watchdog, Watched, process_state
 
@@ -35,13 +36,15 @@ VALUES = {"nproc_per_node": "3", "gpus": "0,1", "cpu_devices": "2", "nnodes": "2
           "node_rank": "1", "master": "10.0.0.1:6070", "ips": "10.0.0.1,10.0.0.2",
           "log_dir": "mylogs", "max_restarts": "4", "job_id": "exp7",
           "progress_timeout": "12.5", "node_ip": "10.0.0.2", "started_port": "6170",
-          "first_step_min": "4", "uneven_grace": "1.5",
-          "verbose_env": None}  # None: an on/off flag (its variable: 1)
+          "first_step_min": "4", "uneven_grace": "1.5", "silence_warning": "7.5",
+          "verbose_env": None,  # None: an on/off flag (its variable: 1)
+          "allow_oversubscribe": None}
 PARSED = {"nproc_per_node": 3, "gpus": ("0", "1"), "cpu_devices": 2, "nnodes": 2,
           "node_rank": 1, "master": "10.0.0.1:6070", "ips": ("10.0.0.1", "10.0.0.2"),
           "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5,
           "node_ip": "10.0.0.2", "started_port": 6170, "first_step_min": 4.0,
-          "uneven_grace": 1.5, "verbose_env": True}
+          "uneven_grace": 1.5, "silence_warning": 7.5, "verbose_env": True,
+          "allow_oversubscribe": True}
 
 
 def test_every_option_is_tested():
@@ -161,6 +164,10 @@ BAD = [
     (dict(progress_timeout=-1.0, cpu_devices=1), r"--progress_timeout -1.0 must be >= 0"),
     (dict(first_step_min=0.0, cpu_devices=1), r"--first_step_min 0.0 must be > 0 seconds"),
     (dict(uneven_grace=-2.0, cpu_devices=1), r"--uneven_grace -2.0 must be > 0 seconds"),
+    (dict(silence_warning=-1.0, cpu_devices=1), r"--silence_warning -1.0 must be >= 0"),
+    (dict(nproc_per_node=100000, cpu_devices=1),  # issue 22: far beyond the machine's cores
+     r"--nproc_per_node 100000 asks for 100000 CPU processes but this machine has \d+ CPU "
+     r"core\(s\); at most \d+ \(8 per core\) start without --allow_oversubscribe"),
     (dict(ips=("10.9.9.1", "10.9.9.2"), node_ip="10.9.9.3"),
      r"--node_ip 10.9.9.3 is not in --ips 10.9.9.1,10.9.9.2"),
     (dict(ips=("10.9.9.1", "10.9.9.1"), node_ip="10.9.9.1"),
@@ -422,6 +429,10 @@ def test_watchdog_uneven_steps(tmp_path):
     stuck = dog.check(w)
     assert stuck.rank == 0
     assert stuck.reason.startswith("uneven steps: rank 0 ran more steps (6) than rank 1 (5)")
+    # The job's last line names both counts too (issue 22).
+    assert Failure(0, me, stuck=stuck.reason, stuck_brief=stuck.brief).short == (
+        "is stuck in its step 6, in a collective that rank 1 never joins: rank 1 ended "
+        "after 5 steps (uneven steps)")
     # Equal counts: rank 0 is saving alone after the last step; nothing to say for 600 s.
     _progress(tmp_path / "hb0", 5, 5, "run", now[0])
     now[0] += 599

@@ -98,7 +98,8 @@ def test_first_failure_stops_the_rest_and_raises(no_leftovers, how, match):
 
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(FleetConfigError, match=r"unknown option\(s\) 'gpu' \(did you mean "
-                                               r"'gpus'\?\); valid options: cpu_devices, "
+                                               r"'gpus'\?\); valid options: "
+                                               r"allow_oversubscribe, cpu_devices, "
                                                r"first_step_min, gpus, job_id, master"):
         spawn(spawn_targets.rank, nprocs=2, gpu="0")
 

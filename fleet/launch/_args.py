@@ -12,7 +12,14 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 
 from fleet._errors import FleetConfigError
-from fleet.launch._config import DEFAULT_PROGRESS_TIMEOUT, FIRST_STEP_MIN, UNEVEN_GRACE, LaunchConfig
+from fleet.launch._config import (
+    DEFAULT_PROGRESS_TIMEOUT,
+    FIRST_STEP_MIN,
+    SILENCE_WARNING,
+    UNEVEN_GRACE,
+    LaunchConfig,
+)
+from fleet.launch._devices import PROCESSES_PER_CORE
 
 ENV_PREFIX = "FLEETRUN_"
 
@@ -62,6 +69,14 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "uneven_grace": (float, UNEVEN_GRACE,
                      "seconds a worker may wait in a step that a finished peer never ran "
                      "(uneven steps) before the job fails; at most --progress_timeout"),
+    "silence_warning": (float, SILENCE_WARNING,
+                        "seconds a worker may be silent (no heartbeat) or stopped before "
+                        "the launcher warns, naming it and the time left until "
+                        "--progress_timeout ends the job; again every as many seconds "
+                        "while it lasts (0: never)"),
+    "allow_oversubscribe": (_flag, False,
+                            f"start more than {PROCESSES_PER_CORE} CPU processes per CPU "
+                            "core (refused otherwise, before any starts)"),
     "verbose_env": (_flag, False, "print every variable of the first worker, not only "
                                   "Paddle's five"),
 }

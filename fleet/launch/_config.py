@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError
 from fleet.launch import _devices, _net
-from fleet.launch._watchdog import FIRST_STEP_MIN, UNEVEN_GRACE
+from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
 
 DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
 DEFAULT_PROGRESS_TIMEOUT = 600.0
@@ -56,6 +56,10 @@ class LaunchConfig:
         first_step_min: the least time (seconds) a worker gets to end its first step.
         uneven_grace: seconds a worker may wait in a step that a finished peer never
             ran before the job fails (at most ``progress_timeout``).
+        silence_warning: seconds of a worker's silence (no heartbeat, or stopped)
+            before a warning line, and between the next ones (0: none).
+        allow_oversubscribe: start more CPU processes than
+            ``_devices.PROCESSES_PER_CORE`` (8) per CPU core.
         verbose_env: print every variable of the first worker, not only Paddle's.
     """
 
@@ -76,6 +80,8 @@ class LaunchConfig:
     progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
     first_step_min: float = FIRST_STEP_MIN
     uneven_grace: float = UNEVEN_GRACE
+    silence_warning: float = SILENCE_WARNING
+    allow_oversubscribe: bool = False
     verbose_env: bool = False
 
     @property
@@ -145,6 +151,11 @@ def _check_values(config: LaunchConfig) -> None:
             f"--progress_timeout {config.progress_timeout} must be >= 0 seconds (0 turns "
             "the watchdog off)"
         )
+    if config.silence_warning < 0:
+        raise FleetConfigError(
+            f"--silence_warning {config.silence_warning} must be >= 0 seconds (0: no "
+            "warning lines)"
+        )
     for name in ("first_step_min", "uneven_grace"):
         if getattr(config, name) <= 0:
             raise FleetConfigError(f"--{name} {getattr(config, name)} must be > 0 seconds")
@@ -192,6 +203,8 @@ def _processes(config: LaunchConfig,
                     f"{len(visible)} processes, or --cpu_devices N for CPU processes"
                 )
             gpus = tuple(visible[:nproc])
+    if gpus is None:
+        _devices.check_cpu_processes(nproc or 1, config.allow_oversubscribe)
     return gpus, nproc or 1
 
 

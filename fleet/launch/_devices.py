@@ -1,4 +1,5 @@
-"""Which devices a worker sees: one GPU each (``--gpus``) or N fake CPU devices."""
+"""Which devices a worker sees: one GPU each (``--gpus``) or N fake CPU devices;
+and how many processes this machine can hold (one per GPU, a few per CPU core)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from fleet._errors import FleetConfigError
 from fleet._xla_flags import cpu_collective_environ, keep_remat_barriers
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+# CPU processes beyond this many per core only contend for the cores (and memory):
+# --allow_oversubscribe lifts the limit.
+PROCESSES_PER_CORE = 8
 
 
 def visible_gpus(environ: Mapping[str, str]) -> list[str]:
@@ -57,6 +61,29 @@ def check_gpus(selected: Sequence[str], environ: Mapping[str, str]) -> None:
     if len(set(selected)) != len(selected):
         raise FleetConfigError(
             f"--gpus {','.join(selected)} names a GPU twice; each process needs its own GPU"
+        )
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_cpu_processes(nproc: int, allow_oversubscribe: bool) -> None:
+    """Refuses more than :data:`PROCESSES_PER_CORE` CPU processes per core, before any
+    starts, unless ``allow_oversubscribe``."""
+    cores = cpu_cores()
+    limit = PROCESSES_PER_CORE * cores
+    if nproc > limit and not allow_oversubscribe:
+        raise FleetConfigError(
+            f"--nproc_per_node {nproc} asks for {nproc} CPU processes but this machine has "
+            f"{cores} CPU core(s); at most {limit} ({PROCESSES_PER_CORE} per core) start "
+            "without --allow_oversubscribe. Use fewer processes (--cpu_devices N gives each "
+            "N devices), or pass --allow_oversubscribe (fleet.spawn: "
+            "allow_oversubscribe=True) to start them anyway"
         )
 
 

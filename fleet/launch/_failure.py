@@ -40,6 +40,7 @@ class Failure:
     pid: int
     returncode: int | None = None  # None: stuck (see ``stuck``)
     stuck: str | None = None
+    stuck_brief: str | None = None  # the stuck reason in a few words, for the last line
     error: str | None = None  # the error text the worker sent (fleet.spawn: its traceback)
     log_path: str | None = None
     log_offset: int = 0  # where this attempt's output starts in the log
@@ -58,8 +59,11 @@ class Failure:
 
     @property
     def short(self) -> str:
-        """``how`` without the watchdog's explanation."""
-        return "is stuck" if self.returncode is None else self.how
+        """``how`` without the watchdog's full explanation (its brief form, if any):
+        the job's last line."""
+        if self.returncode is not None:
+            return self.how
+        return "is stuck" + (f" {self.stuck_brief}" if self.stuck_brief else "")
 
     def summary(self) -> str:
         return f"rank {self.rank} (pid {self.pid}) {self.how}"

@@ -70,6 +70,9 @@ the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
 ``--progress_timeout S``    the stuck-worker limit in seconds (600; 0 turns it off)
 ``--first_step_min S``      the least time a worker gets to end its first step (30)
 ``--uneven_grace S``        the wait in a step a finished peer never ran (10)
+``--silence_warning S``     warn after S seconds of a worker's silence, and every S
+                            seconds after, until ``--progress_timeout`` (60; 0: never)
+``--allow_oversubscribe``   start more than 8 CPU processes per CPU core
 ``--verbose_env``           print every variable of the first worker, not only Paddle's
 ==========================  ==============================================================
 
@@ -116,19 +119,24 @@ Failures
   step; scripts with their own loop call ``fleet.launch.heartbeat()``), or with
   no heartbeat at all ``max(--progress_timeout, --first_step_min)`` seconds after its start
   (stuck before its first step, e.g. in a collective call one rank made alone).
-  The job ends naming the rank furthest behind; exit code 124. A worker that
-  finished (exit 0, or its script ended and it waits for its peers in JAX's
-  shutdown) is never blamed.
+  The job ends naming the rank furthest behind; exit code 124. Long before
+  that, after ``--silence_warning`` seconds (60) of silence and then every as
+  many seconds, a ``WARNING`` line names the silent rank, its pid, how long it
+  has been silent (and whether it is stopped) and when the job will be ended.
+  A worker that finished (exit 0, or its script ended and it waits for its
+  peers in JAX's shutdown) is never blamed.
 * Uneven steps: a worker finished after N steps while a peer started step N + 1
   and has been silent since for ``min(--progress_timeout, --uneven_grace)`` seconds. The job
-  ends naming the rank that ran more steps and both step counts; exit code 124.
+  ends naming the rank that ran more steps and both step counts, in its last line
+  too; exit code 124.
   With the defaults this ends the job within about 15 s.
 * ``Ctrl-C`` / ``SIGTERM`` / ``SIGHUP`` to the launcher: every worker's process
   group is stopped the same way (a second signal skips the grace); exit code
   128 + N. Workers also die if the launcher is killed outright (``SIGKILL``).
 * Bad input fails before any worker starts (exit code 2): a missing script, a
   taken ``--master`` port, GPU ids that do not exist, ``--node_rank`` outside
-  ``--nnodes``.
+  ``--nnodes``, more processes than the machine holds (more than its visible
+  GPUs; more than 8 CPU processes per CPU core without ``--allow_oversubscribe``).
 
 With ``--max_restarts N`` a failure stops the whole group and starts it again,
 up to N times, with ``FLEET_RESTART_COUNT`` counting the restarts; on one node

@@ -55,8 +55,9 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
             ``gpus`` (``selected_gpus``, ``devices``): GPU ids such as ``"4,5"``, one
             per process; ``cpu_devices``: N CPU devices per process; ``master``:
             ``"127.0.0.1:PORT"`` for the coordinator (default: a free loopback port);
-            ``job_id``; ``progress_timeout``, ``first_step_min`` and ``uneven_grace``
-            (seconds); ``verbose_env``; and
+            ``job_id``; ``progress_timeout``, ``first_step_min``, ``uneven_grace`` and
+            ``silence_warning`` (seconds); ``allow_oversubscribe`` (more than 8
+            CPU processes per core); ``verbose_env``; and
             ``print_config``: print the configuration and environment tables.
 
     Returns:

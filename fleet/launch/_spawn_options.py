@@ -17,7 +17,7 @@ from fleet.launch._config import LaunchConfig
 # fleetrun's options that fleet.spawn takes too (fleet/launch/_args.py is their one
 # table: types, defaults, aliases), and its own ``print_config``.
 _SHARED = ("cpu_devices", "gpus", "job_id", "master", "progress_timeout", "first_step_min",
-           "uneven_grace", "verbose_env")
+           "uneven_grace", "silence_warning", "allow_oversubscribe", "verbose_env")
 _NAMES = {alias: name for name in _SHARED for alias in (name, *ALIASES.get(name, ()))}
 OPTIONS = tuple(sorted([*_SHARED, "print_config"]))
 _ALIASES_TEXT = "; ".join(f"{', '.join(ALIASES[n])} for {n}" for n in _SHARED if n in ALIASES)
@@ -87,6 +87,6 @@ def _option_value(name: str, value: Any) -> Any:
             return convert(value)
         except ValueError:
             raise FleetConfigError(f"fleet.spawn option {name}={value!r} is not valid") from None
-    if name in ("progress_timeout", "first_step_min", "uneven_grace"):
+    if name in ("progress_timeout", "first_step_min", "uneven_grace", "silence_warning"):
         return float(value)
     return value

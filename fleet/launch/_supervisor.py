@@ -11,7 +11,8 @@ what error text it sent). Everything else is done here, the same way for both:
   supervisor learns the order in which workers died;
 * :meth:`Supervisor.run` waits for those exits, for a signal to the launcher
   and for a deadline, and every ``_CHECK_EVERY`` seconds asks the watchdog
-  (``fleet/launch/_watchdog.py``) for a stuck worker;
+  (``fleet/launch/_watchdog.py``) for a stuck worker; the watchdog's warnings of
+  a silent worker go to the ``fleet.launch`` logger (stderr);
 * the culprit of a failure is chosen among the exits that arrive within
   ``_SETTLE`` seconds of the first, a death by a signal first
   (:meth:`Supervisor._culprit`);
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -36,12 +38,14 @@ from fleet.launch._config import LaunchConfig, WorkerSpec
 from fleet.launch._failure import Failure
 from fleet.launch._watchdog import (
     STOPPED_STATES,
+    Stuck,
     Watchdog,
     Watched,
     process_state,
     read_progress,
 )
 
+_log = logging.getLogger("fleet.launch")  # the watchdog's warning lines (a silent worker)
 _POLL = 0.1  # seconds between looks at signals and at the caller's tick (log echo)
 _CHECK_EVERY = 0.5  # seconds between watchdog checks
 # After the first failure, how long other exits may still arrive before the culprit is
@@ -97,11 +101,12 @@ class Worker:
                        started=self.started,
                        finished=self.exited.is_set() and self.returncode == 0)
 
-    def failure(self, stuck: str | None = None) -> Failure:
+    def failure(self, stuck: Stuck | None = None) -> Failure:
         return Failure(rank=self.rank, pid=self.pid,
                        returncode=None if stuck is not None else self.returncode,
-                       stuck=stuck, error=self.error, log_path=self.log_path,
-                       log_offset=self.log_offset)
+                       stuck=None if stuck is None else stuck.reason,
+                       stuck_brief=None if stuck is None else stuck.brief, error=self.error,
+                       log_path=self.log_path, log_offset=self.log_offset)
 
 
 class Signalled(Protocol):
@@ -130,7 +135,8 @@ class Supervisor:
     def __init__(self, config: LaunchConfig):
         self.workers: list[Worker] = []
         self._watchdog = Watchdog(config.progress_timeout, first_step_min=config.first_step_min,
-                                  uneven_grace=config.uneven_grace)
+                                  uneven_grace=config.uneven_grace,
+                                  silence_warning=config.silence_warning, warn=_log.warning)
         self._events: queue.Queue[Worker] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._finished: set[int] = set()
@@ -181,7 +187,7 @@ class Supervisor:
                 stuck = self._watchdog.check(each.watched() for each in self.workers)
                 if stuck is not None:
                     worker = next(each for each in self.workers if each.rank == stuck.rank)
-                    return Outcome(failure=worker.failure(stuck=stuck.reason))
+                    return Outcome(failure=worker.failure(stuck=stuck))
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 

@@ -25,7 +25,15 @@ Uneven steps: when a worker has finished after N steps while a peer started step
 N + 1 (or later) and has been silent since for ``min(timeout, uneven_grace)``
 (10 s by default), the peer
 waits in a collective the finished worker will never join. The job ends naming
-the rank that ran more steps, and both step counts.
+the rank that ran more steps, and both step counts (in its last line too:
+:attr:`Stuck.brief`).
+
+Long before ``timeout`` ends a job, a silence is told: when a worker has sent no
+heartbeat (or been stopped) for ``silence_warning`` seconds (``--silence_warning``,
+60 by default), and again every ``silence_warning`` seconds while it lasts, the
+watchdog hands its ``warn`` callback one line naming the worker furthest behind
+(rank, pid, how long it has been silent, whether it is stopped), the other silent
+ranks, and how long until ``timeout`` ends the job. No line when ``timeout`` is 0.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 STOPPED_STATES = frozenset("Tt")
 
@@ -52,7 +60,10 @@ def process_state(pid: int) -> str | None:
 
 FIRST_STEP_MIN = 30.0  # seconds: the least time a worker gets before its first beat
 UNEVEN_GRACE = 10.0  # seconds a worker may wait in a step that a finished peer never ran
-# Both are launcher settings too (--first_step_min, --uneven_grace): tests set them to seconds.
+SILENCE_WARNING = 60.0  # seconds of silence before the first warning line, and between lines
+# All three are launcher settings too (--first_step_min, --uneven_grace, --silence_warning):
+# tests set them to seconds.
+_NAMED = 8  # at most this many other silent ranks are named in a warning line
 
 
 def last_heartbeat(path: str) -> float | None:
@@ -114,9 +125,13 @@ class Watched:
 
 @dataclasses.dataclass(frozen=True)
 class Stuck:
+    """The worker that ends the job: ``reason`` says why in full; ``brief``, when
+    given, says it in a few words for the job's last line."""
+
     rank: int
     pid: int
     reason: str
+    brief: str | None = None
 
 
 class Watchdog:
@@ -126,14 +141,21 @@ class Watchdog:
         timeout: ``--progress_timeout`` (0: never stuck).
         first_step_min: the least time before the first step ends.
         uneven_grace: the most time a worker waits in a step a finished peer never ran.
+        silence_warning: the silence (seconds) that gets a warning line, and the time
+            between the next ones while it lasts (0: no lines).
+        warn: what receives each warning line (the launcher logs it).
     """
 
     def __init__(self, timeout: float, clock=time.time, first_step_min: float = FIRST_STEP_MIN,
-                 uneven_grace: float = UNEVEN_GRACE):
+                 uneven_grace: float = UNEVEN_GRACE, silence_warning: float = SILENCE_WARNING,
+                 warn: Callable[[str], object] = lambda line: None):
         self.timeout = timeout
         self.clock = clock
         self.first_step_min = first_step_min
         self._uneven_grace = uneven_grace
+        self.silence_warning = silence_warning
+        self._warn = warn
+        self._next_warning = silence_warning  # the silence that gets the next line
         self._stopped_since: dict[int, float] = {}
         self._finished_since: dict[int, float] = {}
 
@@ -171,15 +193,19 @@ class Watchdog:
             now - beats[w.rank] >= self._limit(progress[w.rank]) if beats[w.rank] is not None
             else w.started is not None and now - w.started >= self.first_step_timeout)]
         if not stopped_long and not silent:
+            self._warn_silence(running, progress, now)
             return None
-
-        def behind(w: Watched) -> tuple:
-            beat = beats[w.rank]
-            return (w.rank not in self._stopped_since, beat is not None, beat or 0.0, w.rank)
-
-        culprit = min(running, key=behind)
+        culprit = min(running, key=self._behind(beats))
         return Stuck(rank=culprit.rank, pid=culprit.pid,
                      reason=self._reason(culprit, now, beats, progress, finished))
+
+    def _behind(self, beats: dict[int, float | None]) -> Callable[[Watched], tuple]:
+        """The order of blame: a stopped worker first, then one with no beat, then the
+        oldest beat."""
+        def key(w: Watched) -> tuple:
+            beat = beats[w.rank]
+            return (w.rank not in self._stopped_since, beat is not None, beat or 0.0, w.rank)
+        return key
 
     def _limit(self, p: Progress) -> float:
         """Silence allowed after a beat: the first step (it compiles) gets the first
@@ -201,7 +227,10 @@ class Watchdog:
             # asynchronously) a step the finished worker never ran; it has been silent since.
             waiting = now - max(p.beat or now, self._finished_since[fewest_rank])
             if waiting >= self.uneven_grace:
-                return Stuck(rank=w.rank, pid=w.pid, reason=(
+                brief = (f"in its step {p.begun}, in a collective that rank {fewest_rank} "
+                         f"never joins: rank {fewest_rank} ended after {fewest} steps "
+                         "(uneven steps)")
+                return Stuck(rank=w.rank, pid=w.pid, brief=brief, reason=(
                     f"uneven steps: rank {w.rank} ran more steps ({p.begun}) than rank "
                     f"{fewest_rank} ({fewest}). Rank {fewest_rank} finished after {fewest} "
                     f"steps; rank {w.rank} started step {p.begun} and has waited {waiting:.1f} "
@@ -209,6 +238,52 @@ class Watchdog:
                     "must run the same number of steps: give each the same number of "
                     "batches (fleet.io.DistributedBatchSampler does)"))
         return None
+
+    def _warn_silence(self, running: list[Watched], progress: dict[int, Progress],
+                      now: float) -> None:
+        """A line when a worker has been silent ``silence_warning`` seconds, then one
+        every ``silence_warning`` seconds while the longest silence lasts."""
+        if not self.silence_warning:
+            return
+        since = {w.rank: progress[w.rank].beat or w.started for w in running}
+        silent = [w for w in running if since[w.rank] is not None
+                  and now - since[w.rank] >= self.silence_warning]
+        if not silent:
+            self._next_warning = self.silence_warning
+            return
+        longest = max(now - since[w.rank] for w in silent)
+        if longest < self._next_warning:
+            return
+        self._next_warning = (longest // self.silence_warning + 1) * self.silence_warning
+        w = min(silent, key=self._behind({r: p.beat for r, p in progress.items()}))
+        p = progress[w.rank]
+        what = (" (its process is stopped, state T: SIGSTOP, Ctrl-Z or a debugger)"
+                if w.rank in self._stopped_since else
+                " (no heartbeat since it started: still importing or compiling, or stuck)"
+                if p.beat is None else
+                " (in its first step, which compiles, or stuck)" if p.ended == 0 else
+                f" (steps started: {p.begun}, ended: {p.ended})" if p.begun is not None else "")
+        others = [f"rank {o.rank} ({now - since[o.rank]:.0f} s)" for o in silent if o is not w]
+        if len(others) > _NAMED:
+            others[_NAMED:] = [f"{len(others) - _NAMED} more"]
+        left = max(0.0, min(self._time_left(o, progress[o.rank], since[o.rank], now)
+                            for o in running))
+        self._warn(
+            f"rank {w.rank} (pid {w.pid}) has been silent for {now - since[w.rank]:.0f} s"
+            f"{what}" + (f"; silent too: {', '.join(others)}" if others else "")
+            + f"; --progress_timeout {self.timeout:g} s ends the job in {left:.0f} s unless "
+            "a heartbeat comes"
+        )
+
+    def _time_left(self, w: Watched, p: Progress, since: float | None, now: float) -> float:
+        """Seconds until ``w`` is stuck if nothing changes."""
+        left = float("inf")
+        if since is not None:
+            limit = self._limit(p) if p.beat is not None else self.first_step_timeout
+            left = limit - (now - since)
+        if w.rank in self._stopped_since:
+            left = min(left, self.timeout - (now - self._stopped_since[w.rank]))
+        return left
 
     def _reason(self, w: Watched, now: float, beats: dict[int, float | None],
                 progress: dict[int, Progress], finished: set[int]) -> str:

@@ -3,16 +3,21 @@ the failure tests: it can hang (a simulated deadlock) or raise on one rank.
 
     train_loop.py [--steps N] [--hang_rank R --hang_step S] [--raise_rank R --raise_step S]
                   [--exit HOW] [--no_heartbeat] [--extra_step_rank R]
+                  [--stop_rank R --stop_step S]
 
 ``--exit HOW``: how rank ``--raise_rank`` fails at ``--raise_step``: ``raise`` (a
 ValueError, the default), ``sys.exit`` (``sys.exit(3)``) or ``SystemExit``
 (``raise SystemExit(4)``).
 
 ``--extra_step_rank R``: rank R runs one step more than the others (uneven data).
+
+``--stop_rank R --stop_step S``: rank R stops itself (``SIGSTOP``, as a stuck
+filesystem or a debugger would) before step S.
 """
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -29,6 +34,8 @@ parser.add_argument("--raise_rank", type=int, default=-1)
 parser.add_argument("--raise_step", type=int, default=-1)
 parser.add_argument("--exit", default="raise", choices=["raise", "sys.exit", "SystemExit"])
 parser.add_argument("--extra_step_rank", type=int, default=-1)
+parser.add_argument("--stop_rank", type=int, default=-1)
+parser.add_argument("--stop_step", type=int, default=-1)
 parser.add_argument("--no_heartbeat", action="store_true",
                     help="rely on distributed_step's own heartbeats")
 args = parser.parse_args()
@@ -56,6 +63,9 @@ for step in range(args.steps + (rank == args.extra_step_rank)):
         print(f"rank {rank} hangs at step {step}", flush=True)
         while True:
             time.sleep(1)
+    if rank == args.stop_rank and step == args.stop_step:
+        print(f"rank {rank} stops itself at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
     if rank == args.raise_rank and step == args.raise_step:
         print(f"rank {rank} fails at step {step} ({args.exit})", flush=True)
         if args.exit == "sys.exit":
