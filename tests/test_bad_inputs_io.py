@@ -7,6 +7,8 @@ itself within 60 s, with the message checked on every process.
 """
 
 import re
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -167,3 +169,41 @@ def test_datasets_of_different_lengths_raise_on_every_process(tmp_path):
     for rank in (0, 1):
         log = job.log(rank)
         assert "FINISHED" not in log and re.search(want, log), log[-3000:]
+
+
+NO_GUARD = textwrap.dedent("""
+    import numpy as np
+    import fleet
+    from fleet.io import DataLoader, TensorDataset
+
+    def main():
+        fleet.init(is_collective=True)
+        data = TensorDataset([np.arange(16, dtype=np.float32)])
+        for _ in DataLoader(data, batch_size=4, num_workers=2):
+            pass
+        print("FINISHED", flush=True)
+
+    {call}
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_the_main_guard_is_named_before_workers_start(tmp_path, guarded):
+    """Issue 22 item 14: spawned workers import the script again; without the guard
+    the error names the line and the guard (before: 'worker 0 exited unexpectedly
+    with exit code 1 ... Run with num_workers=0'). With it, the loader runs."""
+    call = 'if __name__ == "__main__":\n        main()' if guarded else "main()"
+    script = tmp_path / "train.py"
+    script.write_text(NO_GUARD.format(call=call))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=90, cwd=tmp_path)
+    output = done.stdout + done.stderr
+    if guarded:
+        assert done.returncode == 0 and "FINISHED" in output, output[-3000:]
+        return
+    assert done.returncode == 1 and "FINISHED" not in output, output[-3000:]
+    assert re.search(r"FleetConfigError: DataLoader\(num_workers=2\) is used from line 13 of "
+                     r".*train\.py, outside an `if __name__ == \"__main__\":` block\..*"
+                     r"spawn.*or use num_workers=0", output), output[-3000:]
+    assert "exited unexpectedly" not in output

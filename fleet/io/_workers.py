@@ -2,7 +2,8 @@
 
 Workers are started with ``spawn`` (never ``fork``: the main process runs JAX's
 threads), so the dataset, ``collate_fn`` and ``worker_init_fn`` must be picklable and
-the training script needs the usual ``if __name__ == "__main__":`` guard.
+the training script needs the usual ``if __name__ == "__main__":`` guard
+(``fleet/io/_main_guard.py`` names the line when it is missing).
 
 Each worker has its own duplex pipe. Batch ``seq`` goes to worker
 ``seq % num_workers`` and every worker answers in the order it was asked, so reading
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from fleet._errors import FleetConfigError
-from fleet.io import _shm
+from fleet.io import _main_guard, _shm
 from fleet.io._collate import fetch_batch
 from fleet.io._errors import FleetWorkerError
 
@@ -84,6 +85,7 @@ class WorkerPool:
         base_seed: int,
         max_in_flight: int,
     ):
+        _main_guard.check(num_workers)
         ctx = multiprocessing.get_context("spawn")
         self._conns, self._procs = [], []
         self._blocks = _shm.BlockPool(max_in_flight)
