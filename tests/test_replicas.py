@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import fleet
+from fleet import _replicas
 from tests import models
 
 
@@ -170,6 +171,44 @@ def test_check_replicas_finds_a_copy_made_different(make_world):
     found = fleet.check_replicas(model)
     assert len(found) == 1 and found[0].startswith("_linear2.kernel"), found
     assert "device(s) [1, 2, 3]" in found[0]
+
+
+DTYPES = {  # a value, and the same value with one element's lowest bit changed
+    "float32": (np.linspace(-1, 1, 4097, dtype=np.float32),
+                lambda a: a.view(np.uint32).__setitem__(2048, a.view(np.uint32)[2048] ^ 1)),
+    "bfloat16": (np.linspace(-1, 1, 300).astype(jax.numpy.bfloat16),
+                 lambda a: a.view(np.uint16).__setitem__(7, a.view(np.uint16)[7] ^ 1)),
+    "int8": (np.arange(-50, 50, dtype=np.int8), lambda a: a.__setitem__(99, a[99] ^ 1)),
+    "bool": (np.ones((3, 5), bool), lambda a: a.__setitem__((2, 4), False)),
+    "complex64": (np.full(6, 1 + 2j, np.complex64), lambda a: a.__setitem__(5, 1 + 3j)),
+    "scalar": (np.float32(3.0), None),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_check_replicas_sees_one_bit_on_one_device(make_world, dtype):
+    """The copies are compared bit for bit (issue 22 item 9): one changed bit of one
+    element, on one device, is named; equal copies pass. Both ways of comparing:
+    in place on CPU, and by on-device fingerprints (accelerators)."""
+    world = make_world(4)
+    value, flip = DTYPES[dtype]
+    value = np.array(value)
+    changed = value.copy()
+    if flip is None:
+        changed = changed + np.float32(2.0 ** -20)
+    else:
+        flip(changed)
+    assert not np.array_equal(np.atleast_1d(changed).view(np.uint8), np.atleast_1d(value).view(np.uint8))
+    devices = list(world.mesh.devices.flat)
+    shards = [jax.device_put(changed if i == 2 else value, d) for i, d in enumerate(devices)]
+    tree = {"same": jax.device_put(value, world.replicated),
+            "x": jax.make_array_from_single_device_arrays(value.shape, world.replicated, shards)}
+    found = fleet.check_replicas(tree)
+    assert found == [f"x (device {devices[0].id} and device(s) [{devices[2].id}])"], found
+    # The accelerators' path (fingerprints computed on each device), run on these CPU ones.
+    prints = _replicas._fingerprints([tree["same"], tree["x"]])  # [copy, leaf, 2]
+    differs = [[bool((prints[i, j] != prints[0, j]).any()) for i in range(4)] for j in (0, 1)]
+    assert differs == [[False] * 4, [False, False, True, False]], prints
 
 
 def test_the_strategy_checks_replicas_while_training(make_world):

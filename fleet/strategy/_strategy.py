@@ -328,7 +328,8 @@ class DistributedStrategy:
         check_replicas_every_n_steps: every this many calls, a distributed step
             checks that every replica's copy of its state and outputs agree
             (:func:`fleet.check_replicas`) and raises, naming the first leaf that
-            differs (0, the default: never).
+            differs (default 500: under 0.1% of a step on the CIFAR CNN and the
+            25M MLP, ``benchmarks/check_replicas.py``; 0: never).
         check_nan_inf: Paddle's ``FLAGS_check_nan_inf``: a step whose outputs (the
             loss) or whose wrapped model's gradients hold a NaN or an infinity
             raises, naming the first such leaf, and leaves the state as it was
@@ -352,7 +353,7 @@ class DistributedStrategy:
     fuse_grad_size_in_MB: float = DEFAULT_BUCKET_MB
     last_comm_group_size_MB: float = DEFAULT_LAST_BUCKET_MB
     find_unused_parameters: bool = False
-    check_replicas_every_n_steps: int = 0
+    check_replicas_every_n_steps: int = 500
     check_nan_inf: bool = False
     fp16_allreduce: bool = False
     sync_batch_norm: bool | None = None
