@@ -251,7 +251,8 @@ def test_synthetic_data_is_named_in_every_accuracy_line(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if "accuracy" in line]
     assert lines and all(line.endswith("(synthetic data)") for line in lines)
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
-    assert steps[-1].startswith("step 8/8 - loss: ") and "samples/s" in steps[-1]
+    assert steps[-1].startswith("step 8/8 [=====") and " - loss: " in steps[-1]
+    assert "samples/s" in steps[-1]
     assert json.loads((tmp_path / "output/cifar10/metrics.json").read_text())["synthetic"]
 
 

@@ -134,10 +134,11 @@ def test_fit_trains_the_single_device_model_and_evaluates_exactly(
     top2 = (np.argsort(-logits, 1)[:, :2] == eval_set[1][:, None]).any(1)
     assert result["acc"] == correct.sum() / N_EVAL  # exact: no padding counted
     assert result["k_top1"] == result["acc"] and result["k_top2"] == top2.sum() / N_EVAL
-    assert result["loss"] == pytest.approx(float(ce(logits, eval_set[1]).mean()), abs=1e-6)
+    # Paddle's shape, {'loss': [value], ...}: here the mean over every sample (issue 23)
+    assert result["loss"] == [pytest.approx(float(ce(logits, eval_set[1]).mean()), abs=1e-6)]
     assert [h["epoch"] for h in history] == [0, 1]
     assert history[-1]["eval_acc"] == result["acc"]
-    assert history[-1]["eval_loss"] == pytest.approx(result["loss"], abs=1e-6)
+    assert history[-1]["eval_loss"] == pytest.approx(result["loss"][0], abs=1e-6)
 
     # predict: one row per sample, in dataset order (labels in the samples are ignored).
     outputs = model.predict(TensorDataset(list(eval_set)), batch_size=3, verbose=0)
@@ -458,35 +459,11 @@ def test_lr_scheduler_sets_the_learning_rate_per_epoch_and_per_step(make_world, 
         callbacks.LRScheduler(lambda e: 0.1, by_step=True, by_epoch=True)
 
 
-def test_progress_bar_shows_step_loss_metrics_and_samples_per_second(
-        make_world, train_set, eval_set, monkeypatch):
+def test_progress_bar_prints_on_the_first_worker_only(make_world, train_set, monkeypatch):
+    """The console's format is tests/test_hapi_console.py's; here: only the first
+    worker prints."""
     make_world(2)
-    out = io.StringIO()
     model = prepared()
-    model.fit(TensorDataset(list(train_set)), TensorDataset(list(eval_set)), batch_size=10,
-              epochs=1, callbacks=[callbacks.ProgBarLogger(log_freq=2, verbose=2, file=out)])
-    lines = out.getvalue().splitlines()
-    assert lines[0] == "Epoch 1/1"
-    steps = [line for line in lines if line.startswith("step")]
-    assert [s.split(" - ")[0] for s in steps] == [f"step {i}/5" for i in (2, 4, 5)] + [
-        "step 2/2"]
-    assert all(re.fullmatch(r"step +\d+/\d+ - loss: \d\.\d{4} - acc: \d\.\d{4} - \d+ samples/s",
-                            s) for s in steps)
-    assert lines[-3:-1] == ["Eval begin...", steps[-1]] and lines[-1] == "Eval samples: 37"
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    tty = Terminal()
-    bar = callbacks.ProgressBar(num=4, verbose=1, file=tty)
-    bar.update(2, [("loss", 0.25)], samples=8)
-    bar.update(4, [("loss", 0.125)], samples=8)
-    assert tty.getvalue().startswith("\rstep 2/4 [==============>...............] - loss: "
-                                     "0.2500 - ")
-    assert "\rstep 4/4 [==============================] - loss: 0.1250" in tty.getvalue()
-    assert tty.getvalue().endswith(" samples/s\n")
-
     monkeypatch.setattr(_world, "is_first_worker", lambda: False)
     quiet = io.StringIO()
     model.fit(TensorDataset(list(train_set)), batch_size=10, epochs=1,

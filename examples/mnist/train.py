@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
         "amp": "bfloat16" if args.amp else None, **result,
     }
     if fleet.is_first_worker():
-        print(f"test accuracy: {result['acc']:.4f}  loss: {result['loss']:.4f}  "
+        print(f"test accuracy: {result['acc']:.4f}  loss: {result['loss'][0]:.4f}  "
               f"({NAMES[args.dataset]}, {len(test_set)} images, {summary['devices']} devices, "
               f"{summary['processes']} processes{', bfloat16 amp' if args.amp else ''})",
               flush=True)

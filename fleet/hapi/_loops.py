@@ -8,11 +8,12 @@ the step, and bring its per-example rows to the host with the loader's
 ``gather_for_metrics`` (which drops the rows the sampler repeated as padding), so
 metrics, evaluation losses and predictions count every sample exactly once.
 
-Training brings a step's metric rows to the host only once the next step is
-queued, so the devices never wait for the host. For the same reason a training
-step's logs hold the loss, and with float16 amp the loss scale and the count of
-skipped steps (:func:`amp_logs`), as device arrays: they are read, a wait for the
-devices, only where they are printed or kept (the progress bar every
+With metrics, training brings each step's metric rows to the host right after
+the step, as Paddle does, so the metric a step's logs show is the one after that
+step (a wait for the devices per step; a model without metrics never waits). A
+training step's logs hold the loss, and with float16 amp the loss scale and the
+count of skipped steps (:func:`amp_logs`), as device arrays: they are read, a
+wait for the devices, only where they are printed or kept (the progress bar every
 ``log_freq`` steps, the epoch's record), not every step.
 """
 
@@ -43,7 +44,6 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
     loss_sum, count, done = 0.0, 0, 0
     logs: dict[str, Any] = {}
     outputs: list[list[np.ndarray]] = []
-    pending = None  # train: the previous step's metric rows, still on the devices
     for step, batch in enumerate(loader):
         if step >= steps:
             break
@@ -54,12 +54,8 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
             update = (step + 1) % accumulate == 0 or step + 1 == steps
             group = min(accumulate, steps - step // accumulate * accumulate)
             loss, rows = model.train_step(inputs, labels, update, 1.0 / group)
-            if pending is not None:
-                _update(metrics, loader.gather_for_metrics(pending[1], step=pending[0]))
-            pending = (step, rows) if metrics else None
-            if pending is not None and step + 1 == steps:
+            if metrics:  # the metric printed at a step is the one after it, as in Paddle
                 _update(metrics, loader.gather_for_metrics(rows, step=step))
-                pending = None
             n = global_rows(inputs)
             loss_sum, count = loss_sum + loss * n, count + n  # stays on the device
             logs["loss"] = loss
@@ -83,9 +79,6 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
         done += 1
         logs.update(metric_logs(metrics), step=step, batch_size=n)
         cbks.on_batch_end(mode, step, logs)
-    if pending is not None:  # the loader ran out before len(loader) steps
-        _update(metrics, loader.gather_for_metrics(pending[1], step=pending[0]))
-        logs.update(metric_logs(metrics))
     logs = {k: v for k, v in logs.items() if k not in ("step", "batch_size")}
     if mode == "train":
         if done == 0:

@@ -238,12 +238,17 @@ class Model:
         so the result is what one device computes over the whole dataset.
 
         Returns:
-            ``{"loss": ..., "acc": ...}`` (the metric names), as floats (lists for
-            metrics with several values).
+            ``{"loss": [mean], "acc": ...}`` in Paddle's shape: the loss as a
+            one-element list, the metrics by name as floats (lists for metrics with
+            several values). The loss is the mean over all samples (Paddle's is
+            the last batch's loss).
         """
         check_ready(self, "evaluate")
-        return public(self._run("eval", eval_data, batch_size, num_workers, verbose, log_freq,
+        logs = public(self._run("eval", eval_data, batch_size, num_workers, verbose, log_freq,
                                 callbacks, num_iters)[0])
+        if "loss" in logs:
+            logs["loss"] = [logs["loss"]]
+        return logs
 
     def predict(self, test_data: Any, batch_size: int = 1, num_workers: int = 0,
                 stack_outputs: bool = False, verbose: int = 1,
