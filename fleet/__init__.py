@@ -58,7 +58,7 @@ from fleet._world import (
     world,
 )
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
-from fleet.hapi import Model, callbacks, metric
+from fleet.hapi import Model, callbacks, load_inference, metric
 from fleet.launch import spawn
 from fleet.strategy import DistributedStrategy
 
@@ -99,6 +99,7 @@ __all__ = [
     "CheckpointManager",
     # the high-level API
     "Model",
+    "load_inference",
     "callbacks",
     "metric",
     # errors

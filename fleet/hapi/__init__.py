@@ -27,8 +27,10 @@ nothing below imports it.
 
 from fleet.hapi import callbacks, metric
 from fleet.hapi._callbacks import Callback
+from fleet.hapi._export import load_inference
 from fleet.hapi._metric import Accuracy, Metric
 from fleet.hapi._model import Model
 from fleet.hapi._progbar import ProgressBar
 
-__all__ = ["Accuracy", "Callback", "Metric", "Model", "ProgressBar", "callbacks", "metric"]
+__all__ = ["Accuracy", "Callback", "Metric", "Model", "ProgressBar", "callbacks", "load_inference",
+           "metric"]

@@ -26,7 +26,7 @@ import numpy as np
 from fleet import _world
 from fleet._errors import FleetWarning
 from fleet._model import DataParallel, distributed_model
-from fleet.hapi import _saving, _steps
+from fleet.hapi import _export, _saving, _steps
 from fleet.hapi._callbacks import Callback
 from fleet.hapi._config import config_callbacks
 from fleet.hapi._inputs import (
@@ -76,6 +76,7 @@ class Model:
         self.network = network if isinstance(network, DataParallel) else distributed_model(network)
         self.num_inputs = count_inputs(network, inputs)  # the leading fields of a sample
         self._inputs = inputs
+        self._seen: tuple = ()  # the last batch's inputs (their shapes, for an export)
         self.optimizer: Any = None  # set by prepare: the distributed nnx.Optimizer
         self.loss: Any = None
         self.metrics: list[Metric] = []
@@ -115,6 +116,7 @@ class Model:
         """One training step: ``(loss, metric rows)``, on the devices. The gradient is
         that of ``scale * loss``; ``update=False`` accumulates it (``no_sync``: the
         gradients add up until the next update)."""
+        self._seen = inputs
         if update:
             return self._train(self.network, self.optimizer, inputs, labels, scale)
         with self.network.no_sync():
@@ -122,10 +124,12 @@ class Model:
 
     def eval_step(self, inputs: tuple, labels: tuple) -> tuple[Any, tuple]:
         """``(per-example losses or None, metric rows)`` of one batch."""
+        self._seen = inputs
         return self._eval(self.network, inputs, labels)
 
     def predict_step(self, inputs: tuple) -> Any:
         """The network's outputs for one batch (per example)."""
+        self._seen = inputs
         return self._predict(self.network, inputs)
 
     # -- one step (what the loops call), one batch (Paddle's *_batch) ---------------------
@@ -284,13 +288,23 @@ class Model:
     # -- saving, loading, summary -------------------------------------------------------
 
     def save(self, path: str | os.PathLike, training: bool = True) -> None:
-        """Writes ``{path}.pdparams`` and, with ``training``, ``{path}.pdopt``.
+        """``training=True``: writes ``{path}.pdparams`` (the network's variables) and
+        ``{path}.pdopt`` (the optimizer's state), one file each, for :meth:`load`.
+
+        ``training=False``: writes the inference model, ``{path}.jaxexport`` (the
+        forward pass in evaluation mode, serialized by ``jax.export`` for CPU and
+        CUDA, any batch size) and ``{path}.pdiparams`` (its weights), for
+        :func:`fleet.load_inference`, which runs it without the model's class.
+        The input shapes are ``fleet.Model(inputs=[...])``'s, or the last batch's.
 
         Every process must call it (the first one writes, the others wait).
         """
         path = os.fspath(path)
+        if not training:
+            return _export.export(self.network, _export.input_specs(self._inputs, self._seen),
+                                  path)
         _saving.write_arrays(path + _saving.PARAMS_SUFFIX, self.network.state_dict())
-        if training and self.optimizer is not None:
+        if self.optimizer is not None:
             _saving.write_arrays(path + _saving.OPT_SUFFIX,
                                  _saving.optimizer_state_dict(self.optimizer))
 

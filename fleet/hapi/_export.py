@@ -1,0 +1,114 @@
+"""``Model.save(path, training=False)`` and :func:`load_inference`: the network as
+a program, runnable without its Python class (Paddle's inference model and
+``paddle.jit.load``).
+
+``save`` traces the network's forward pass in evaluation mode and serializes
+it with ``jax.export``: StableHLO, lowered for CPU and CUDA together, with a
+symbolic batch dimension, so the file runs on either and on any batch size.
+Two files, Paddle's pair:
+
+* ``{path}.jaxexport``: ``jax.export.Exported.serialize()``; the program takes
+  the weights (a list of arrays) and the network's inputs;
+* ``{path}.pdiparams``: those weights, written with :func:`fleet.save`
+  (``{"names": [...], "weights": [...]}``: the variables' dotted names and
+  values, in the program's order).
+
+The input shapes come from ``fleet.Model(network, inputs=[...])`` (a
+``jax.ShapeDtypeStruct`` per input; its first axis, the batch, is made
+symbolic whatever it says), or else from the last batch the model ran.
+Random state (dropout's keys) is not an input: evaluation does not use it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from fleet import _world, checkpoint
+from fleet._errors import FleetConfigError, FleetError
+from fleet._tree import dotted
+
+EXPORT_SUFFIX = ".jaxexport"
+WEIGHTS_SUFFIX = ".pdiparams"
+PLATFORMS = ("cpu", "cuda")
+
+
+def input_specs(given: Any, seen: Sequence[Any]) -> list:
+    """The inputs' specs with a symbolic batch axis: from ``fleet.Model(inputs=...)``,
+    else from the last batch the model ran (``seen``, its input arrays)."""
+    specs = given if isinstance(given, (list, tuple)) else [
+        jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in seen]
+    if not specs:
+        raise FleetConfigError(
+            "Model.save(path, training=False) exports the network for a batch of inputs of "
+            "known shapes, and this model has none: give them, fleet.Model(network, "
+            "inputs=[jax.ShapeDtypeStruct((None, 784), jnp.float32)]) (one per input; the "
+            "first axis is the batch), or run fit / evaluate / predict first")
+    batch = jax.export.symbolic_shape("batch")[0]
+    out = []
+    for i, s in enumerate(specs):
+        if not hasattr(s, "shape") or not hasattr(s, "dtype") or len(s.shape) < 1:
+            raise FleetConfigError(
+                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a jax.ShapeDtypeStruct "
+                "whose first axis is the batch, e.g. jax.ShapeDtypeStruct((None, 784), "
+                "jnp.float32)")
+        out.append(jax.ShapeDtypeStruct((batch, *[int(d) for d in s.shape[1:]]), s.dtype))
+    return out
+
+
+def export(network: nnx.Module, specs: list, path: str) -> None:
+    """Writes ``{path}.jaxexport`` and ``{path}.pdiparams`` (on the first worker; the
+    others wait)."""
+    graphdef, rng_state, weights = nnx.split(network, nnx.RngState, ...)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(weights)
+    names = [dotted(p) for p, _ in flat]
+    values = [np.asarray(x) for _, x in flat]
+
+    def forward(leaves, *inputs):
+        model = nnx.merge(graphdef, rng_state, jax.tree_util.tree_unflatten(treedef, leaves))
+        model.eval()
+        return model(*inputs)
+
+    leaf_specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
+    exported = jax.export.export(jax.jit(forward), platforms=PLATFORMS)(leaf_specs, *specs)
+    if _world.is_first_worker():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        checkpoint.save({"names": names, "weights": values}, path + WEIGHTS_SUFFIX)
+        tmp = f"{path}{EXPORT_SUFFIX}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(exported.serialize())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path + EXPORT_SUFFIX)
+    _world.barrier_worker()
+
+
+def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
+    """The network saved by ``Model.save(path, training=False)``, as a function of its
+    inputs: ``predict = fleet.load_inference("out/infer"); logits = predict(x)``.
+
+    It runs the saved program (on this machine's default backend, CPU or CUDA, and
+    on any batch size) with the saved weights; the model's Python class is not
+    needed. Paddle's ``paddle.jit.load``.
+    """
+    path = os.fspath(path)
+    for suffix in (EXPORT_SUFFIX, WEIGHTS_SUFFIX):
+        if not os.path.exists(path + suffix):
+            raise FleetError(
+                f"no {path + suffix!r}: pass the path given to Model.save(path, "
+                f"training=False) (it writes {path}{EXPORT_SUFFIX} and {path}{WEIGHTS_SUFFIX})")
+    with open(path + EXPORT_SUFFIX, "rb") as f:
+        exported = jax.export.deserialize(bytearray(f.read()))
+    weights = [jax.numpy.asarray(w) for w in checkpoint.load(path + WEIGHTS_SUFFIX)["weights"]]
+    call = jax.jit(exported.call)
+
+    def predict(*inputs: Any) -> Any:
+        return call(weights, *inputs)
+
+    predict.exported = exported  # type: ignore[attr-defined]  # its shapes and platforms
+    return predict

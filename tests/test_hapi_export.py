@@ -1,0 +1,95 @@
+"""``Model.save(path, training=False)`` and ``fleet.load_inference`` (issue 23,
+acceptance 2): the network's forward pass as a ``jax.export`` program with its
+weights, run in a fresh process that cannot import the model's class, on a batch
+size other than any it ran with, equals the model within 1e-6.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from fleet.io import TensorDataset
+
+
+class ConvNet(nnx.Module):  # BatchNorm (running statistics) and Dropout (random state)
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(4 * 8 * 8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn(self.conv(x)))
+        return self.head(self.drop(x.reshape(x.shape[0], -1)))
+
+
+LOAD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import fleet
+
+    predict = fleet.load_inference(sys.argv[1])
+    check = np.load(sys.argv[2])
+    out = np.asarray(predict(check["x"]))
+    print("PLATFORMS", ",".join(predict.exported.platforms))
+    print("DIFF", float(np.abs(out - check["y"]).max()))
+""")
+
+
+def trained_model():
+    model = fleet.Model(ConvNet(nnx.Rngs(0)))
+    model.prepare(optax.adam(1e-2), optax.softmax_cross_entropy_with_integer_labels)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 3, 32).astype(np.int32)
+    model.fit(TensorDataset([x, y]), batch_size=4, epochs=1, verbose=0)  # 16 rows a step
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_the_inference_model_runs_in_a_fresh_process_without_the_class(make_world, tmp_path):
+    make_world(4, fleet.DistributedStrategy(sync_batch_norm=True))
+    model = trained_model()
+    model.save(tmp_path / "out" / "infer", training=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "infer.jaxexport", "infer.pdiparams"]
+    x = np.random.default_rng(1).standard_normal((5, 8, 8, 1)).astype(np.float32)
+    model.network.eval()
+    np.savez(tmp_path / "check.npz", x=x, y=np.asarray(model.network(x)))
+    (tmp_path / "load.py").write_text(LOAD)
+    done = subprocess.run([sys.executable, "load.py", str(tmp_path / "out" / "infer"),
+                           str(tmp_path / "check.npz")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=90)  # cwd: tests/ (and ConvNet) not importable
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    print(f"batch 5 (trained on 16): |outputs - model| = {lines['DIFF']}")
+    assert lines["PLATFORMS"] == "cpu,cuda"
+    assert float(lines["DIFF"]) <= 1e-6
+
+
+def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_path):
+    make_world(2, fleet.DistributedStrategy(sync_batch_norm=True))
+    spec = jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32)
+    model = fleet.Model(ConvNet(nnx.Rngs(0)), inputs=[spec])
+    model.save(tmp_path / "given", training=False)  # before any fit: from inputs=
+    predict = fleet.load_inference(tmp_path / "given")
+    x = np.ones((3, 8, 8, 1), np.float32)
+    model.network.eval()
+    np.testing.assert_allclose(np.asarray(predict(x)), np.asarray(model.network(x)), atol=1e-6)
+
+    bare = fleet.Model(ConvNet(nnx.Rngs(0)))
+    with pytest.raises(fleet.FleetConfigError, match=r"exports the network for a batch of "
+                                                     r"inputs of known shapes.*inputs=\["):
+        bare.save(tmp_path / "none", training=False)
+    with pytest.raises(fleet.FleetError, match=r"no '.*missing\.jaxexport': pass the path"):
+        fleet.load_inference(tmp_path / "missing")
