@@ -15,6 +15,12 @@ need                               private symbol
 :func:`distributed_client`         ``jax._src.distributed.global_state.client``:
                                    the key-value store behind fleet's bounded
                                    agreement across processes (``_agree``)
+:func:`bind_cpu_collectives`      ``jax._src.lib._jax.make_gloo_tcp_collectives`` and
+                                   ``jax._src.xla_bridge.make_cpu_client``: gloo's
+                                   listeners on the address the launcher chose (else
+                                   gloo takes the hostname's, often a loopback one),
+                                   registered with JAX's public
+                                   ``jax.extend.backend.register_backend_factory``
 :func:`is_differentiated`          ``jax._src.interpreters.ad`` ``JVPTracer`` and
                                    ``LinearizeTracer``: is a read inside
                                    ``jax.grad``?
@@ -39,6 +45,7 @@ need                               private symbol
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +55,8 @@ import numpy as np
 from flax import nnx
 from jax._src import distributed, xla_bridge
 from jax._src.interpreters import ad
+from jax._src.lib import _jax
+from jax.extend import backend as jax_backend
 
 from fleet._errors import FleetUnsupportedError
 
@@ -63,6 +72,22 @@ def distributed_client() -> Any:
     """JAX's coordination-service client of this process (its key-value store), once
     ``jax.distributed.initialize`` has run."""
     return distributed.global_state.client
+
+
+def bind_cpu_collectives(address: str) -> None:
+    """Makes the CPU backend's gloo collectives listen on, and tell their peers,
+    ``address`` (gloo's own choice is what this machine's hostname resolves to).
+
+    Call it after ``jax.distributed.initialize`` and before JAX's first computation:
+    it registers JAX's own CPU client, made with gloo collectives bound to
+    ``address``, as the ``cpu`` backend (JAX's public ``register_backend_factory``).
+    """
+    def factory() -> Any:
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=address)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    jax_backend.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
 
 
 def is_differentiated(x: Any) -> bool:
@@ -157,6 +182,12 @@ def check() -> None:
         missing.append("jax._src.xla_bridge.backends_are_initialized")
     if not hasattr(getattr(distributed, "global_state", None), "client"):
         missing.append("jax._src.distributed.global_state.client")
+    if not callable(getattr(_jax, "make_gloo_tcp_collectives", None)):
+        missing.append("jax._src.lib._jax.make_gloo_tcp_collectives")
+    make_cpu_client = getattr(xla_bridge, "make_cpu_client", None)
+    if not callable(make_cpu_client) or "collectives" not in inspect.signature(
+            make_cpu_client).parameters:
+        missing.append("jax._src.xla_bridge.make_cpu_client(collectives=)")
     for name in ("JVPTracer", "LinearizeTracer"):
         if not isinstance(getattr(ad, name, None), type):
             missing.append(f"jax._src.interpreters.ad.{name}")

@@ -191,6 +191,14 @@ _alone_noted: list[bool] = []
 WORKER_PID = "FLEET_WORKER_PID"
 
 
+# The address this worker's gloo listeners bind and advertise, chosen by fleetrun:
+# loopback on one node, the node's address that reaches the master on several (gloo
+# would take what the hostname resolves to: a loopback address on Debian's default
+# /etc/hosts, which breaks a multi-node job, or a public one, which exposes a
+# single-node job).
+GLOO_ADDRESS = "FLEET_GLOO_ADDRESS"
+
+
 def started_by_a_worker() -> int | None:
     """The pid of the job's worker that started this process (``None``: it did not)."""
     pid = os.environ.get(WORKER_PID, "")
@@ -265,6 +273,9 @@ def initialize_distributed(env: WorkerEnv) -> None:
             "job with fleetrun, or set FLEET_RANK and FLEET_WORLD_SIZE too"
         ) from e
     os.environ[WORKER_PID] = str(os.getpid())  # its children stay out (see WORKER_PID)
+    gloo_address = os.environ.get(GLOO_ADDRESS)
+    if gloo_address and not env.from_cluster:
+        _compat.bind_cpu_collectives(gloo_address)
     if env.from_cluster and (jax.process_count(), jax.process_index()) != (
             env.world_size, env.rank):
         raise FleetConfigError(

@@ -6,7 +6,6 @@ global batches cut from Paddle's shuffle (``RandomState(epoch).shuffle``).
 """
 
 import io
-import re
 
 import jax
 import numpy as np

@@ -38,13 +38,13 @@ VALUES = {"nproc_per_node": "3", "gpus": "0,1", "cpu_devices": "2", "nnodes": "2
           "progress_timeout": "12.5", "node_ip": "10.0.0.2", "started_port": "6170",
           "first_step_min": "4", "uneven_grace": "1.5", "silence_warning": "7.5",
           "verbose_env": None,  # None: an on/off flag (its variable: 1)
-          "allow_oversubscribe": None}
+          "allow_oversubscribe": None, "join_timeout": "45"}
 PARSED = {"nproc_per_node": 3, "gpus": ("0", "1"), "cpu_devices": 2, "nnodes": 2,
           "node_rank": 1, "master": "10.0.0.1:6070", "ips": ("10.0.0.1", "10.0.0.2"),
           "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5,
           "node_ip": "10.0.0.2", "started_port": 6170, "first_step_min": 4.0,
           "uneven_grace": 1.5, "silence_warning": 7.5, "verbose_env": True,
-          "allow_oversubscribe": True}
+          "allow_oversubscribe": True, "join_timeout": 45.0}
 
 
 def test_every_option_is_tested():
@@ -165,6 +165,7 @@ BAD = [
     (dict(first_step_min=0.0, cpu_devices=1), r"--first_step_min 0.0 must be > 0 seconds"),
     (dict(uneven_grace=-2.0, cpu_devices=1), r"--uneven_grace -2.0 must be > 0 seconds"),
     (dict(silence_warning=-1.0, cpu_devices=1), r"--silence_warning -1.0 must be >= 0"),
+    (dict(join_timeout=0.0, cpu_devices=1), r"--join_timeout 0.0 must be > 0 seconds"),
     (dict(nproc_per_node=100000, cpu_devices=1),  # issue 22: far beyond the machine's cores
      r"--nproc_per_node 100000 asks for 100000 CPU processes but this machine has \d+ CPU "
      r"core\(s\); at most \d+ \(8 per core\) start without --allow_oversubscribe"),
@@ -278,6 +279,21 @@ def test_multi_node_environment(tmp_path, script):
     assert envs[0].trainer_endpoints == ("10.9.9.1:6070", "10.9.9.1:6071",
                                          "10.9.9.2:6070", "10.9.9.2:6071")
     assert [e.current_endpoint for e in envs] == ["10.9.9.2:6070", "10.9.9.2:6071"]
+
+
+def test_multi_node_addresses(tmp_path, script):
+    """Several nodes: the coordinator listens on the master address only, and gloo on
+    --node_ip (or the address that reaches the master), never the hostname's."""
+    config = resolve(LaunchConfig(training_script=script, nnodes=2, node_rank=0,
+                                  node_ip="127.0.0.3", master="127.0.0.1:6170",
+                                  cpu_devices=1), NO_GPUS)
+    first = plan_workers(config, 0, str(tmp_path))[0].environ
+    assert first["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:6170"
+    assert first["FLEET_GLOO_ADDRESS"] == "127.0.0.3"
+    alone = resolve(LaunchConfig(training_script=script, nproc_per_node=2, cpu_devices=1),
+                    NO_GPUS)
+    assert {s.environ["FLEET_GLOO_ADDRESS"] for s in plan_workers(alone, 0, str(tmp_path))} \
+        == {"127.0.0.1"}
 
 
 def test_gpu_processes_see_one_gpu_each(tmp_path, script):

@@ -23,9 +23,12 @@ import time
 from collections.abc import Callable
 from typing import IO
 
+from fleet._errors import FleetConfigError
 from fleet.launch import _tables
 from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, worker_base_environ
 from fleet.launch._failure import Failure, signal_name
+from fleet.launch._rendezvous import Stopped
+from fleet.launch._rendezvous_join import meet
 from fleet.launch._stop import die_with_parent
 from fleet.launch._supervisor import Outcome, Supervisor, Worker
 
@@ -155,6 +158,10 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
              config.nproc_per_node, config.node_rank, config.nnodes, devices, config.world_size)
     try:
         with SignalCatcher() as signals:
+            if config.nnodes > 1:
+                code = _meet(config, signals)
+                if code is not None:
+                    return code
             while True:
                 code = _attempt(config, restart, heartbeat_dir, signals, out)
                 if code is not None:
@@ -162,6 +169,20 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
                 restart += 1
     finally:
         shutil.rmtree(heartbeat_dir, ignore_errors=True)
+
+
+def _meet(config: LaunchConfig, signals: SignalCatcher) -> int | None:
+    """The nodes' rendezvous before the first start (``_rendezvous.py``): ``None`` when
+    every node came and agrees, else the launcher's exit code (2, or 128 + N)."""
+    try:
+        meet(config, lambda: signals.received[0] if signals.received else None)
+    except Stopped as e:
+        log.warning("got %s while the nodes met: no worker started", signal_name(e.signum))
+        return 128 + e.signum
+    except FleetConfigError as e:
+        log.error("%s", e)
+        return 2
+    return None
 
 
 def _attempt(config: LaunchConfig, restart: int, heartbeat_dir: str, signals: SignalCatcher,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from fleet._errors import FleetConfigError
 from fleet.launch._config import (
+    DEFAULT_JOIN_TIMEOUT,
     DEFAULT_PROGRESS_TIMEOUT,
     FIRST_STEP_MIN,
     SILENCE_WARNING,
@@ -77,6 +78,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "allow_oversubscribe": (_flag, False,
                             f"start more than {PROCESSES_PER_CORE} CPU processes per CPU "
                             "core (refused otherwise, before any starts)"),
+    "join_timeout": (float, DEFAULT_JOIN_TIMEOUT,
+                     "seconds the nodes of a multi-node job wait for each other before the "
+                     "first start; then the job ends naming the node ranks that never "
+                     "came"),
     "verbose_env": (_flag, False, "print every variable of the first worker, not only "
                                   "Paddle's five"),
 }

@@ -14,11 +14,13 @@ from collections.abc import Mapping
 
 from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError
+from fleet._worker import GLOO_ADDRESS
 from fleet.launch import _devices, _net
 from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
 
 DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
 DEFAULT_PROGRESS_TIMEOUT = 600.0
+DEFAULT_JOIN_TIMEOUT = 300.0  # JAX's own initialization_timeout
 # jax.distributed's own heartbeat must not fire before fleet's watchdog does (it aborts
 # the *healthy* processes when one is stopped, and the report would name the wrong
 # rank), and never earlier than JAX's default.
@@ -61,6 +63,8 @@ class LaunchConfig:
         allow_oversubscribe: start more CPU processes than
             ``_devices.PROCESSES_PER_CORE`` (8) per CPU core.
         verbose_env: print every variable of the first worker, not only Paddle's.
+        join_timeout: seconds the nodes of a multi-node job wait for each other
+            before the first start (``fleet/launch/_rendezvous.py``).
     """
 
     training_script: str | None = None
@@ -83,6 +87,7 @@ class LaunchConfig:
     silence_warning: float = SILENCE_WARNING
     allow_oversubscribe: bool = False
     verbose_env: bool = False
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
 
     @property
     def world_size(self) -> int:
@@ -156,7 +161,7 @@ def _check_values(config: LaunchConfig) -> None:
             f"--silence_warning {config.silence_warning} must be >= 0 seconds (0: no "
             "warning lines)"
         )
-    for name in ("first_step_min", "uneven_grace"):
+    for name in ("first_step_min", "uneven_grace", "join_timeout"):
         if getattr(config, name) <= 0:
             raise FleetConfigError(f"--{name} {getattr(config, name)} must be > 0 seconds")
     if config.training_script is not None and not os.path.isfile(config.training_script):
@@ -221,7 +226,7 @@ def _nodes(config: LaunchConfig) -> tuple[int, int, str | None]:
                 f"--started_port {port} and --master {master} both give the coordinator's "
                 "port; give one of them"
             )
-    if config.node_ip is not None:
+    if config.node_ip is not None and (ips is not None or (nnodes or 1) == 1):
         ips, node_rank = _node_from_ip(config.node_ip, ips, node_rank)
     if ips is not None:
         if not ips or not all(ips):
@@ -252,9 +257,8 @@ def _nodes(config: LaunchConfig) -> tuple[int, int, str | None]:
         )
     if master is not None:
         host, port = _net.split_host_port(master, "--master")
-        if node_rank == 0:
-            bind = host if nnodes == 1 or _net.is_loopback(host) else ""
-            _net.check_port_free(bind, port, "--master")
+        if node_rank == 0 and nnodes == 1:  # several: the rendezvous listens there first
+            _net.check_port_free(host, port, "--master")
     return nnodes, node_rank, master
 
 
@@ -305,7 +309,7 @@ _OWNED = frozenset(
     WorkerEnv(world_size=2, coordinator="h:1", current_endpoint="h:1",
               trainer_endpoints=("h:1",), job_id="j").to_environ()
 ) | {"FLEET_HEARTBEAT_FILE", "FLEET_PROGRESS_TIMEOUT", "FLEET_JAX_HEARTBEAT_TIMEOUT",
-     "JAX_COORDINATOR_BIND_ADDRESS", "FLAGS_selected_gpus", "FLEET_WORKER_PID"}
+     "JAX_COORDINATOR_BIND_ADDRESS", "FLAGS_selected_gpus", "FLEET_WORKER_PID", GLOO_ADDRESS}
 
 
 def worker_base_environ(environ: Mapping[str, str]) -> dict[str, str]:
@@ -347,7 +351,7 @@ def plan_workers(
             local = [f"{this}:{master_port + i}" for i in range(nproc)]
             endpoints = ()
     coordinator = f"{master_host}:{master_port}"
-    bind = config.nnodes == 1 or _net.is_loopback(master_host)
+    bind, gloo = _bind_addresses(config, master_host, master_port)
     jax_heartbeat = _JAX_HEARTBEAT_DEFAULT
     if config.progress_timeout:
         jax_heartbeat = max(jax_heartbeat, int(config.progress_timeout) + _JAX_HEARTBEAT_MARGIN)
@@ -371,14 +375,27 @@ def plan_workers(
         env["FLEET_PROGRESS_TIMEOUT"] = f"{config.progress_timeout:g}"
         env["FLEET_JAX_HEARTBEAT_TIMEOUT"] = str(jax_heartbeat)
         env["PYTHONUNBUFFERED"] = "1"
+        env[GLOO_ADDRESS] = gloo
         if rank == 0 and bind:
-            env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
+            env["JAX_COORDINATOR_BIND_ADDRESS"] = bind
         if config.gpus is not None:
             env.update(_devices.gpu_environ(config.gpus[local_rank]))
         elif config.cpu_devices is not None:
             env.update(_devices.cpu_environ(config.cpu_devices, environ))
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, environ=env))
     return specs
+
+
+def _bind_addresses(config: LaunchConfig, master_host: str,
+                    master_port: int) -> tuple[str | None, str]:
+    """Where the coordinator listens (``None``: JAX's default, every interface) and
+    the address of this node's gloo listeners: loopback on a single node; on several,
+    the master's own address and this node's address that reaches the master."""
+    if config.nnodes == 1:
+        return f"{master_host}:{master_port}", _net.LOOPBACK
+    master_ip = _net.resolve_ipv4(master_host)
+    bind = f"{master_ip}:{master_port}" if master_ip else None
+    return bind, _net.node_address(master_host, config.node_ip)
 
 
 def _this_host() -> str:

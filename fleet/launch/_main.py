@@ -61,7 +61,8 @@ the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
 ``--ips A,B``               every node's address (``--cluster_node_ips``); node 0's is the
                             coordinator's host, port 6070 unless ``--master`` or
                             ``--started_port`` says otherwise
-``--node_ip A``             this node's address in ``--ips``: gives ``--node_rank``
+``--node_ip A``             this node's address in ``--ips``: gives ``--node_rank``; with
+                            ``--master`` on several nodes, the address its workers listen on
 ``--started_port P``        the first port of each node's workers (Paddle); rank 0's is
                             the coordinator
 ``--log_dir DIR``           where ``workerlog.RANK`` go (default ``log``)
@@ -73,6 +74,9 @@ the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
 ``--silence_warning S``     warn after S seconds of a worker's silence, and every S
                             seconds after, until ``--progress_timeout`` (60; 0: never)
 ``--allow_oversubscribe``   start more than 8 CPU processes per CPU core
+``--join_timeout S``        how long the nodes of a multi-node job wait for each other
+                            before the first start (300); then the job ends, naming the
+                            node ranks that never came
 ``--verbose_env``           print every variable of the first worker, not only Paddle's
 ==========================  ==============================================================
 
@@ -88,8 +92,13 @@ What each worker gets
 ``FLEET_RESTART_COUNT`` (0, then 1, 2... after restarts: resume from your last
 checkpoint), ``FLEET_JOB_ID``, ``FLEET_HEARTBEAT_FILE`` (see below), and
 ``PYTHONUNBUFFERED=1``. GPU workers get ``CUDA_VISIBLE_DEVICES`` (their GPU only)
-and Paddle's ``FLAGS_selected_gpus`` (its physical id). Rank 0 of a single-node
-job also gets ``JAX_COORDINATOR_BIND_ADDRESS`` (the loopback address). At start
+and Paddle's ``FLAGS_selected_gpus`` (its physical id). Rank 0 also gets
+``JAX_COORDINATOR_BIND_ADDRESS``: its coordinator listens on the master address only
+(loopback on a single node). ``FLEET_GLOO_ADDRESS`` is where the workers' gloo (CPU
+collectives) listeners bind and what they tell their peers: 127.0.0.1 on a single
+node; on several, ``--node_ip`` or the address of the interface that reaches the
+master, never what the hostname resolves to (Debian's default ``/etc/hosts`` maps
+it to 127.0.1.1, which no other node reaches). At start
 the launcher prints its configuration (Paddle's nine rows first, as given, then
 fleet's, resolved) and its first worker's Paddle variables (every variable with
 ``--verbose_env``).
@@ -133,6 +142,17 @@ Failures
 * ``Ctrl-C`` / ``SIGTERM`` / ``SIGHUP`` to the launcher: every worker's process
   group is stopped the same way (a second signal skips the grace); exit code
   128 + N. Workers also die if the launcher is killed outright (``SIGKILL``).
+* Several nodes meet before the first start (``fleet/launch/_rendezvous.py``):
+  node 0's launcher listens on the master address, the others connect there and
+  say their node rank, ``--nnodes``, ``--nproc_per_node`` and ``--job_id``. Two
+  nodes with one ``--node_rank``, different process counts, different
+  ``--nnodes`` or another job end every node at once (exit code 2), naming the
+  mismatch, the nodes that came (hostname, address, processes) and the
+  coordinator's address. A missing node: every launcher prints ``waiting for 1
+  of 2 nodes at ADDR:PORT, 30 s of 300 s`` every 30 s and ends at
+  ``--join_timeout`` naming the missing node ranks. A ``--master`` that is not
+  node 0's own address is refused on node 0 at once; the other nodes end at
+  their ``--join_timeout``, having warned when the address is their own.
 * Bad input fails before any worker starts (exit code 2): a missing script, a
   taken ``--master`` port, GPU ids that do not exist, ``--node_rank`` outside
   ``--nnodes``, more processes than the machine holds (more than its visible
@@ -142,8 +162,22 @@ With ``--max_restarts N`` a failure stops the whole group and starts it again,
 up to N times, with ``FLEET_RESTART_COUNT`` counting the restarts; on one node
 the coordinator gets a fresh port each time. Each launcher restarts only its own
 node: in a multi-node job the other nodes' workers fail when their peers go, so
-their launchers restart too, each counting its own restarts (no rendezvous:
-give every node the same ``--max_restarts``).
+their launchers restart too, each counting its own restarts (the nodes meet
+before the first start only: give every node the same ``--max_restarts``).
+
+Ports and trust
+---------------
+
+A job opens, on one node, the coordinator's port on 127.0.0.1 and one gloo port
+(the OS picks it) per worker on 127.0.0.1. On several nodes: node 0's launcher
+listens on the master address (``--master``'s port) until every node has come,
+then its rank 0 worker's coordinator takes that port, on that address only; each
+worker's gloo port is on its node's address (``FLEET_GLOO_ADDRESS``); GPU workers'
+NCCL picks its own (``NCCL_SOCKET_IFNAME``). Nothing authenticates a peer (JAX's
+coordination service does not either): a process that reaches these ports can
+join, or break, the job. Run multi-node jobs on a trusted network, as for torch
+and NCCL. What fleet can tell it names: a node rank that came twice, a connection
+to the rendezvous that is not a fleetrun node's.
 
 Each worker runs the script through ``fleet/launch/_run.py`` (as ``python
 SCRIPT ARGS`` would), which sees how the script ends: a worker that raises, or
