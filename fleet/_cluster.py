@@ -126,11 +126,16 @@ def unjoinable(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def alone_note(environ: Mapping[str, str]) -> str:
-    """Why a process with no job variables trains alone (one line)."""
+def alone_note(environ: Mapping[str, str]) -> str | None:
+    """Why a process with no job variables that looks like one of several trains
+    alone (one line), or ``None`` when nothing says it should have company."""
     tasks = environ.get("SLURM_NTASKS", "")
     if "SLURM_JOB_ID" in environ and tasks.isdigit() and int(tasks) > 1:
         return (f"this SLURM allocation has {tasks} tasks, but this process was not started "
                 f"by srun: use 'srun python SCRIPT' to start all {tasks}")
-    return ("no job variables (FLEET_*, PADDLE_*, JAX_COORDINATOR_ADDRESS, SLURM's srun, "
-            "Open MPI's mpirun): start several processes with fleetrun")
+    size = environ.get("WORLD_SIZE", "")
+    if size.isdigit() and int(size) > 1:
+        return (f"WORLD_SIZE={size} (torchrun's variable) says this is one of {size} "
+                "processes, but fleet reads FLEET_* / PADDLE_* variables: start the job "
+                "with fleetrun")
+    return None

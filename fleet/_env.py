@@ -21,6 +21,13 @@ fleet name                  Paddle name                 meaning
 ``FLEET_JOB_ID``            --                          the launcher's job id
 ==========================  ==========================  ===========================================
 
+Paddle 3's launcher's names are set too, with its meanings: ``PADDLE_GLOBAL_RANK``
+(= ``FLEET_RANK``), ``PADDLE_GLOBAL_SIZE`` (= ``FLEET_WORLD_SIZE``),
+``PADDLE_LOCAL_RANK`` and ``PADDLE_RANK_IN_NODE`` (= ``FLEET_LOCAL_RANK``),
+``PADDLE_LOCAL_SIZE`` (= ``FLEET_LOCAL_WORLD_SIZE``), ``PADDLE_NNODES``,
+``PADDLE_MASTER`` (rank 0's ``host:port``) and, from ``fleetrun``,
+``PADDLE_LOG_DIR`` (the absolute ``--log_dir``).
+
 When ``FLEET_COORDINATOR`` is missing, the first of the trainer endpoints is the
 coordinator (Paddle's launcher gives only endpoints).
 
@@ -97,6 +104,18 @@ class WorkerEnv:
         for fleet_name, paddle_name in PADDLE_ALIASES.items():
             if fleet_name in env:
                 env[paddle_name] = env[fleet_name]
+        env.update({  # Paddle 3's launcher's names, with its meanings
+            "PADDLE_GLOBAL_RANK": str(self.rank),
+            "PADDLE_GLOBAL_SIZE": str(self.world_size),
+            "PADDLE_LOCAL_RANK": str(self.local_rank),
+            "PADDLE_RANK_IN_NODE": str(self.local_rank),
+            "PADDLE_LOCAL_SIZE": str(self.local_world_size),
+            "PADDLE_NNODES": str(self.nnodes),
+        })
+        master = self.coordinator or (self.trainer_endpoints[0] if self.trainer_endpoints
+                                      else None)
+        if master:
+            env["PADDLE_MASTER"] = master
         return env
 
     @classmethod

@@ -237,10 +237,11 @@ def initialize_distributed(env: WorkerEnv) -> None:
     elif env.is_multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         kwargs = {}  # JAX reads its own variables and detects the cluster.
     else:
-        if env.launcher is None and not _alone_noted:
+        note = _cluster.alone_note(os.environ) if env.launcher is None else None
+        if note and not _alone_noted:
             _alone_noted.append(True)
-            print(f"fleet: training alone in one process ({_cluster.alone_note(os.environ)})",
-                  file=sys.stderr, flush=True)
+            print(f"fleet: training alone in one process ({note})", file=sys.stderr,
+                  flush=True)
         return
     # Timeouts from the launcher (fleet/launch/_main.py documents them): JAX's
     # heartbeat must outlast fleet's own stuck-worker watchdog.

@@ -10,6 +10,7 @@ contiguous block of rows.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -59,6 +60,7 @@ class World:
 
 
 _WORLD: World | None = None
+_said_alone: list[bool] = []  # the one-process line is printed once
 
 
 def init(
@@ -131,6 +133,13 @@ def init(
     if strategy.sharding:
         strategy.sharding_configs.degree(len(devices))
     _WORLD = World(mesh=mesh, strategy=strategy, env=env)
+    if env.launcher is None and jax.process_count() == 1 and not _said_alone:
+        _said_alone.append(True)
+        kind = devices[0].platform.upper() if devices[0].platform == "cpu" else \
+            devices[0].device_kind
+        print(f"fleet: 1 process, {len(devices)} {kind} device{'s' * (len(devices) > 1)}: "
+              "data-parallel over this process's devices (fleetrun starts several "
+              "processes)", file=sys.stderr, flush=True)
     return _WORLD
 
 

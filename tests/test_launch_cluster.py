@@ -94,17 +94,22 @@ def test_cluster_launcher_trains_one_job(tmp_path, reference, cluster):
 
 
 @slow
-def test_hand_started_copies_say_they_train_alone(tmp_path, reference):
-    """Two copies with no job variables: each trains alone, and says so in one line."""
+def test_hand_started_copies_say_what_they_do(tmp_path, reference):
+    """Two copies with no job variables: each trains alone over its own devices and
+    says so in one line (issue 23: what it does, not a warning); a copy whose
+    environment says it is one of several (torchrun's WORLD_SIZE) is warned."""
     codes, outputs = start_copies(
-        tmp_path, [clean_environ(), clean_environ()],
+        tmp_path, [clean_environ(), {**clean_environ(), "WORLD_SIZE": "2"}],
         lambda i: [str(tmp_path / f"params{i}.npz")])
     assert codes == [0, 0], "\n".join(outputs)
     for i, text in enumerate(outputs):
-        notes = [line for line in text.splitlines() if "training alone" in line]
-        assert notes == ["fleet: training alone in one process (no job variables (FLEET_*, "
-                         "PADDLE_*, JAX_COORDINATOR_ADDRESS, SLURM's srun, Open MPI's mpirun): "
-                         "start several processes with fleetrun)"], text
+        notes = [line for line in text.splitlines() if line.startswith("fleet: ")]
+        said = ("fleet: 1 process, 2 CPU devices: data-parallel over this process's devices "
+                "(fleetrun starts several processes)")
+        warned = ("fleet: training alone in one process (WORLD_SIZE=2 (torchrun's variable) "
+                  "says this is one of 2 processes, but fleet reads FLEET_* / PADDLE_* "
+                  "variables: start the job with fleetrun)")
+        assert notes == ([warned] if i else []) + [said], text
         assert "rank 0 of processes: 1" in text
         assert_same_params(tmp_path / f"params{i}.npz", reference)
 

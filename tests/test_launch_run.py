@@ -225,6 +225,27 @@ def test_each_gpu_process_sees_only_its_gpu(jobs):
     assert f"FLEET_JOB_ID={job.job_id}" in job.log(1)
 
 
+def test_workers_see_paddle_3s_variables(jobs):
+    """Issue 23: what Paddle 3.3's launcher sets beside the four classic names, with
+    its values (PADDLE_MASTER: rank 0's endpoint; PADDLE_LOG_DIR: the absolute
+    --log_dir); the launcher's table shows them only with --verbose_env."""
+    job = jobs("--nproc_per_node", "2", str(SCRIPTS / "show_env.py"))
+    assert job.wait(timeout=30) == 0, job.output
+    for rank in (0, 1):
+        env = dict(line.split("=", 1) for line in job.log(rank).splitlines()
+                   if line.startswith("PADDLE_"))
+        endpoints = env["PADDLE_TRAINER_ENDPOINTS"].split(",")
+        assert {k: env[k] for k in ("PADDLE_GLOBAL_RANK", "PADDLE_GLOBAL_SIZE",
+                                    "PADDLE_LOCAL_RANK", "PADDLE_RANK_IN_NODE",
+                                    "PADDLE_LOCAL_SIZE", "PADDLE_NNODES", "PADDLE_MASTER",
+                                    "PADDLE_LOG_DIR", "PADDLE_TRAINER_ID")} == {
+            "PADDLE_GLOBAL_RANK": str(rank), "PADDLE_GLOBAL_SIZE": "2",
+            "PADDLE_LOCAL_RANK": str(rank), "PADDLE_RANK_IN_NODE": str(rank),
+            "PADDLE_LOCAL_SIZE": "2", "PADDLE_NNODES": "1", "PADDLE_MASTER": endpoints[0],
+            "PADDLE_LOG_DIR": str(job.log_dir.resolve()), "PADDLE_TRAINER_ID": str(rank)}
+    assert "PADDLE_GLOBAL_RANK" not in job.output.split("workerlog")[0]  # not in the table
+
+
 # -- acceptance 6: two nodes -------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["master", "ips"])

@@ -153,7 +153,7 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
     restart = 0
     devices = (f"GPU {','.join(config.gpus)}" if config.gpus is not None else
                f"CPU, {config.cpu_devices} devices each" if config.cpu_devices is not None else
-               "devices as inherited")
+               "each with the devices JAX finds here: no --gpus or --cpu_devices given")
     log.info("Run collective mode: %d processes on node %d of %d (%s), %d in the job",
              config.nproc_per_node, config.node_rank, config.nnodes, devices, config.world_size)
     try:

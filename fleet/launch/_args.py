@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from fleet._errors import FleetConfigError
 from fleet.launch._config import (
@@ -83,8 +84,33 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
                      "first start; then the job ends naming the node ranks that never "
                      "came"),
     "verbose_env": (_flag, False, "print every variable of the first worker, not only "
-                                  "Paddle's five"),
+                                  "Paddle's table (its four variables, and "
+                                  "FLAGS_selected_gpus on GPUs)"),
 }
+# --help shows the options in these groups, in this order (torchrun's shape).
+GROUPS = {
+    "processes and devices": ("nproc_per_node", "gpus", "cpu_devices", "allow_oversubscribe"),
+    "several machines": ("nnodes", "node_rank", "master", "ips", "node_ip", "started_port",
+                         "join_timeout"),
+    "failures and stuck workers": ("max_restarts", "progress_timeout", "first_step_min",
+                                   "uneven_grace", "silence_warning"),
+    "output": ("log_dir", "job_id", "verbose_env"),
+}
+DESCRIPTION = """\
+Starts a data-parallel job: the training script once per process (one per GPU,
+or N processes of CPU devices), on this machine or on several, and watches it:
+a failing or stuck worker ends the job, naming its rank. Each option can also
+come from the environment variable FLEETRUN_<OPTION> (the command line wins)."""
+EPILOG = """\
+examples:
+  fleetrun --gpus 0,1 train.py --lr 0.1                  # two processes, a GPU each
+  fleetrun --nproc_per_node 2 --cpu_devices 2 train.py   # no GPU: 2 x 2 CPU devices
+  fleetrun --nnodes 2 --node_rank 0 --master 10.0.0.1:6070 train.py   # on node 0, then
+  fleetrun --nnodes 2 --node_rank 1 --master 10.0.0.1:6070 train.py   # the same on node 1
+
+The script calls fleet.init(is_collective=True) first. The full manual (the
+workers' environment, failures, ports and trust) is the README's section
+"Several processes and machines", and `python -m pydoc fleet.launch`."""
 ALIASES = {"gpus": ("devices", "selected_gpus"), "ips": ("cluster_node_ips",)}
 
 
@@ -92,33 +118,52 @@ def env_name(option: str) -> str:
     return ENV_PREFIX + option.upper()
 
 
-def build_parser(environ: Mapping[str, str] | None = None,
-                 description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(
-        prog="fleetrun", description=description,
+        prog="fleetrun", description=DESCRIPTION, epilog=EPILOG,
+        usage="fleetrun [options] training_script [script args ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # the script's own --verbose is not fleetrun's --verbose_env
     )
-    for name, (convert, default, help_text) in OPTIONS.items():
-        flags = []
-        for n in (name, *ALIASES.get(name, ())):
-            flags += [f"--{n}"] + ([f"--{n.replace('_', '-')}"] if "_" in n else [])
-        variable = env_name(name)
-        if environ.get(variable, "") != "":
-            default = _from_env(variable, environ[variable], convert)
-        if convert is _flag:  # on/off: the flag alone turns it on
-            parser.add_argument(*flags, dest=name, action="store_true", default=default,
-                                help=f"{help_text} [env {variable}=1]")
-            continue
-        parser.add_argument(
-            *flags, dest=name, type=convert, default=default, metavar=name.upper(),
-            help=f"{help_text} [env {variable}; default {default}]",
-        )
-    parser.add_argument("training_script", help="the script every worker runs")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
-                        help="arguments of the script")
+    for title, names in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add(group, name, environ)
+    parser.add_argument("script", nargs=argparse.REMAINDER,
+                        metavar="training_script [script args ...]",
+                        help="the script every worker runs, and its own arguments")
     return parser
+
+
+_METAVARS = {"master": "HOST:PORT", "node_ip": "ADDR", "log_dir": "DIR", "job_id": "NAME"}
+
+
+def _add(group: Any, name: str, environ: Mapping[str, str]) -> None:
+    """``--name`` in ``group`` as --help shows it; its other spellings (``--name-x``,
+    Paddle's aliases) are accepted and left out of the help."""
+    convert, default, help_text = OPTIONS[name]
+    others = [f"--{n}" for n in (name, *ALIASES.get(name, ())) if n != name]
+    others += [f"--{n.replace('_', '-')}" for n in (name, *ALIASES.get(name, ())) if "_" in n]
+    variable = env_name(name)
+    if environ.get(variable, "") != "":
+        default = _from_env(variable, environ[variable], convert)
+    if convert is _flag:  # on/off: the flag alone turns it on
+        group.add_argument(f"--{name}", dest=name, action="store_true", default=default,
+                           help=help_text)
+        for flag in others:
+            group.add_argument(flag, dest=name, action="store_true",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return
+    metavar = _METAVARS.get(name) or {int: "N", float: "SEC", _ids: "LIST"}.get(convert, "X")
+    shown = ("" if default is None else f" (default {default!r})" if isinstance(default, str)
+             else f" (default {','.join(default)})" if isinstance(default, tuple)
+             else f" (default {default:g})")
+    group.add_argument(f"--{name}", dest=name, type=convert, default=default,
+                       metavar=metavar, help=f"{help_text}{shown}")
+    for flag in others:
+        group.add_argument(flag, dest=name, type=convert, default=argparse.SUPPRESS,
+                           metavar=metavar, help=argparse.SUPPRESS)
 
 
 def _from_env(variable: str, text: str, convert: Callable[[str], object]) -> object:
@@ -132,17 +177,19 @@ def _from_env(variable: str, text: str, convert: Callable[[str], object]) -> obj
 
 
 def parse_args(argv: Sequence[str] | None = None,
-               environ: Mapping[str, str] | None = None,
-               description: str | None = None) -> LaunchConfig:
+               environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """The command line (and ``FLEETRUN_*`` variables) as an unresolved config.
 
     Example:
         >>> parse_args(["--nproc-per-node", "2", "train.py", "--lr", "0.1"]).nproc_per_node
         2
     """
-    ns = build_parser(environ, description).parse_args(argv)
+    parser = build_parser(environ)
+    ns = parser.parse_args(argv)
+    if not ns.script:
+        parser.error("the following argument is required: training_script")
     return LaunchConfig(
-        training_script=ns.training_script,
-        training_script_args=tuple(ns.training_script_args),
+        training_script=ns.script[0],
+        training_script_args=tuple(ns.script[1:]),
         **{name: getattr(ns, name) for name in OPTIONS},
     )

@@ -375,6 +375,7 @@ def plan_workers(
         env["FLEET_PROGRESS_TIMEOUT"] = f"{config.progress_timeout:g}"
         env["FLEET_JAX_HEARTBEAT_TIMEOUT"] = str(jax_heartbeat)
         env["PYTHONUNBUFFERED"] = "1"
+        env["PADDLE_LOG_DIR"] = os.path.abspath(config.log_dir)
         env[GLOO_ADDRESS] = gloo
         if rank == 0 and bind:
             env["JAX_COORDINATOR_BIND_ADDRESS"] = bind

@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     _setup_logging()
     try:
-        given = parse_args(argv, description=__doc__)
+        given = parse_args(argv)
         config = resolve(given)
     except FleetConfigError as e:
         print(f"fleetrun: error: {e}", file=sys.stderr)

@@ -4,3 +4,6 @@ import os
 
 for name in ("FLEET_RANK", "CUDA_VISIBLE_DEVICES", "FLEET_JOB_ID"):
     print(f"{name}={os.environ.get(name)}", flush=True)
+for name in sorted(os.environ):
+    if name.startswith("PADDLE_"):
+        print(f"{name}={os.environ[name]}", flush=True)
