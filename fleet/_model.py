@@ -140,7 +140,7 @@ class DataParallel(nnx.Module):
             _amp.apply(self, self._fleet_amp, type(layers).__name__)
         if strategy.recompute:
             cfg = strategy.recompute_configs
-            _recompute.install(self, cfg.checkpoints, cfg.policy)
+            _recompute.install(self, cfg.checkpoints, cfg.remat_policy)
         _batch_norm.install(self, strategy.sync_batch_norm)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,7 @@ from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError, FleetNotInitializedError, FleetUnsupportedError
 from fleet._worker import initialize_distributed, join_launched_job  # noqa: F401
 from fleet.strategy import DistributedStrategy
+from fleet.strategy._paddle_fields import check_degrees
 
 DATA_AXIS = "data"
 
@@ -117,8 +118,7 @@ def init(
     env = WorkerEnv.from_environ()
     initialize_distributed(env)
     if _WORLD is not None and devices is None:
-        if strategy.sharding:
-            strategy.sharding_configs.degree(_WORLD.num_replicas)
+        check_degrees(strategy, _WORLD.num_replicas)
         _WORLD = dataclasses.replace(_WORLD, strategy=strategy)
         return _WORLD
     if devices is None:
@@ -130,8 +130,7 @@ def init(
             "pick them from jax.devices()"
         )
     mesh = Mesh(np.array(devices), (DATA_AXIS,))
-    if strategy.sharding:
-        strategy.sharding_configs.degree(len(devices))
+    check_degrees(strategy, len(devices))
     _WORLD = World(mesh=mesh, strategy=strategy, env=env)
     if env.launcher is None and jax.process_count() == 1 and not _said_alone:
         _said_alone.append(True)

@@ -108,7 +108,7 @@ def test_no_import_inside_a_function_but_the_commented_lazy_ones():
     assert found == []
 
 
-CONFIGURATION = ("fleet.strategy", "fleet.strategy._strategy")
+CONFIGURATION = ("fleet.strategy", "fleet.strategy._strategy", "fleet.strategy._paddle_fields")
 
 
 def test_configuration_imports_only_the_errors():

@@ -3,7 +3,9 @@
 * ``_strategy.py``: the configuration, ``DistributedStrategy`` and its
   ``*_configs`` sections. It imports nothing of fleet but its errors: the core
   reads the configuration, never the other way round. This package's
-  ``__init__`` imports only it.
+  ``__init__`` imports only it. ``_paddle_fields.py``, beside it and as bare,
+  says what each of Paddle 3.3's fields means in fleet (run, mapped, a no-op
+  that warns, refused) and checks the degrees against the replica count.
 * the sections, each built on the core (``fleet._sync``, ``fleet._world``...),
   which imports them where it applies them (the wrapped model, the distributed
   optimizer, the step):

@@ -1,8 +1,9 @@
 """``strategy.recompute``: the named sub-modules run under ``nnx.remat``.
 
 Backward then recomputes their activations instead of keeping them
-(``jax.checkpoint`` with a ``jax.checkpoint_policies`` policy). Gradients do
-not change; activation memory drops.
+(``jax.checkpoint`` with a ``jax.checkpoint_policies`` policy;
+``enable_offload``: the host offload policy, :func:`_policy`). Gradients do not
+change; activation memory drops.
 
 Wrapping gives each named sub-module a subclass of its own type,
 ``Recompute<its class>``, whose ``__call__`` runs the original one under
@@ -31,12 +32,21 @@ from fleet._tree import dotted
 _TYPES: dict[type, type] = {}
 
 
+def _policy(name: str) -> Any:
+    """The ``jax.checkpoint_policies`` policy named by ``RecomputeConfigs.remat_policy``:
+    ``recompute_configs.enable_offload`` saves the matmul outputs without batch
+    dimensions in pinned host memory, on every backend that has one (CPU too)."""
+    if name == "offload_dot_with_no_batch_dims":
+        return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return getattr(jax.checkpoint_policies, name)
+
+
 def _remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     base = type(self).__fleet_base__
     trace = _sync.current()
     if trace is None:
         return base.__call__(self, *args, **kwargs)
-    policy = getattr(jax.checkpoint_policies, self.__fleet_policy__)
+    policy = _policy(self.__fleet_policy__)
     with _sync.synced_as_raw(self):  # the synced values go in, read outside the checkpoint
         return nnx.remat(lambda m, *a, **k: base.__call__(m, *a, **k), policy=policy)(
             self, *args, **kwargs)

@@ -6,7 +6,8 @@ feature section is a switch (``strategy.amp = True``) plus a small config
 dataclass (``strategy.amp_configs = {...}``) validated key by key;
 :meth:`DistributedStrategy.check` (called by ``fleet.init``) checks the
 sections switched on together, and refuses those fleet does not run
-(:data:`UNSUPPORTED`), saying what to use instead.
+(``fleet/strategy/_paddle_fields.py``), saying what to use instead. Paddle's
+fields fleet has no use for are accepted, kept and warned about there.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from fleet._errors import (
     FleetAttributeError,
     FleetConfigError,
     FleetTypeError,
-    FleetUnsupportedError,
     FleetWarning,
 )
+from fleet.strategy import _paddle_fields
+from fleet.strategy._paddle_fields import check_type as _check_type
 
 #: The one default bucket size (MB of 2**20 bytes), and the cap of the first
 #: bucket (``fuse_grad_size_in_MB``, ``last_comm_group_size_MB``).
@@ -68,13 +70,16 @@ class AmpConfigs:
     incr_every_n_steps: int = 1000
     decr_every_n_nan_or_inf: int = 2
     incr_ratio: float = 2.0
-    decr_ratio: float = 0.5
+    decr_ratio: float = 0.8
     use_dynamic_loss_scaling: bool = True
     custom_white_list: tuple = ()
     custom_black_list: tuple = ()
     use_pure_fp16: bool = False
     use_pure_bf16: bool = False
     dtype: str = "bfloat16"
+    custom_black_varnames: tuple = ()  # Paddle's, no effect (as the two below)
+    use_fp16_guard: bool = True
+    use_optimizer_fp16: bool = False
 
     def check(self) -> None:
         _one_of("amp_configs.dtype", self.dtype, _AMP_DTYPES)
@@ -142,14 +147,29 @@ class RecomputeConfigs:
     """Activation recomputation: ``checkpoints`` are the dotted paths of the
     wrapped model's sub-modules (``"blocks.0"``, ``"encoder"``) whose activations
     backward recomputes; ``policy`` names what they may keep
-    (``jax.checkpoint_policies``)."""
+    (``jax.checkpoint_policies``); ``enable_offload`` keeps the matmul outputs in
+    pinned host memory instead (:attr:`remat_policy`)."""
 
     checkpoints: tuple = ()
     policy: str = "nothing_saveable"
+    enable_offload: bool = False
+    checkpoint_shape: tuple = ()  # Paddle's, no effect (as the two below)
+    enable_tuning: bool = False
+    refined_ops_patterns: tuple = ()
 
     def check(self) -> None:
         _names("recompute_configs.checkpoints", self.checkpoints)
         _one_of("recompute_configs.policy", self.policy, _RECOMPUTE_POLICIES)
+        if self.enable_offload and self.policy == "dots_saveable":
+            raise FleetConfigError(
+                "recompute_configs enable_offload=True offloads the matmul outputs without "
+                "batch dimensions, and policy='dots_saveable' keeps every matmul output on the "
+                "device; choose one (remove the policy, or enable_offload)")
+
+    @property
+    def remat_policy(self) -> str:
+        """The ``jax.checkpoint_policies`` name the sub-modules run under."""
+        return "offload_dot_with_no_batch_dims" if self.enable_offload else self.policy
 
 
 @dataclasses.dataclass
@@ -181,11 +201,26 @@ class ShardingConfigs:
     stage: int = 1
     sharding_degree: int = 0
     segment_broadcast_MB: float = 32.0
+    dp_degree: int = 1
+    hybrid_dp: bool = False
+    # Paddle's, no effect or refused above their default (_paddle_fields.KEYS):
+    sharding_segment_strategy: str = "segment_broadcast_MB"
+    segment_anchors: tuple = ()
+    mp_degree: int = 1
+    gradient_merge_acc_step: int = 1
+    optimize_offload: bool = False
+    pp_allreduce_in_optimize: bool = False
+    pp_degree: int = 1
+    optimize_cast: bool = False
+    _dp_as_optimizer_sharding: bool = False
+    enable_tuning: bool = False
+    use_calc_stream: bool = False
 
     def check(self) -> None:
         _one_of("sharding_configs.stage", self.stage, (1, 2))
         _positive("sharding_configs.sharding_degree", self.sharding_degree, strict=False)
         _positive("sharding_configs.segment_broadcast_MB", self.segment_broadcast_MB)
+        _positive("sharding_configs.dp_degree", self.dp_degree, at_least=1, strict=False)
 
     def degree(self, num_replicas: int) -> int:
         """The number of replicas the state is split over, checked against the
@@ -199,31 +234,6 @@ class ShardingConfigs:
         return degree
 
 
-@dataclasses.dataclass
-class DgcConfigs:
-    rampup_begin_step: int = 0
-    rampup_step: int = 1
-    sparsity: tuple = (0.999,)
-
-
-@dataclasses.dataclass
-class LocalsgdConfigs:
-    k_steps: int = 1
-    begin_step: int = 1
-
-
-@dataclasses.dataclass
-class PipelineConfigs:
-    micro_batch_size: int = 1
-    accumulate_steps: int = 1
-    schedule_mode: str = "1F1B"
-
-
-@dataclasses.dataclass
-class TensorParallelConfigs:
-    tensor_parallel_degree: int = 1
-
-
 # Feature sections: switch name -> config dataclass.
 _SECTIONS: dict[str, type] = {
     "amp": AmpConfigs,
@@ -232,53 +242,12 @@ _SECTIONS: dict[str, type] = {
     "lars": LarsConfigs,
     "lamb": LambConfigs,
     "sharding": ShardingConfigs,
-    "dgc": DgcConfigs,
-    "localsgd": LocalsgdConfigs,
-    "pipeline": PipelineConfigs,
-    "tensor_parallel": TensorParallelConfigs,
 }
-
-#: Sections fleet does not run, and what to use instead.
-UNSUPPORTED: dict[str, str] = {
-    "dgc": "deep gradient compression is not available; use strategy.fp16_allreduce = True to "
-           "halve the gradient traffic",
-    "localsgd": "local SGD is not available; use strategy.gradient_merge (k_steps) to "
-                "communicate once every k steps",
-    "pipeline": "fleet is data-parallel only; for models that do not fit on one device use "
-                "strategy.recompute and strategy.amp, or JAX's own sharding (jax.sharding)",
-    "tensor_parallel": "fleet is data-parallel only; for tensor parallelism shard the model "
-                       "with JAX's own sharding (jax.sharding, flax.nnx.with_partitioning)",
-}
-
-
-def _check_type(owner: str, name: str, value: Any, expected: Any) -> Any:
-    """Returns ``value`` converted to ``expected`` where that loses nothing, else raises."""
-    if expected is bool:
-        ok = isinstance(value, bool)
-    elif expected == bool | None:
-        ok = value is None or isinstance(value, bool)
-    elif expected is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif expected is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif expected is str:
-        ok = isinstance(value, str)
-    elif expected is tuple:
-        ok = isinstance(value, (tuple, list))
-        value = tuple(value) if ok else value
-    else:  # pragma: no cover - every field above has one of these types
-        ok = isinstance(value, expected)
-    if not ok:
-        raise FleetTypeError(
-            f"{owner}.{name} must be of type {getattr(expected, '__name__', expected)}, got "
-            f"{value!r} of type {type(value).__name__}"
-        )
-    return value
 
 
 def _unknown(owner: str, name: str, valid: list[str]) -> FleetAttributeError:
-    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    lower = {v.lower(): v for v in valid}  # a wrong case first names the field itself
+    close = [lower[c] for c in difflib.get_close_matches(name.lower(), list(lower), n=3, cutoff=0.5)]
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return FleetAttributeError(
         f"{owner} has no field {name!r}{hint} Valid fields: {', '.join(sorted(valid))}"
@@ -301,6 +270,8 @@ def _make_config(section: str, value: Any) -> Any:
         if key not in fields:
             raise _unknown(f"DistributedStrategy.{section}_configs", key, list(fields))
         setattr(config, key, _check_type(f"{section}_configs", key, item, hints[key]))
+        _paddle_fields.review(f"{section}_configs", key, getattr(config, key),
+                              _paddle_fields.KEYS[f"{section}_configs"].get(key), stacklevel=4)
     if hasattr(config, "check"):
         config.check()
     return config
@@ -332,8 +303,8 @@ class DistributedStrategy:
             25M MLP, ``benchmarks/check_replicas.py``; 0: never).
         check_nan_inf: Paddle's ``FLAGS_check_nan_inf``: a step whose outputs (the
             loss) or whose wrapped model's gradients hold a NaN or an infinity
-            raises, naming the first such leaf, and leaves the state as it was
-            before that step (off by default: it reads flags back every step).
+            raises, naming the first such leaf and call, and leaves the state as it
+            was before that call; it raises at a later call, once the flags are back.
         fp16_allreduce: gradient buckets travel as 16-bit floats (bfloat16;
             float16 under float16 amp), divided by the replica count first.
         sync_batch_norm: how a wrapped model's BatchNorm layers (``nnx.BatchNorm``;
@@ -345,8 +316,9 @@ class DistributedStrategy:
             (``None``), a step that runs one in training mode raises and asks.
         amp, recompute, gradient_merge, lars, lamb, sharding (+ ``*_configs``):
             Paddle's feature sections (see the README's Strategy section).
-        dgc, localsgd, pipeline, tensor_parallel (+ ``*_configs``):
-            configurable, not run: ``fleet.init`` refuses them.
+        Paddle's other fields (``hybrid_configs``, ``a_sync``, ``dgc``...): kept
+            with Paddle's defaults; each is mapped, a no-op that warns, or refused
+            (``fleet/strategy/_paddle_fields.py``, ``docs/strategy_fields.md``).
     """
 
     fuse_all_reduce_ops: bool = True
@@ -366,6 +338,7 @@ class DistributedStrategy:
         for section, cls in _SECTIONS.items():
             object.__setattr__(self, section, False)
             object.__setattr__(self, f"{section}_configs", cls())
+        object.__setattr__(self, "_paddle", {n: _paddle_fields.paddle_default(n) for n in _PADDLE})
         for name, value in fields.items():
             setattr(self, name, value)
 
@@ -374,13 +347,16 @@ class DistributedStrategy:
         names = [f.name for f in dataclasses.fields(cls)]
         for section in _SECTIONS:
             names += [section, f"{section}_configs"]
-        return names
+        return names + sorted(_PADDLE)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _SECTIONS:
             value = _check_type("DistributedStrategy", name, value, bool)
         elif name.endswith("_configs") and name[: -len("_configs")] in _SECTIONS:
             value = _make_config(name[: -len("_configs")], value)
+        elif name in _PADDLE:
+            self._paddle[name] = _paddle_fields.paddle_value(name, value)
+            return
         else:
             hints = typing.get_type_hints(type(self))
             if name not in {f.name for f in dataclasses.fields(self)}:
@@ -400,8 +376,11 @@ class DistributedStrategy:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: a misspelt field.
-        if name.startswith("__"):
+        if name.startswith("__") or name == "_paddle":
             raise AttributeError(name)
+        if name in _PADDLE:
+            value = self._paddle[name]
+            return dict(value) if isinstance(value, dict) else value
         raise _unknown("DistributedStrategy", name, self.field_names())
 
     def enabled_sections(self) -> list[str]:
@@ -412,6 +391,7 @@ class DistributedStrategy:
         """Checks the sections switched on, together (``fleet.init`` calls it):
         a section fleet does not run, or settings that contradict each other,
         raise an error that says what to change."""
+        _paddle_fields.check_switches(self._paddle)
         enabled = self.enabled_sections()
         for section, cls in _SECTIONS.items():
             config = getattr(self, f"{section}_configs")
@@ -422,10 +402,6 @@ class DistributedStrategy:
                     f"off, so it has no effect; set strategy.{section} = True to use it",
                     FleetWarning, stacklevel=3)
         for section in enabled:
-            if section in UNSUPPORTED:
-                raise FleetUnsupportedError(
-                    f"strategy.{section} = True is not supported: {UNSUPPORTED[section]}. "
-                    f"Set strategy.{section} = False (its configs may stay)")
             config = getattr(self, f"{section}_configs")
             if hasattr(config, "check"):
                 config.check()
@@ -443,3 +419,9 @@ class DistributedStrategy:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
         sections = ", ".join(f"{s}=True" for s in self.enabled_sections())
         return f"DistributedStrategy({fields}{', ' + sections if sections else ''})"
+
+
+#: Paddle's top-level fields fleet keeps as given (with Paddle's defaults) and reviews.
+_PADDLE = frozenset(_paddle_fields.TOP).difference(
+    [f.name for f in dataclasses.fields(DistributedStrategy)], _SECTIONS,
+    [f"{s}_configs" for s in _SECTIONS])
