@@ -133,6 +133,15 @@ def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):
             "--log-freq", "8", "--verbose", "2"]
     single = run([*args, "--metrics-out", str(tmp_path / "single.json")], devices=2)
     assert "test accuracy:" in single.stdout and "samples/s" in single.stdout
+    # Paddle's console (issue 23): its opening line, Epoch N/M, steps with ms/step
+    lines = single.stdout.splitlines()
+    assert lines.count("The loss value printed in the log is the current step, and the "
+                       "metric is the average value of previous steps.") == 1
+    assert "Epoch 1/2" in lines and "Epoch 2/2" in lines
+    steps = [line for line in lines if line.startswith("step ")]
+    assert steps and all(re.fullmatch(r"step +\d+/\d+ - loss: \d\.\d{4} - acc: \d\.\d{4} - "
+                                      r"\d+(s|ms|us)/step( - \d+ samples/s)?", line)
+                         for line in steps), steps
 
     job = jobs.two_processes(tmp_path, EXAMPLE / "train.py", *args, "--metrics-out",
                              str(tmp_path / "fleetrun.json"), devices=1)
