@@ -4,15 +4,22 @@ nothing on disk (checked bitwise where something was there).
 
 Multi-process cases (a collective call on one rank only) are in
 test_checkpoint_collective.py; faults (damaged files, disk full, exit without
-close) in test_checkpoint_faults.py.
+close) in test_checkpoint_faults.py; writers that died or collide in
+test_checkpoint_crash.py.
 """
 
 import os
+import re
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
+
+HOST = re.escape(socket.gethostname())
 
 
 def a_file(tmp_path):
@@ -41,6 +48,37 @@ def existing_step(tmp_path):
         manager.save(1, state={"w": np.zeros(3)})
     finally:
         manager.close()
+
+
+# Another job's CheckpointManager, as it holds its directory: the lock file names
+# it, and it holds a flock on the file until it ends (fleet/checkpoint/_lock.py).
+HOLD = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": "job-elsewhere",
+                         "processes": 1, "since": "2026-11-24 10:00:00", "saving": 3}).encode())
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def written_by_another_job(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(directory / ".fleet-lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        CheckpointManager(directory)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def opened_twice(tmp_path):
+    with CheckpointManager(tmp_path / "ckpt"):
+        CheckpointManager(tmp_path / "ckpt")
 
 
 CASES = [
@@ -94,6 +132,17 @@ CASES = [
     ("restore of a step never saved",
      lambda p: CheckpointManager(p).restore(5, state={}),
      r"there is no complete checkpoint of step 5 in .*; saved steps: \[\]"),
+    # Issue 22, item 3: one writer a directory.
+    ("CheckpointManager on a directory another job writes",
+     written_by_another_job,
+     rf"CheckpointManager: .*/ckpt is being written by another job \(pid \d+ on host {HOST} \(job "
+     r"job-elsewhere, since 2026-11-24 10:00:00\)\); a checkpoint directory has one writer at a "
+     r"time: wait until that job ends, or give this job another directory"),
+    ("CheckpointManager on a directory this process writes already",
+     opened_twice,
+     rf"CheckpointManager: .*/ckpt is already open in another CheckpointManager of this process "
+     rf"\(pid {os.getpid()} on host {HOST} \(since .*\)\); a checkpoint directory has one writer "
+     r"at a time: close the other manager first"),
 ]
 
 
@@ -145,3 +194,48 @@ def test_save_and_restore_take_one_list_of_parts(make_world, tmp_path):
                                                 r"unexpected keyword argument 'modle'"):
                 getattr(manager, call)(*args, modle=np.ones(2))
         assert manager.all_steps() == []
+
+
+# -- issue 22, item 11: a read-only directory ------------------------------------------------
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only tmpfs at ``tmp_path/ro``: the tests run as root, whom no chmod stops."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({mount.stderr.strip()})")
+    yield ro
+    subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+
+
+READ_ONLY = [
+    # (what, call, message: RO stands for the read-only directory)
+    ("CheckpointManager on a read-only directory",
+     lambda ro: CheckpointManager(ro),
+     r"CheckpointManager: cannot write to RO: it is read-only \(OSError: \[Errno 30\] Read-only "
+     r"file system: .*\)\. A checkpoint manager writes its steps and its lock file \(.fleet-lock\) "
+     r"there: give a writable directory \(or remount it writable\)\. To read a step of a "
+     r"read-only directory, fleet.load reads each of its parts: fleet.load\('RO/<step>/model'\)"),
+    ("CheckpointManager creating a directory in a read-only one",
+     lambda ro: CheckpointManager(ro / "ckpt"),
+     r"CheckpointManager: cannot write to RO \(to create RO/ckpt\): it is read-only \(OSError: "
+     r"\[Errno 30\]"),
+    ("fleet.save into a read-only directory",
+     lambda ro: save({"w": np.ones(2)}, ro / "model.pdparams"),
+     r"fleet.save: cannot write RO/model.pdparams: RO is read-only \(OSError: \[Errno 30\] "
+     r"Read-only file system: .*\); nothing was written: save to a writable directory"),
+    ("fleet.save creating a directory in a read-only one",
+     lambda ro: save({"w": np.ones(2)}, ro / "sub" / "model.pdparams"),
+     r"fleet.save: cannot write RO/sub/model.pdparams: RO \(to create RO/sub\) is read-only"),
+]
+
+
+@pytest.mark.parametrize("what, call, message", READ_ONLY, ids=[c[0] for c in READ_ONLY])
+def test_a_read_only_directory(make_world, read_only_dir, what, call, message):
+    make_world(1)
+    with pytest.raises(FleetCheckpointError, match=message.replace("RO", re.escape(str(read_only_dir)))):
+        call(read_only_dir)
+    assert os.listdir(read_only_dir) == []

@@ -161,11 +161,11 @@ def test_save_every_n_seconds(job, tmp_path):
         assert manager.all_steps() == [1, 3]
 
 
-def test_bad_options():
+def test_bad_options(tmp_path):
     with pytest.raises(FleetCheckpointError, match=r"max_to_keep must be an int >= 1 or None, got 0"):
-        CheckpointManager("x", max_to_keep=0)
+        CheckpointManager(tmp_path / "x", max_to_keep=0)
     with pytest.raises(FleetCheckpointError, match=r"step must be an int >= 0, got -1"):
-        CheckpointManager("x").save(-1)
+        CheckpointManager(tmp_path / "x").save(-1)
 
 
 # -- asynchronous save ------------------------------------------------------------------------

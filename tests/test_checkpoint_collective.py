@@ -88,4 +88,4 @@ def test_two_processes_skip_a_damaged_step_alike(tmp_path, make_world):
         assert f"rank {rank}: restored step 1" in log
         got = np.load(tmp_path / f"loaded-{rank}.npz")["['w']"]
         assert got.tobytes() == w[1].tobytes()
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2.damaged"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".fleet-lock", "1", "2.damaged"]

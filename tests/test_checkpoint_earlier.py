@@ -45,10 +45,10 @@ def test_loads_the_directory_format_of_the_earlier_fleet_save(tmp_path):
 
 @pytest.mark.parametrize("swap", ["renameat2", "move aside"])
 def test_saving_over_an_earlier_directory_replaces_it_with_a_file(tmp_path, monkeypatch, swap):
-    from fleet.checkpoint import _io
+    from fleet.checkpoint import _atomic
 
     if swap == "move aside":  # (a system without an atomic swap)
-        monkeypatch.setattr(_io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
     path = tmp_path / "model.pdparams"
     shutil.copytree(OLD_SAVE, path)
     save({"w": np.arange(3.0)}, path)

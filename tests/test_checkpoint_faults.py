@@ -2,15 +2,19 @@
 file, a deleted manifest, a full disk (an injected ENOSPC, and a real 2 MB tmpfs
 where one can be mounted), a script that ends without ``close()`` (kill -9 is in
 test_checkpoint_crash.py), the newest intact checkpoint restores bitwise and
-nothing damaged is ever returned."""
+nothing damaged is ever returned. Issue 22: a checkpoint whose checksums were
+deleted or cut is damaged, not unchecked (item 2); a damaged step prints only
+fleet's error (item 17); a read-only directory is told by its errno (item 11)."""
 
 import errno
 import glob
+import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 import zipfile
 
@@ -58,6 +62,14 @@ def truncate(path: str) -> None:
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+def edit_meta(directory, change) -> None:
+    """Rewrites the JSON metadata of step 2 (``directory/2/meta/metadata``) by ``change``."""
+    path = directory / "2/meta/metadata"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
 @pytest.fixture
 def two_steps(make_world, tmp_path):
     """Steps 1 and 2 of a small state (numpy values, and a replicated array)."""
@@ -83,6 +95,10 @@ DAMAGE = {
     "manifest deleted": lambda d: os.remove(d / "2/state/manifest.ocdbt"),
     "array metadata deleted": lambda d: os.remove(d / "2/state/_METADATA"),
     "JSON metadata cut short": lambda d: truncate(d / "2/meta/metadata"),
+    # Issue 22, item 2: a step written with checksums is never read unchecked.
+    "checksums deleted": lambda d: edit_meta(d, lambda m: m.pop("checksums")),
+    "one array's checksum deleted": lambda d: edit_meta(d, lambda m: m["checksums"]["state"].pop("w")),
+    "checksums unreadable": lambda d: edit_meta(d, lambda m: m.update(checksums=[1, 2])),
 }
 
 
@@ -95,7 +111,7 @@ def test_restore_latest_skips_a_damaged_step(two_steps, damage):
     assert restored.step == 1
     state = {k: np.asarray(v) for k, v in restored.state.items()}
     assert_bitwise(state, values(1) | {"r": values(1)["w"][:64]})
-    assert sorted(os.listdir(two_steps)) == ["1", "2.damaged"]
+    assert sorted(os.listdir(two_steps)) == [".fleet-lock", "1", "2.damaged"]
     with CheckpointManager(two_steps, async_save=False) as manager:  # the job goes on
         assert manager.all_steps() == [1]
         assert manager.save(2, state=values(2) | {"r": jax.numpy.ones(64, np.float32)})
@@ -120,6 +136,47 @@ def test_every_step_damaged_restores_nothing(two_steps):
         restore_latest(two_steps)
 
 
+def many_arrays(world, step: int) -> dict:
+    """8 arrays: numpy ones, and replicated ones that 4 devices read at once."""
+    rs = np.random.RandomState(step)
+    return {f"a{i}": (jax.device_put(rs.rand(20_000 + i).astype(np.float32), world.replicated)
+                      if i % 2 else rs.rand(20_000 + i).astype(np.float32)) for i in range(8)}
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["largest data file cut short", "every data file cut short"])
+def test_a_damaged_step_prints_only_the_error(make_world, tmp_path, capfd, damage):
+    """Issue 22, item 17: orbax closed its event loop on the first failed read with
+    the others still in flight, and tensorstore then printed a "RuntimeError: Event
+    loop is closed" traceback for each. fleet's reads settle first
+    (fleet/checkpoint/_settle.py): only fleet's error and warning are printed."""
+    world = make_world(4)
+    with CheckpointManager(tmp_path / "ckpt", async_save=False) as manager:
+        for step in (1, 2):
+            manager.save(step, state=many_arrays(world, step))
+    files = sorted(glob.glob(str(tmp_path / "ckpt/2/state/**/d/*"), recursive=True),
+                   key=os.path.getsize)
+    for path in files if damage == "every data file cut short" else files[-1:]:
+        truncate(path)
+    like = jax.tree.map(jax.numpy.zeros_like, many_arrays(world, 0))
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        for _ in range(3):
+            with pytest.raises(FleetCheckpointError, match=r"ckpt/2 is damaged: (it|its metadata) "
+                                                           r"cannot be read"):
+                manager.restore(2, state=like)
+        with pytest.raises(FleetCheckpointError, match=r"fleet.load: .*ckpt/2/state is damaged"):
+            load(tmp_path / "ckpt/2/state")
+        with pytest.warns(FleetWarning, match="ckpt/2 is damaged"):
+            restored = manager.restore_latest(state=like)
+    assert restored.step == 1
+    assert_bitwise({k: np.asarray(v) for k, v in restored.state.items()},
+                   {k: np.asarray(v) for k, v in many_arrays(world, 1).items()})
+    time.sleep(0.5)  # (tensorstore's late callbacks came within milliseconds)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+    assert "never retrieved" not in err, err
+
+
 NAMES_W = r"1 array does not match the checksum written with it:\n  \['w'\]: crc32 0x"
 FILE_DAMAGE = {
     # what: (damage, message)
@@ -128,7 +185,22 @@ FILE_DAMAGE = {
     "flipped byte in 'w' (end)": (lambda p: flip_in(p, "w.npy", 0.99), NAMES_W),
     "flipped byte in the tree": (lambda p: flip_in_json(p), "its fleet.json cannot be read"),
     "cut short": (truncate, r"it begins as a zip archive, but its end .* cut short"),
+    "a checksum deleted from the tree": (lambda p: drop_checksum(p, "w"),
+                                         r"its fleet.json says every array has a checksum \(crc32\), "
+                                         r"but 1 has none: \['w'\]"),
 }
+
+
+def drop_checksum(path, name: str) -> None:
+    """Rewrites the file with fleet.json lacking the crc32 of the array ``name``."""
+    with zipfile.ZipFile(path) as z:
+        entries = {info.filename: z.read(info) for info in z.infolist()}
+    doc = json.loads(entries["fleet.json"])
+    del doc["tree"]["dict"][name]["crc32"]
+    entries["fleet.json"] = json.dumps(doc).encode()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for entry, data in entries.items():
+            z.writestr(entry, data)
 
 
 def flip_in_json(path) -> None:
@@ -158,6 +230,23 @@ def test_fleet_load_refuses_damaged_data(tmp_path, damage):
 def test_fleet_load_verifies_a_manager_part(two_steps):
     flip(largest_data_file(two_steps / "2/state"), 0.5)
     with pytest.raises(FleetCheckpointError, match=r"(?s)2/state is damaged: .*\['w'\]: crc32"):
+        load(two_steps / "2/state")
+    assert_bitwise({k: load(two_steps / "1/state")[k] for k in ("w", "b")}, values(1))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("one array's checksum deleted", r"the checksum of 1 array is missing, though it was "
+                                     r"written with one for every array:\n  \['w'\]"),
+    ("checksums deleted", r"the checksums of its step \(.*2/meta/metadata\) cannot be read "
+                          r"\(KeyError: 'checksums'\)"),
+    ("checksums unreadable", r"the checksums of its step \(.*2/meta/metadata\) cannot be read"),
+    ("JSON metadata cut short", r"the checksums of its step \(.*2/meta/metadata\) cannot be read "
+                                r"\(JSONDecodeError: "),
+])
+def test_fleet_load_refuses_a_manager_part_without_its_checksums(two_steps, damage, message):
+    """Issue 22, item 2: fleet.load of one part of a step verifies it as the manager does."""
+    DAMAGE[damage](two_steps)
+    with pytest.raises(FleetCheckpointError, match=rf"fleet.load: .*ckpt/2/state is damaged: {message}"):
         load(two_steps / "2/state")
     assert_bitwise({k: load(two_steps / "1/state")[k] for k in ("w", "b")}, values(1))
 
@@ -197,7 +286,7 @@ def test_disk_full_is_reported_and_the_previous_step_stays(make_world, tmp_path,
         with pytest.raises(FleetCheckpointError, match=message):
             manager.save(2, state=values(2))
     assert manager.all_steps() == [1]
-    assert sorted(os.listdir(directory)) == ["1"]  # no temporary directories left
+    assert sorted(os.listdir(directory)) == [".fleet-lock", "1"]  # no temporary directories left
     restored = manager.restore_latest(state=template())
     assert restored.step == 1
     assert_bitwise(restored.state, values(1))
@@ -241,6 +330,23 @@ def test_the_errno_says_disk_full_never_the_text():
     assert not _disk.errno_says_full(ValueError("No space left on device [os_error_code='28']"))
 
 
+def test_the_errno_says_read_only_never_the_text():
+    """Issue 22, item 11: a directory that cannot be written is told by the errno."""
+    from fleet.checkpoint import _disk
+
+    try:
+        try:
+            raise OSError(errno.EROFS, "Read-only file system")
+        except OSError as e:
+            raise RuntimeError("orbax could not create the step") from e
+    except RuntimeError as e:
+        assert _disk.unwritable(e) == "read-only"
+    assert _disk.unwritable(OSError(errno.EACCES, "x")) == "not writable by this user (permission denied)"
+    assert _disk.unwritable(OSError(errno.EPERM, "x")) == "not writable (operation not permitted)"
+    assert _disk.unwritable(OSError(errno.ENOENT, "Read-only file system")) is None
+    assert _disk.unwritable(ValueError("Read-only file system [os_error_code=30]")) is None
+
+
 def test_a_full_disk_is_told_by_the_disk_not_by_the_message(make_world, tmp_path, monkeypatch):
     """A save that fails with tensorstore's kind of error (only its text says "No
     space left on device") is "disk full" when the disk lacks the space the step
@@ -274,7 +380,7 @@ def test_a_full_disk_is_told_by_the_disk_not_by_the_message(make_world, tmp_path
                                                    r"free, the step needs 195.4 KB\)"):
         manager.save(2, state=values(2))
     monkeypatch.undo()
-    assert manager.all_steps() == [1] and sorted(os.listdir(directory)) == ["1"]
+    assert manager.all_steps() == [1] and sorted(os.listdir(directory)) == [".fleet-lock", "1"]
     manager.close()
 
 
@@ -301,7 +407,7 @@ def test_a_real_full_disk(tmp_path):
     assert proc.returncode == 0, out
     assert ("save(3) raised: disk full at " + str(disk / "ckpt") + ": the checkpoint of step 2 "
             "was not written") in out, out
-    assert "steps [1] files ['1']" in out, out
+    assert "steps [1] files ['.fleet-lock', '1']" in out, out
     assert "restored 1 True" in out, out
 
 
@@ -351,7 +457,7 @@ def test_a_pending_save_completes_at_exit(make_world, tmp_path, mode, status):
     assert "cannot schedule new futures" not in out, out
     if mode == "raise":
         assert "RuntimeError: the training script failed" in out
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".fleet-lock", "1", "2"]
     make_world(1)
     with CheckpointManager(tmp_path / "ckpt") as manager:
         for step in (1, 2):
@@ -366,7 +472,7 @@ def test_a_pending_save_that_cannot_complete_fails_the_exit(make_world, tmp_path
     assert (f"fleet.CheckpointManager: the checkpoint of step 2 in {tmp_path / 'ckpt'} was LOST "
             "at interpreter exit (disk full); the steps saved before are intact. Exiting with "
             "status 1.") in out, out
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # the half-written step removed
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".fleet-lock", "1"]  # the half-written step removed
     make_world(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -406,7 +406,7 @@ def test_model_checkpoint_saves_every_save_freq_epochs(make_world, train_set, tm
     model.fit(TensorDataset(list(train_set)), batch_size=25, epochs=3, save_freq=2,
               save_dir=tmp_path / "ckpt", verbose=0)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "2", "final.pdopt", "final.pdparams"]  # epoch 2 of 3 (save_freq=2), then the end
+        ".fleet-lock", "2", "final.pdopt", "final.pdparams"]  # epoch 2 of 3 (save_freq=2), the end
 
 
 def test_fit_resume_continues_from_the_last_epoch_checkpoint(make_world, train_set, tmp_path):

@@ -29,7 +29,13 @@ parameters and optimizer state are bitwise those of an uninterrupted run.
 
 Nothing damaged is returned: every array is stored with a CRC-32 and verified
 when it is read (a mismatch raises :class:`FleetCheckpointError` naming the
-array), and ``restore_latest`` skips a damaged step for the newest intact one.
+array; a checkpoint that says it has checksums and lacks one is damaged too),
+and ``restore_latest`` skips a damaged step for the newest intact one. A
+directory has one writer: a manager holds its lock (``.fleet-lock``), a second
+job is refused naming the first's host and pid, and the lock of a dead writer
+is taken over with a warning that names any step it began and never finished.
+``fleet.save`` removes the temporary files (``.NAME.fleet-new-*``) of writers
+killed while saving to ``NAME``.
 ``fleet.save`` / ``fleet.load`` run on the calling process alone; the
 manager's calls are collective, and a process that skips one ends the others
 with an error naming the call and its rank instead of a hang.
@@ -42,10 +48,15 @@ restored into (orbax reshards), so it moves between process counts as well.
 The folder, one idea a module:
 
 ==================  ===========================================================
-``_io.py``          ``fleet.save`` / ``fleet.load``: the atomic write, and the
-                    reading of files and of the orbax directories fleet wrote
+``_io.py``          ``fleet.save`` / ``fleet.load``: the reading of files and
+                    of the orbax directories fleet wrote
+``_atomic.py``      ``fleet.save``'s atomic write, and the removal of what
+                    killed writers left
 ``_file.py``        the file ``fleet.save`` writes (a zip of ``.npy`` and JSON)
 ``_manager.py``     :class:`CheckpointManager`: the public class, save policy
+``_open.py``        opening a manager's directory: created, writable, locked,
+                    and the steps an earlier writer never finished
+``_lock.py``        one writer a directory: the lock file and its ``flock``
 ``_state.py``       what a checkpoint holds (``Contents``: the keywords of
                     ``save`` / ``restore``) and how its parts are read from
                     live objects and put back
@@ -57,7 +68,10 @@ The folder, one idea a module:
                     damaged step to the newest intact one; :class:`Restored`
 ``_pending.py``     a save in flight: its failure, its end at interpreter exit
 ``_integrity.py``   the CRC-32 of every array shard, written and verified
-``_disk.py``        whether a failed save failed because the disk is full
+``_settle.py``      orbax's reads, settled: a damaged array leaves nothing
+                    running in orbax's event loop when the error is raised
+``_disk.py``        whether a failed save failed because the disk is full, or
+                    the directory is read-only
 ``_errors.py``      :class:`FleetCheckpointError` and its kin
 ==================  ===========================================================
 

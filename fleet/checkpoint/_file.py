@@ -158,10 +158,11 @@ def _number(v: float) -> float | str:
 
 
 def write(path: str, tree: Tree) -> None:
-    """Writes ``tree`` to a new file ``path`` (which must not exist), flushed to disk."""
+    """Writes ``tree`` to the file ``path`` (``fleet.save``'s temporary file, new or
+    empty), flushed to disk."""
     summing = _SUMMER.submit(_integrity.checksums, tree.arrays, alone=True)
     try:
-        with open(path, "xb") as f:
+        with open(path, "wb") as f:
             with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
                 for entry, value in tree.arrays.items():
                     info = _info(entry)
@@ -246,6 +247,11 @@ def read(path: str) -> tuple[Any, dict[str, int], dict[str, np.ndarray]]:
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
             raise Damaged(f"its {JSON_ENTRY} does not describe a tree ({type(e).__name__}: "
                           f"{e})") from None
+    lost = [k for k in arrays if k not in sums]
+    if doc.get("checksum") is not None and lost:  # (written with a crc32 for every array)
+        raise Damaged(f"its {JSON_ENTRY} says every array has a checksum "
+                      f"({doc['checksum']}), but {len(lost)} ha{'ve' if len(lost) > 1 else 's'} "
+                      f"none: {', '.join(lost[:5])}{', ...' if len(lost) > 5 else ''}")
     return value, sums, arrays
 
 

@@ -7,6 +7,11 @@ is ``"0:16,0:8"`` (a replicated array or a numpy value has one shard, the whole
 array). Each shard is summed by the process that writes it, and verified, after
 reading and before anything is set in place, by every process that holds it.
 
+A checkpoint says whether it was written with checksums (a step's ``meta``,
+``fleet.save``'s ``fleet.json``: ``"checksum": "crc32"``); one that says so and
+lacks the checksum of an array (:func:`missing`), or whose table cannot be read,
+is damaged: deleting the table does not turn the check off.
+
 The cost, measured by ``benchmarks/checkpoint_io.py``: one pass over the bytes
 on save and one on restore, spread over a few threads (``zlib`` releases the
 GIL).
@@ -103,11 +108,29 @@ def merge(all_sums: list[Sums]) -> Sums:
     return out
 
 
+def is_table(stored: Any) -> bool:
+    """Whether ``stored`` (as read from JSON) is a table of :data:`Sums`."""
+    return isinstance(stored, dict) and all(
+        isinstance(shards, dict) and all(isinstance(crc, int) and not isinstance(crc, bool)
+                                         for crc in shards.values())
+        for shards in stored.values())
+
+
+def missing(stored: Sums, values: dict[str, Any], quote: bool = True) -> list[str]:
+    """The keys of ``values`` (as read) that ``stored`` has no checksum for: in a
+    checkpoint written with checksums, a sign of damage (its table was cut)."""
+    if not ENABLED:
+        return []
+    return [repr(k) if quote else k for k in values if not stored.get(k)]
+
+
 def mismatches(stored: Sums, values: dict[str, Any], quote: bool = True) -> list[str]:
     """Every shard of ``values`` (as read) whose checksum differs from ``stored``.
 
-    Keys or shards without a stored checksum are not checked (checkpoints written
-    before fleet stored checksums). Keys are shown with ``repr`` if ``quote``.
+    Shards without a stored checksum are not checked here (a checkpoint written
+    before fleet stored checksums; an array read in other shards than it was
+    written in): the caller asks :func:`missing` whether each key should have
+    one. Keys are shown with ``repr`` if ``quote``.
     """
     if not ENABLED:
         return []

@@ -12,18 +12,22 @@ per array and ``fleet.json``, the tree's structure with its numbers and strings
 inline and the CRC-32 of every array; :mod:`fleet.checkpoint._file` gives the
 format precisely, enough to write a reader for it.
 
-The write is atomic: the file is written under a temporary name in the same
-directory, flushed to disk, and renamed onto ``path`` in one ``os.replace``; a
-crash leaves either the old or the new checkpoint there, never a mixture.
-``fleet.load`` verifies every checksum and raises :class:`FleetCheckpointError`,
-naming the array, on a mismatch.
+The write is atomic (:mod:`fleet.checkpoint._atomic`): the file is written
+under a temporary name in the same directory (``.NAME.fleet-new-*``), flushed
+to disk, and renamed onto ``path`` in one ``os.replace``; a crash leaves either
+the old or the new checkpoint there, never a mixture, and the next save to
+``path`` removes the temporary file a killed writer left. ``fleet.load``
+verifies every checksum and raises :class:`FleetCheckpointError`, naming the
+array, on a mismatch; a file or step that says it was written with checksums
+and lacks one is damaged, never read unchecked.
 
 ``fleet.load`` also reads the orbax PyTree directories (``_METADATA``, arrays in
 tensorstore's OCDBT format) this fleet wrote, with orbax's public API:
 
 * a checkpoint written by ``fleet.save`` before it wrote its own file (fleet up
   to issue 19), with ``fleet_checksums.json``, ``{"algorithm": "crc32",
-  "arrays": {keystr: crc32}}`` (absent in the very first version);
+  "arrays": {keystr: crc32}}`` (absent in the very first version, whose
+  directories nothing tells from one whose file was deleted: those load unchecked);
 * one part of a :class:`fleet.CheckpointManager` step (``ckpt/100/model``); its
   checksums are in the step's ``meta/metadata`` JSON, ``"checksums": {part:
   {dotted key: {shard index: crc32}}}``.
@@ -34,12 +38,8 @@ lists and dicts as written (tuples as lists).
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
-import shutil
-import uuid
 from typing import Any
 
 import jax
@@ -48,8 +48,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from fleet._tree import first_replica
-from fleet.checkpoint import _disk, _file, _integrity, _tree
-from fleet.checkpoint._errors import FleetCheckpointError
+from fleet.checkpoint import _atomic, _file, _integrity, _settle, _tree
+from fleet.checkpoint._errors import FleetCheckpointError, first_line
 
 _LEAVES = "arrays, numpy or Python numbers, strings"
 _CHECKSUMS = "fleet_checksums.json"  # (in a directory of the earlier fleet.save)
@@ -88,69 +88,6 @@ def _host_leaf(path: tuple, x: Any) -> Any:
         f"fleet.save: {where} is a {type(x).__name__}; "
         f"fleet.save takes dicts and lists of {_LEAVES} (a state_dict()), and never pickles"
     )
-
-
-# --------------------------------------------------------------------------- the final rename
-
-_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swaps what is at ``a`` and ``b`` atomically (Linux ``renameat2``); ``False``
-    where the system cannot."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOENT):  # no such call, or b vanished
-        return False
-    raise OSError(code, os.strerror(code), b)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-
-
-def _put_in_place(fresh: str, final: str, tag: str) -> None:
-    """Moves the complete file ``fresh`` to ``final``, replacing what is there (a
-    file, or the directory of an earlier fleet.save); ``final`` always holds a
-    complete checkpoint, even with several processes saving to it at once."""
-    while True:
-        try:
-            os.replace(fresh, final)  # over a file, or nothing
-            return
-        except IsADirectoryError:
-            pass
-        if _exchange(fresh, final):  # fresh now holds the directory
-            _remove(fresh)
-            return
-        old = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.fleet-old-{tag}")
-        try:
-            os.rename(final, old)
-        except FileNotFoundError:
-            continue  # another process moved it away: try again
-        try:
-            os.replace(fresh, final)
-        finally:
-            _remove(old)
-        return
-
-
-def _sync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _refuse_non_checkpoint(final: str) -> None:
@@ -199,7 +136,9 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     holds a checkpoint of the earlier fleet.save (an orbax directory) is
     replaced by the file, in one atomic swap on Linux (elsewhere it is moved
     aside first, so a crash at that moment leaves ``path`` empty and the old
-    checkpoint under ``.NAME.fleet-old-*`` beside it).
+    checkpoint under ``.NAME.fleet-old-*`` beside it). The temporary files
+    (``.NAME.fleet-new-*``) that writers killed while saving to ``path`` left
+    are removed; those of live writers are kept.
 
     Args:
         obj: nested dicts / lists of arrays (jax or numpy), numbers and strings,
@@ -210,8 +149,9 @@ def save(obj: Any, path: str | os.PathLike) -> None:
 
     Raises:
         FleetCheckpointError: ``obj`` holds something else, or ``path`` is a file
-            or directory of something else. Disk full: the message says "disk
-            full at DIR"; the previous checkpoint at ``path`` is left as it was.
+            or directory of something else. Disk full, or a directory that is
+            read-only or not writable: the message says so and names it; the
+            previous checkpoint at ``path`` is left as it was.
 
     Example:
         >>> fleet.save(model.state_dict(), "model.pdparams")  # doctest: +SKIP
@@ -220,23 +160,7 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     tree = _file.encode(obj, _host_leaf)
     final = os.path.abspath(os.fspath(path))
     _refuse_non_checkpoint(final)
-    parent, name = os.path.split(final)
-    os.makedirs(parent, exist_ok=True)
-    tag = f"{jax.process_index()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fresh = os.path.join(parent, f".{name}.fleet-new-{tag}")
-    try:
-        _file.write(fresh, tree)
-        _put_in_place(fresh, final, tag)
-        _sync_directory(parent)
-    except BaseException as e:
-        _remove(fresh)
-        if _disk.errno_says_full(e):
-            raise FleetCheckpointError(
-                f"fleet.save: disk full at {parent}: {final} was not written "
-                f"({'the previous one is unchanged' if os.path.exists(final) else 'nothing is there'}); "
-                "free space and save again"
-            ) from None
-        raise
+    _atomic.write(final, tree)
 
 
 def load(path: str | os.PathLike) -> Any:
@@ -264,8 +188,9 @@ def load(path: str | os.PathLike) -> Any:
             what = "an empty directory" if not os.listdir(path) else "a directory without _METADATA"
             raise FleetCheckpointError(
                 f"fleet.load: {path} is not a checkpoint written by fleet.save ({what})")
+        sums = _directory_sums(path)  # (before reading: a damaged table is named first)
         value = _read_directory(path)
-        _verify(path, _arrays(value), _directory_sums(path) or {})
+        _verify(path, _arrays(value), sums or {}, every=sums is not None)
         return value
     if not os.path.isfile(path):
         raise FleetCheckpointError(
@@ -297,23 +222,32 @@ def _read_directory(path: str) -> Any:
     """The tree in the orbax PyTree directory ``path``, read by this process alone."""
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone)
+    # (its reads settle: a damaged array leaves nothing running, fleet.checkpoint._settle)
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone,
+                                          type_handler_registry=_settle.read_types())
     checkpointer = ocp.Checkpointer(handler, multiprocessing_options=alone)
     try:
         try:
-            tree = handler.metadata(epath.Path(path)).tree
+            with _settle.collect() as failed:
+                tree = handler.metadata(epath.Path(path)).tree
         except (FileNotFoundError, ValueError) as e:
             raise FleetCheckpointError(
                 f"fleet.load: {path} is not a checkpoint written by fleet.save ({e})"
             ) from None
+        if failed:
+            raise FleetCheckpointError(f"fleet.load: {path} is damaged: the metadata of its "
+                                       f"arrays cannot be read ({first_line(failed[0])})")
         restore_args = jax.tree.map(_restore_args, tree)
         try:
-            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                restore_args=restore_args))
+            with _settle.collect() as failed:
+                value = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                    restore_args=restore_args))
+            if failed:
+                raise failed[0]
         except Exception as e:  # noqa: BLE001 (tensorstore's errors on a damaged file)
             raise FleetCheckpointError(
-                f"fleet.load: {path} is damaged: {str(e).splitlines()[0][:500]}"
-            ) from None
+                f"fleet.load: {path} is damaged: {str(e).splitlines()[0][:500]}") from None
+        return value
     finally:
         checkpointer.close()
 
@@ -332,10 +266,20 @@ def _directory_sums(path: str) -> dict[str, dict[str | None, int]] | None:
             raise FleetCheckpointError(
                 f"fleet.load: {path} is damaged: its {_CHECKSUMS} cannot be read ({e})") from None
     meta = os.path.join(os.path.dirname(path), "meta", "metadata")
-    try:
+    if not os.path.isdir(os.path.dirname(meta)):
+        return None  # (the very first fleet.save wrote no checksums)
+    try:  # one part of a CheckpointManager step: its checksums are in the step's meta
         with open(meta) as f:
-            sums = json.load(f)["checksums"][os.path.basename(path)]
-    except (OSError, ValueError, KeyError, TypeError):
+            doc = json.load(f)
+        written = doc.get("checksum") is not None  # (steps before fleet summed arrays: None)
+        sums = doc["checksums"][os.path.basename(path)] if written else {}
+        if not _integrity.is_table(sums):
+            raise TypeError(f"its table of {os.path.basename(path)!r} is not one")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FleetCheckpointError(
+            f"fleet.load: {path} is damaged: the checksums of its step "
+            f"({meta}) cannot be read ({first_line(e)})") from None
+    if not written:
         return None
     return {jax.tree_util.keystr((jax.tree_util.DictKey(k),)): v for k, v in sums.items()}
 
@@ -349,14 +293,22 @@ def _arrays(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(p): v for p, v in flat if isinstance(v, (np.ndarray, np.generic))}
 
 
-def _verify(path: str, arrays: dict[str, Any], sums: dict[str, dict[str | None, int]]) -> None:
+def _verify(path: str, arrays: dict[str, Any], sums: dict[str, dict[str | None, int]],
+            every: bool = False) -> None:
     """Raises if an array of ``arrays`` differs from its checksum in ``sums``
-    (``{key: {shard index: crc}}``, ``None`` for the whole array)."""
+    (``{key: {shard index: crc}}``, ``None`` for the whole array), or, with
+    ``every`` (it was written with a checksum for every array), has none."""
     whole = {k: _integrity.index_key((slice(None),) * np.ndim(v), np.shape(v))
              for k, v in arrays.items()}
     stored = {k: {whole[k] if i is None else i: crc for i, crc in v.items()}
               for k, v in sums.items() if k in arrays}
     bad = _integrity.mismatches(stored, arrays, quote=False)
+    lost = _integrity.missing(stored, arrays, quote=False) if every else []
+    if lost and not bad:
+        raise FleetCheckpointError(
+            f"fleet.load: {path} is damaged: the checksum{'s' if len(lost) > 1 else ''} of "
+            f"{len(lost)} array{'s are' if len(lost) > 1 else ' is'} missing, though it was written with one "
+            f"for every array:\n  " + "\n  ".join(lost))
     if bad:
         raise FleetCheckpointError(
             f"fleet.load: {path} is damaged: {len(bad)} array{'s do' if len(bad) > 1 else ' does'} "

@@ -12,8 +12,17 @@ Crash safety is orbax's commit protocol: a step is written under a temporary
 name (``<step>.orbax-checkpoint-tmp-*``) and renamed to ``<step>`` only after
 every process finished writing it, so a kill at any moment leaves the earlier
 steps intact and a half-written step is never listed; the manager deletes such
-leftovers when it starts. Older steps are deleted (``max_to_keep``) only once a
-newer one is committed. A save that fails (disk full) raises at the latest on
+leftovers when it starts, and says which step was begun and never finished
+(also one whose writer ended before anything reached the disk: ``os._exit``
+right after an asynchronous ``save``). Older steps are deleted
+(``max_to_keep``) only once a newer one is committed.
+
+One writer a directory: ``CheckpointManager(...)`` takes the directory's lock
+(``directory/.fleet-lock``, held by process 0 of the job, naming its host and
+pid) and refuses a directory another live job writes, or one it cannot write
+(read-only); a lock left by a dead process is taken over with a warning
+(:mod:`fleet.checkpoint._open`, :mod:`fleet.checkpoint._lock`). ``close``
+releases it. A save that fails (disk full) raises at the latest on
 the manager's next call, and its temporary directory is removed; a pending
 asynchronous save is finished when the interpreter exits
 (:mod:`fleet.checkpoint._pending`).
@@ -37,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -45,7 +55,7 @@ import orbax.checkpoint as ocp
 
 from fleet import _agree
 from fleet._world import world
-from fleet.checkpoint import _integrity, _meta, _restore
+from fleet.checkpoint import _integrity, _meta, _open, _restore
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.checkpoint._pending import PendingSave
 from fleet.checkpoint._restore import Restored
@@ -79,6 +89,8 @@ class CheckpointManager:
     that does not make the call ends the others with a
     :class:`fleet._agree.FleetTimeoutError` naming the call and its rank. All
     processes must see ``directory``: one machine's disk, or a shared file system.
+    A directory has one writer at a time: while this manager is open (until
+    :meth:`close`), a manager of another job on ``directory`` is refused.
 
     Args:
         directory: where the steps are written (created if missing; not a file).
@@ -96,7 +108,14 @@ class CheckpointManager:
             exits (if it cannot be, the exit status is 1 and stderr says so).
 
     Raises:
-        FleetCheckpointError: ``directory`` is a file, or a bad option.
+        FleetCheckpointError: ``directory`` is a file, read-only or not writable;
+            another live job (or another open manager of this process) writes it
+            (the message names its host and pid); a bad option.
+
+    Warns:
+        FleetWarning: the directory's last writer ended without closing its
+            manager (killed, ``os._exit``): its lock is taken over, and the step
+            whose save it began and never finished is named.
 
     Example:
         >>> manager = fleet.CheckpointManager("ckpt", max_to_keep=3,  # doctest: +SKIP
@@ -130,6 +149,11 @@ class CheckpointManager:
                 "give another path"
             )
         self._meet("__init__", repr(self))
+        # One writer a directory (process 0 of the job holds the lock), before
+        # orbax removes the partial steps it finds there (fleet/checkpoint/_open.py).
+        self._lock = _open.open_directory(self.directory)
+        if self._lock is not None:  # (dropped without close(): released at its end)
+            weakref.finalize(self, self._lock.release)
         # fleet decides which steps to write and deletes old ones itself (only
         # once a newer step is committed), so orbax gets neither option.
         self._orbax = ocp.CheckpointManager(
@@ -140,7 +164,7 @@ class CheckpointManager:
                 cleanup_tmp_directories=True,
             ),
         )
-        self._saving = PendingSave(self._orbax, self.directory, self._prune)
+        self._saving = PendingSave(self._orbax, self.directory, self._prune, self._lock)
         self._closed = False
         latest = self.latest_step()
         self._last_save = (None if latest is None else
@@ -327,7 +351,8 @@ class CheckpointManager:
         self._saving.settle()
 
     def close(self) -> None:
-        """Finishes the pending save and releases the manager's threads. Collective.
+        """Finishes the pending save, releases the manager's threads and the
+        directory's lock. Collective.
 
         Raises:
             FleetCheckpointError: the pending save failed (see :meth:`save`).
@@ -343,9 +368,15 @@ class CheckpointManager:
                 self._orbax.close()
             except Exception:  # noqa: BLE001 (the same failure, raised already)
                 pass
+            self._release()
             raise
         self._closed = True
         self._orbax.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

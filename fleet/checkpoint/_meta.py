@@ -9,6 +9,12 @@ orbax handlers that write a step.
      "replicas": 8, "checksum": "crc32",
      "checksums": {part: {dotted key: {shard index: crc32}}}}
 
+``checksum`` names the checksum every array of the step has (``null``: none,
+as only ``benchmarks/checkpoint_io.py`` writes to time them); a step that names
+one and lacks the table, or an array's entry in it, is damaged, never read
+unchecked (:mod:`fleet.checkpoint._restore`). Steps written before fleet
+summed arrays have no ``checksum`` key.
+
 The checksums are summed in a background thread (``fleet-checksums``, one, so
 the saves' tables come in the order of the saves) while orbax writes the
 arrays; :class:`MetaHandler` writes the JSON once they are ready, in orbax's
@@ -33,7 +39,7 @@ import orbax.checkpoint as ocp
 
 from fleet import _agree
 from fleet._world import world
-from fleet.checkpoint import _integrity, _state
+from fleet.checkpoint import _integrity, _settle, _state
 from fleet.checkpoint._errors import Damaged, FleetCheckpointError, first_line
 
 NAME = "meta"
@@ -48,9 +54,10 @@ VERSION = 1
 # (process 0's first copy is the value) does not need to assume.
 # Host values (numpy, numbers, process-local arrays) are numpy arrays, which orbax
 # writes from process 0.
+# Their reads settle before a failure leaves orbax (:mod:`fleet.checkpoint._settle`).
 _TYPES = ocp.type_handlers.create_type_handler_registry(
-    (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
-    (np.ndarray, ocp.type_handlers.NumpyHandler()),
+    (jax.Array, _settle.ArrayHandler(use_replica_parallel=False)),
+    (np.ndarray, _settle.NumpyHandler()),
 )
 
 _SUMMER = ThreadPoolExecutor(1, thread_name_prefix="fleet-checksums")
@@ -138,7 +145,9 @@ def build(step: int, epoch: Any, metadata: Any, loader: Any,
         # Summed in the background while orbax writes the arrays; the JSON is
         # written once they are ready (MetaHandler).
         "checksums": _SUMMER.submit(_sum_and_share, pieces),
-        "checksum": _integrity.ALGORITHM,
+        # Which checksum every array has (None: none, as only benchmarks/checkpoint_io.py
+        # writes to time them): a step that names one and lacks it is damaged.
+        "checksum": _integrity.ALGORITHM if _integrity.ENABLED else None,
     }
 
 

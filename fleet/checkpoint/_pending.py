@@ -16,6 +16,11 @@ hook is registered with :func:`fleet._compat.register_before_exit`, which runs
 before ``concurrent.futures`` stops taking work (that would kill orbax's
 background save) and before ``atexit``'s hooks. If the save cannot be finished,
 stderr says which checkpoint was lost and the process exits with status 1.
+
+Where nothing can finish the save (``kill -9``; ``os._exit``, which skips every
+exit hook), the step a save began is recorded in the directory's lock file
+before ``save`` returns (:mod:`fleet.checkpoint._lock`), and the next manager on
+the directory says that the step was never finished (:mod:`fleet.checkpoint._open`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ import orbax.checkpoint as ocp
 from fleet import _compat
 from fleet.checkpoint import _disk
 from fleet.checkpoint._errors import FleetCheckpointError, first_line
+from fleet.checkpoint._lock import DirectoryLock
+
+#: orbax's name of a step being written: ``<step>.orbax-checkpoint-tmp-<time>``.
+PARTIAL = ".orbax-checkpoint-tmp"
 
 # Saves in flight, held until they are settled: a manager the script dropped
 # still finishes its save at exit.
@@ -43,6 +52,13 @@ def _finish_all() -> None:
     """Runs when the main thread ends: finishes every save in flight."""
     for pending in list(_IN_FLIGHT):
         pending.finish_at_exit()
+
+
+def remove_partial(directory: str, step: int) -> None:
+    """Removes what an unfinished save of ``step`` left in ``directory`` (its
+    temporary directories; call on process 0)."""
+    for leftover in glob.glob(os.path.join(glob.escape(directory), f"{step}{PARTIAL}*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _hook_exit() -> None:
@@ -57,10 +73,11 @@ class PendingSave:
     once a save is committed)."""
 
     def __init__(self, orbax: ocp.CheckpointManager, directory: str,
-                 prune: Callable[[], None]):
+                 prune: Callable[[], None], lock: DirectoryLock | None = None):
         self.orbax = orbax
         self.directory = directory
         self.prune = prune
+        self.lock = lock  # (process 0's: it records the step being saved)
         self.step: int | None = None  # the step an asynchronous save is writing
         self.needed = 0  # its size in bytes (a failed save: was the disk full?)
         _hook_exit()
@@ -69,6 +86,8 @@ class PendingSave:
         """Starts orbax's save of ``step`` (``needed`` bytes of arrays); raises at once
         if orbax does."""
         self.needed = needed
+        if self.lock is not None:  # (a writer that ends before the commit: said next time)
+            self.lock.saving(step)
         try:
             self.orbax.save(step, args=args, force=True)
         except Exception as e:  # noqa: BLE001 (tensorstore's and orbax's own errors)
@@ -116,9 +135,7 @@ class PendingSave:
     def _remove_leftovers(self, step: int) -> None:
         """Removes the temporary directories of a failed save of ``step`` (process 0)."""
         if jax.process_index() == 0:
-            for leftover in glob.glob(os.path.join(glob.escape(self.directory),
-                                                   f"{step}.orbax-checkpoint-tmp*")):
-                shutil.rmtree(leftover, ignore_errors=True)
+            remove_partial(self.directory, step)
 
     def finish_at_exit(self) -> None:
         """At interpreter exit: finishes the pending save, or says it is lost (exit status 1)."""
@@ -139,4 +156,6 @@ class PendingSave:
                   f"was LOST at interpreter exit ({why}); "
                   f"the steps saved before are intact. Exiting with status 1.",
                   file=sys.stderr, flush=True)
+            if self.lock is not None:  # (said here: the next manager finds a clean directory)
+                self.lock.release()
             os._exit(1)

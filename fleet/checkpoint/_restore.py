@@ -6,7 +6,10 @@ part asked for against the step's orbax metadata (keys, shapes, dtypes, PRNG
 implementations, the loader's dataset and batch size) and raises, listing every
 difference, before reading any array. The arrays read are verified against
 their checksums, on every process, before anything is set in place: a step
-that is damaged for one process is damaged for all (:class:`Damaged`).
+that is damaged for one process is damaged for all (:class:`Damaged`). A step
+that says it was written with checksums and lacks one is damaged too. Every
+read runs inside :func:`fleet.checkpoint._settle.collect`, so that a damaged
+array leaves none of orbax's reads running when the error is raised.
 
 :func:`latest` restores the newest intact step: a damaged one is moved aside
 (``<step>.damaged``, so it is neither listed nor overwritten) with a
@@ -27,7 +30,7 @@ import orbax.checkpoint as ocp
 from fleet import _agree
 from fleet._errors import FleetError, FleetWarning
 from fleet._world import world
-from fleet.checkpoint import _integrity, _meta, _state, _tree
+from fleet.checkpoint import _integrity, _meta, _settle, _state, _tree
 from fleet.checkpoint._errors import Damaged, FleetCheckpointError, first_line
 
 
@@ -127,14 +130,11 @@ def _read_verified(orbax: ocp.CheckpointManager, directory: str, step: int,
             args[name] = ocp.args.PyTreeRestore(items, restore_args=restore_args)
     values, verdict = {}, ""
     try:
-        values = orbax.restore(step, args=ocp.args.Composite(**args)) if args else {}
-        sums = meta.get("checksums") or {}
-        bad = [f"{name} {b}" for name in args
-               for b in _integrity.mismatches(sums.get(name, {}), dict(values[name]))]
-        if bad:
-            many = len(bad) > 1
-            verdict = (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
-                       f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
+        with _settle.collect() as failed:  # (a failed read leaves nothing running)
+            values = orbax.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        if failed:
+            raise failed[0]
+        verdict = _verdict(meta, {name: dict(values[name]) for name in args})
     except FleetError:
         raise
     except Exception as e:  # noqa: BLE001 (tensorstore's errors on damaged files)
@@ -147,12 +147,42 @@ def _read_verified(orbax: ocp.CheckpointManager, directory: str, step: int,
     return values
 
 
+def _verdict(meta: dict[str, Any], values: dict[str, dict[str, Any]]) -> str:
+    """Why the arrays read, ``{part: {key: value}}``, are not those the step's
+    ``meta`` says were written ("" if they are). A step whose ``meta`` names its
+    checksum (every step since fleet sums arrays) has one for every array: a
+    table that is missing, unreadable or short is damage, never "not checked"."""
+    written = meta.get("checksum") is not None
+    sums = meta.get("checksums") if written else meta.get("checksums") or {}
+    if not (isinstance(sums, dict) and all(_integrity.is_table(t) for t in sums.values())):
+        return (f"its {_meta.NAME!r} item says its arrays were written with checksums "
+                f"({meta['checksum']}), but their table is "
+                f"{'missing' if sums is None else 'unreadable'}")
+    bad = [f"{name} {b}" for name, part in values.items()
+           for b in _integrity.mismatches(sums.get(name, {}), part)]
+    if bad:
+        many = len(bad) > 1
+        return (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
+                f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
+    lost = [f"{name} {k}" for name, part in values.items()
+            for k in _integrity.missing(sums.get(name, {}), part)] if written else []
+    if lost:
+        many = len(lost) > 1
+        return (f"the checksum{'s' if many else ''} of {len(lost)} array{'s are' if many else ' is'} "
+                f"missing from its {_meta.NAME!r} item, which says every array was written with one "
+                f"({meta['checksum']}):\n  " + "\n  ".join(lost))
+    return ""
+
+
 def _problems(orbax: ocp.CheckpointManager, directory: str, step: int, meta: dict,
               parts: dict[str, _state.Part]) -> list[str]:
     """Every way the arrays of ``step`` do not fit ``parts`` (a part whose object
     grows a gradient accumulator is replaced by the grown one)."""
     try:
-        items = orbax.metadata(step).item_metadata
+        with _settle.collect() as failed:  # (a failed read leaves nothing running)
+            items = orbax.metadata(step).item_metadata
+        if failed:
+            raise failed[0]
     except Exception as e:  # noqa: BLE001 (a deleted or cut-short metadata file)
         raise Damaged(f"checkpoint {directory}/{step} is damaged: its metadata "
                       f"cannot be read ({first_line(e)})") from None

@@ -11,6 +11,8 @@ step 2 (a 32 MB array, slow to write) and ends at once, without ``close()``:
                device" (an injected ENOSPC at orbax's commit).
   tmpfs        DIR is a 2 MB tmpfs (the test mounts it): step 2 does not fit;
                the script checks what the manager says and what stays loadable.
+  os-exit      as ``return``, but the script ends with ``os._exit(0)``, which
+               skips every exit hook: nothing can finish step 2.
 
 OUT/expected-<step>.npy hold the values saved, for the test to compare bitwise.
 """
@@ -65,6 +67,8 @@ def main() -> None:
         return
     manager.save(2, state={"w": big})
     print("saving step 2; ending without close()", flush=True)
+    if mode == "os-exit":
+        os._exit(0)
     if mode == "raise":
         raise RuntimeError("the training script failed")
 
