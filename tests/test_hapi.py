@@ -507,9 +507,19 @@ def test_summary_counts_parameters(make_world, capsys):
     info = model.summary()
     assert info == {"total_params": 12 * 32 + 32 + 32 * 4 + 4,
                     "trainable_params": 12 * 32 + 32 + 32 * 4 + 4}
-    text = capsys.readouterr().out
-    assert "linear1 (Linear)" in text and "kernel[12, 32], bias[32]" in text
-    assert "-> output shape: (1, 4)" in text
+    text = capsys.readouterr().out.splitlines()
+    # Paddle's table (issue 23): the columns, a row per layer call, the size lines
+    assert text[1].split() == ["Layer", "(type)", "Input", "Shape", "Output", "Shape", "Param",
+                               "#"]
+    rows = [line.split() for line in text[3:5]]
+    assert rows == [["Linear-1", "float32[1,12]", "[1,", "32]", "416"],
+                    ["Linear-2", "float32[1,32]", "[1,", "4]", "132"]], text
+    assert text[6:9] == ["Total params: 548", "Trainable params: 548", "Non-trainable params: 0"]
+    assert [line.split(":")[0] for line in text[10:14]] == [
+        "Input size (MB)", "Forward/backward pass size (MB)", "Params size (MB)",
+        "Estimated Total Size (MB)"]
+    model.summary()  # the network is unchanged by it: the same table again
+    assert capsys.readouterr().out.splitlines() == text
 
 
 # -- errors --------------------------------------------------------------------------------
