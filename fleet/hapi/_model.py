@@ -339,10 +339,8 @@ class Model:
         return self.network.state_dict()
 
     def summary(self, input_size: Any = None, dtype: Any = None) -> dict[str, int]:
-        """Prints Paddle's table: each layer call with its input and output shapes and
-        parameter count (given ``input_size`` with the batch axis, e.g. ``(1, 784)``,
-        or ``fleet.Model(inputs=...)``; run through Flax's ``nnx.tabulate``), then
-        the parameter counts and sizes in MB.
+        """Prints Paddle's table: each layer call's shapes and parameters (given
+        ``input_size`` with the batch axis, e.g. ``(1, 784)``, or ``inputs=``).
 
         Returns:
             ``{"total_params": ..., "trainable_params": ...}``.
