@@ -10,7 +10,11 @@ Adam, on 4 CPU devices (or the local GPUs with ``--platform gpu``). Baselines:
   all-reduce).
 
 fleet runs with its defaults, 1 MB buckets, fusion off, and ``check_nan_inf``
-(which reads a flag vector back after every step). Variants run interleaved,
+(each variant's strategy made the world's again before its rounds: a step
+reads the world's strategy)
+(which selects the state on the device and reads its flags back without
+waiting, fleet/_finite.py). Every variant donates its parameters and optimizer
+state (fleet by default). Variants run interleaved,
 round after round, each timing ``--steps`` steps; the
 table shows the median ms per step and the median of the per-round ratios
 against each baseline and against the faster of the two.
@@ -142,7 +146,18 @@ def make_fleet(make, x, y, strategy):
 
     w = fleet.world()
     xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
-    return lambda: step(model, optimizer, xs, ys)
+
+    def run():
+        return step(model, optimizer, xs, ys)
+
+    run.strategy = strategy  # a step reads the world's strategy: set before its rounds
+    return run
+
+
+def use(run) -> None:
+    """Makes a fleet variant's strategy the world's again (same devices), untimed."""
+    if hasattr(run, "strategy"):
+        fleet.init(is_collective=True, strategy=run.strategy)
 
 
 def measure(name: str) -> None:
@@ -163,12 +178,14 @@ def measure(name: str) -> None:
             check_nan_inf=True)),
     }
     for run in variants.values():  # compile and warm up
+        use(run)
         for _ in range(3):
             run()
         jax.block_until_ready(run())
     times = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v, run in variants.items():
+            use(run)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 out = run()

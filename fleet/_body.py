@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fleet import _guards, _roles, _sync
@@ -48,10 +49,12 @@ class Program:
         self.records: dict[Plan, dict] = {}
         self.trace_count = 0  # how often the body was traced for real (tests read it)
 
-    def run(self, plan: Plan, state, trees, batch, repl):
+    def run(self, plan: Plan, state, trees, batch, repl, chain=None):
         """The global program (``jit`` traces it): the per-replica body under
         ``shard_map``, its outputs combined. The first trace of a plan probes the
-        body and checks the step (fleet._guards)."""
+        body and checks the step (fleet._guards). Returns the new state, the
+        outputs, the per-leaf finite flags and (``check_nan_inf``) the chain
+        flag: the state is selected on the device (fleet._finite)."""
         state_specs = [P(DATA_AXIS) if pr else P() for pr in self.graph.per_replica]
         tree_specs = P() if plan.tree_shards is None else tree_layout(
             plan.tree_shards, P(DATA_AXIS), P())
@@ -112,7 +115,13 @@ class Program:
             else _sharding.Shard(x, r[1]) if isinstance(r, tuple) else x
             for x, r in zip(out_leaves, record["out"])
         ]
-        return new_state, jax.tree_util.tree_unflatten(record["treedef"], out_leaves), finite
+        if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
+            finite = jax.lax.with_sharding_constraint(  # (read back from one device)
+                finite.reshape(plan.mesh.devices.size, -1).all(0), NamedSharding(plan.mesh, P()))
+            chain = jnp.logical_and(chain, finite.all())
+            new_state = [jnp.where(chain, n, o) for n, o in zip(new_state, state)]
+        out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
+        return new_state, out, finite, chain
 
     def body(self, plan: Plan, state, trees, batch, repl, *, record, probe):
         per_replica = self.graph.per_replica
@@ -154,7 +163,7 @@ class Program:
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
                 "get averaged gradients back from a step"
             )
-        trace.record_finite([f"output {dotted(p) or 'the output'}" for p in
+        trace.record_finite([(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                              [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]], leaves)
         flags = jnp.stack([f for _, f in trace.finite]) if trace.finite else jnp.zeros((0,), bool)
         if not _sync.is_varying(flags):

@@ -5,8 +5,9 @@
 * :func:`check_on_one_device`: the step traced once as the single-device step
   on the global shapes, so its shape errors are raised with those shapes;
 * :func:`agree_program` / :func:`agree_replicated`: the processes compare what
-  they traced and the scalars they pass, through a bounded key-value exchange;
-* :func:`check_finite`: ``strategy.check_nan_inf``.
+  they traced and the scalars they pass, through a bounded key-value exchange.
+
+``strategy.check_nan_inf`` is ``fleet._finite``.
 """
 
 from __future__ import annotations
@@ -175,18 +176,6 @@ def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) 
             for v in eqn.outvars:  # (fleet's own collectives end a dependence: synced)
                 deps[id(v)] = came_from
     return [names[i] for i in found]
-
-
-def check_finite(finite: Any, names: list[str], call: int) -> None:
-    """strategy.check_nan_inf: raises naming the first leaf whose flag is False."""
-    flags = np.asarray(finite).reshape(-1, len(names)).all(axis=0) if names else []
-    for name, ok in zip(names, flags):
-        if not ok:
-            raise FleetError(
-                f"check_nan_inf: {name} holds NaN or infinity after call {call} "
-                "of the step; the state was left as it was before this call. Look for a "
-                "bad batch, a too-large learning rate, or a log/division of zero"
-            )
 
 
 def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:

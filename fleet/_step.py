@@ -53,6 +53,13 @@ Outputs, leaf by leaf:
 Buffers a step changes from its replica's rows (batch-norm statistics) are
 averaged over the replicas, so replicated state stays equal everywhere.
 
+The NNX objects' old state is donated to the step (``fleet._donate``): XLA writes
+the new state into its buffers, so an array read from a variable before a call
+is deleted by it (``donate=False`` keeps it); pytree arguments are never
+donated. A call does not wait for the device, ``strategy.check_nan_inf``
+included: its error is raised at a later call or at :meth:`DistributedStep.wait`
+(``fleet._finite``).
+
 The step compiles once per input shape (and once more for the steps under
 ``no_sync``). In a multi-process job, before a newly compiled step runs, the
 processes compare what they traced (shapes, strategy, buckets) and a mismatch
@@ -70,9 +77,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _guards, _roles, _sync, _worker
+from fleet import _donate, _guards, _roles, _sync, _worker
 from fleet._body import Program
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._finite import FiniteFlags
 from fleet._graph import GraphCache, Plan, tree_layout
 from fleet._optimizer import (
     MergePosition,
@@ -89,9 +97,12 @@ from fleet.strategy import _sharding
 class DistributedStep:
     """A step function run data-parallel; see :func:`distributed_step`."""
 
-    def __init__(self, fn: Callable, batch_argnums: Sequence[int] | None, out_reduce: Any):
+    def __init__(self, fn: Callable, batch_argnums: Sequence[int] | None, out_reduce: Any,
+                 donate: bool = True):
         functools.update_wrapper(self, fn)
         self._fn = fn
+        self._donate = bool(donate)
+        self._finite = FiniteFlags()
         self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self._out_reduce = out_reduce
         self._jitted: dict[Any, Callable] = {}
@@ -106,20 +117,46 @@ class DistributedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _worker.step_begin()
+        if self._finite.pending:  # earlier calls' check_nan_inf flags, if ready: no wait
+            self._check_finite(wait=False)
         plan, call_args = self._prepare(args, kwargs)
         compiled = self._compiled(plan)
-        new_state, out, finite = compiled(*call_args)
-        if plan.check_nan_inf:
-            _guards.check_finite(finite, self._program.records[plan]["finite"], self._calls + 1)
+        chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
+        # The old NNX state is donated: the new state must be written whatever follows.
+        new_state, out, finite, chain = compiled(*call_args, chain)
         self._program.graph.write(new_state)
         if plan.grad_merge is not None and self._program.records[plan]["merge_updates"]:
             self._merge.advanced(self._program.graph.objs)
         self._calls += 1
+        if plan.check_nan_inf:
+            self._finite.record(plan.mesh, self._calls, finite,
+                                self._program.records[plan]["finite"], chain)
+            if jax.process_count() > 1:  # every process raises at the same call
+                self._check_finite(wait=True, upto=self._calls - 1)
         every = world().strategy.check_replicas_every_n_steps
         if every and self._calls % every == 0:
+            self._check_finite(wait=True)
             self._check_replicas(out)
         _worker.step_end()
         return out
+
+    def wait(self) -> None:
+        """Waits for every call made so far to finish on the device. With
+        ``strategy.check_nan_inf``, raises the :class:`fleet.FleetError` of a call
+        whose outputs or gradients were not finite (a call otherwise raises it at
+        a later call, once its flags are back: see ``fleet._finite``)."""
+        self._check_finite(wait=True)
+        graph = self._program.graph
+        if graph is not None:
+            jax.block_until_ready(graph.read())
+
+    def _check_finite(self, *, wait: bool, upto: int | None = None) -> None:
+        try:
+            self._finite.check(wait=wait, upto=upto)
+        except FleetError:
+            # The non-finite calls left the merge count where it was: read it again.
+            self._merge = MergePosition()
+            raise
 
     @property
     def trace_count(self) -> int:
@@ -130,14 +167,18 @@ class DistributedStep:
         """The jaxpr of the program a call with these arguments runs (nothing runs,
         nothing is updated). Its ``shard_map`` body shows the gradient buckets."""
         plan, call_args = self._prepare(args, kwargs)
-        return jax.make_jaxpr(self._program.run, static_argnums=0)(plan, *call_args)
+        chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
+        return jax.make_jaxpr(self._program.run, static_argnums=0)(plan, *call_args, chain)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The ``jax.stages.Lowered`` program a call with these arguments runs
         (nothing runs): ``.compile().memory_analysis()`` gives its memory."""
-        plan, call_args = self._prepare(args, kwargs)
+        plan, (state, trees, batch, repl) = self._prepare(args, kwargs)
         self._compiled(plan)
-        return self._jitted[(plan.mesh, plan.tree_shards)].lower(plan, *call_args)
+        chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
+        layout, donated, kept = _donate.split(state, (trees, batch, repl), self._donate)
+        return self._jitted[(plan.mesh, plan.tree_shards)].lower(
+            plan, layout, donated, kept, trees, batch, repl, chain)
 
     def _check_replicas(self, out: Any) -> None:
         graph = self._program.graph
@@ -247,24 +288,37 @@ class DistributedStep:
             repl, batch = w.replicated, w.batch
             trees = repl if plan.tree_shards is None else tree_layout(
                 plan.tree_shards, NamedSharding(plan.mesh, P(DATA_AXIS)), repl)
+            program = self._program
+
+            def donating(plan, layout, donated, kept, trees, batch, repl, chain):
+                state = _donate.assemble(layout, donated, kept)
+                return program.run(plan, state, trees, batch, repl, chain)
+
             jitted = jax.jit(
-                self._program.run,
-                static_argnums=0,
-                in_shardings=(None, trees, batch, repl),
+                donating,
+                static_argnums=(0, 1),
+                donate_argnums=2,  # the NNX state the step writes back (fleet._donate)
+                in_shardings=(None, None, trees, batch, repl, None),
             )
             self._jitted[(plan.mesh, plan.tree_shards)] = jitted
 
-        def run(state, trees, batch, repl):
+        def run(state, trees, batch, repl, chain):
+            layout, donated, kept = _donate.split(state, (trees, batch, repl), self._donate)
             try:
-                return jitted(plan, state, trees, batch, repl)
+                return jitted(plan, layout, donated, kept, trees, batch, repl, chain)
             except ValueError:
                 # Arrays committed elsewhere (a new TrainState's step counter, arrays
-                # made on one device) are refused by jit: if the arguments' own
-                # shardings say so, place them on the mesh and go on.
+                # made on one device) are refused by jit before it runs: if the
+                # arguments' own shardings say so, place them on the mesh and go on
+                # (never with arrays a call already consumed).
+                if _donate.any_deleted(donated):
+                    raise
                 placed = place_on_mesh(state, self._program.graph.per_replica, trees, repl)
                 if placed is None:
                     raise
-                return jitted(plan, placed[0], placed[1], batch, placed[2])
+                layout, donated, kept = _donate.split(
+                    placed[0], (placed[1], batch, placed[2]), self._donate)
+                return jitted(plan, layout, donated, kept, placed[1], batch, placed[2], chain)
 
         return run
 
@@ -273,6 +327,7 @@ def distributed_step(
     *,
     batch_argnums: Sequence[int] | None = None,
     out_reduce: Any = None,
+    donate: bool = True,
 ) -> Any:
     """Runs a train or eval step data-parallel; use it instead of ``jax.jit``.
 
@@ -285,6 +340,15 @@ def distributed_step(
         out_reduce: how to combine outputs that differ across replicas: ``"mean"``,
             ``"sum"``, ``"gather"`` or ``None`` (the default rule), as one string
             or a pytree prefix of the output.
+        donate: give the NNX objects' old state (parameters, optimizer state,
+            buffers) to XLA, which writes the new state into its buffers, as
+            ``jax.jit(..., donate_argnums=...)`` does: a device holds that state
+            once instead of twice at the step boundary. An array read from a
+            variable before the call (``w = model.kernel.value``) is deleted by
+            the call (reading it raises); take a copy (``np.asarray(w)``,
+            ``jnp.copy(w)``) to keep it. Arrays passed as pytrees (a Linen
+            ``TrainState``) are never donated. ``donate=False`` keeps the old
+            arrays alive (the state is then held twice during the step).
 
     Example:
         >>> @fleet.distributed_step  # doctest: +SKIP
@@ -303,7 +367,7 @@ def distributed_step(
                 "the batch arguments), e.g. batch_argnums=(2, 3)"
             )
     if fn is None:
-        return lambda f: DistributedStep(f, batch_argnums, out_reduce)
+        return lambda f: DistributedStep(f, batch_argnums, out_reduce, donate)
     if not callable(fn):
         raise FleetTypeError(f"distributed_step decorates a function, got {type(fn).__name__}")
-    return DistributedStep(fn, batch_argnums, out_reduce)
+    return DistributedStep(fn, batch_argnums, out_reduce, donate)

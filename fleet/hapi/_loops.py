@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from fleet._errors import FleetConfigError
@@ -99,10 +100,11 @@ AMP_LOGS = ("loss_scaling", "skipped_steps")
 def amp_logs(optimizer: Any) -> dict[str, Any]:
     """float16 amp's ``loss_scaling`` and ``skipped_steps`` (the distributed
     optimizer's state after the step, as device arrays), or ``{}`` when the
-    optimizer does not scale the loss."""
+    optimizer does not scale the loss. Copies, made on the device: the next
+    step donates the optimizer's own arrays (fleet/_donate.py)."""
     if getattr(optimizer, "amp_rules", None) is None:
         return {}
-    return {name: getattr(optimizer, name)[...] for name in AMP_LOGS}
+    return {name: jnp.copy(getattr(optimizer, name)[...]) for name in AMP_LOGS}
 
 
 def _update(metrics: list, rows: tuple) -> None:

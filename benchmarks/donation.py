@@ -1,0 +1,285 @@
+"""Benchmark: a step's memory at the step boundary and the time to dispatch steps,
+fleet against hand-written donating steps, side by side (issue 24, items 1, 3).
+
+Two models with Adam on 4 CPU devices: an MLP of 8.4M parameters and the
+seed's CIFAR-10 CNN (examples/cifar10).
+
+Memory (``--what memory``), per device, from ``compile().memory_analysis()``:
+the bytes live at the step boundary, arguments + outputs + temporaries -
+aliased (the donated inputs whose buffers the outputs reuse). Baselines:
+
+* ``hand``: ``jax.jit(jax.shard_map(step))`` by hand, parameters and optimizer
+  state donated (``donate_argnums``);
+* ``hand, sharded``: the same with the optimizer state split over the devices
+  (ZeRO, by hand: gradients reduce-scattered, Adam on each device's slice, the
+  new parameters all-gathered), parameters and slices donated.
+
+fleet: its default (donating), ``donate=False``, ``check_nan_inf``, and
+``strategy.sharding`` stage 1 and 2 (against ``hand, sharded``).
+
+Dispatch (``--what dispatch``): the host time of 100 calls without waiting for
+the device (the device is idle at the start of each round, and the round's
+steps are waited for after the clock stops), fleet (default, check_nan_inf)
+against ``jax.jit`` of the same single-device step (batch sharded over
+``data``, parameters replicated and donated). Rounds run interleaved; the
+table shows the median ms per 100 calls and the median per-round ratio.
+
+    python benchmarks/donation.py [--what memory,dispatch] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+parser.add_argument("--what", default="memory,dispatch")
+parser.add_argument("--models", default="mlp,cnn")
+parser.add_argument("--rounds", type=int, default=10)
+parser.add_argument("--calls", type=int, default=100)
+args = parser.parse_args()
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples", "cifar10"))
+from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cifar10)
+
+import fleet  # noqa: E402
+
+SIZES = (1024, 2048, 2048, 1024, 10)  # 8.4M parameters
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(SIZES[:-1], SIZES[1:])])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+MODELS = {"mlp": (MLP, (SIZES[0],), 64), "cnn": (CifarCNN, (32, 32, 3), 128)}
+N = 4
+
+
+def loss_of(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def live(memory) -> int:
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+
+
+def hand(make, x, y, mesh, sharded: bool):
+    """The hand-written step's lowered program (``sharded``: ZeRO by hand)."""
+    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
+    tx = optax.adam(1e-3)
+    repl, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    leaves, treedef = jax.tree.flatten(params)
+    pad = [(-x.size) % N for x in leaves]
+
+    def flat(p):  # each leaf flattened and padded to a multiple of N
+        return [jnp.pad(v.reshape(-1), (0, k)) for v, k in zip(jax.tree.leaves(p), pad)]
+
+    def grads_of(params, x, y):
+        return jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
+
+    if not sharded:
+        def body(params, opt_state, x, y):
+            loss, grads = grads_of(params, x, y)
+            grads = jax.tree.map(lambda g: g / N, grads)  # the transpose summed them
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+        opt_state = tx.init(params)
+        specs = (P(), P())
+        state = (jax.device_put(params, repl), jax.device_put(opt_state, repl))
+    else:
+        def body(params, opt_state, x, y):
+            loss, grads = grads_of(jax.tree.map(lambda v: jax.lax.pcast(v, "data", to="varying"),
+                                                params), x, y)
+            i = jax.lax.axis_index("data")
+            g = [jax.lax.psum_scatter(v, "data", scatter_dimension=0, tiled=True) / N
+                 for v in flat(grads)]
+            p = [jax.lax.dynamic_slice_in_dim(v, i * (v.size // N), v.size // N)
+                 for v in flat(params)]
+            updates, opt_state = tx.update(g, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, jax.lax.pmean(loss, "data")
+        opt_state = tx.init(flat(params))
+        specs = (P(), jax.tree.map(lambda v: P("data") if v.ndim else P(), opt_state))
+        state = (jax.device_put(params, repl),
+                 jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)),
+                              opt_state, specs[1]))
+    out_specs = (P("data") if sharded else P(), specs[1], P())
+    run = jax.shard_map(body, mesh=mesh, in_specs=(*specs, P("data"), P("data")),
+                        out_specs=out_specs)
+
+    def outer(params, opt_state, x, y):  # (sharded: the new slices all-gathered by XLA)
+        new, opt_state, loss = run(params, opt_state, x, y)
+        if sharded:
+            new = jax.tree.unflatten(treedef, [v[:v.size - k].reshape(o.shape)
+                                               for v, k, o in zip(new, pad, leaves)])
+        return new, opt_state, loss
+
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (P(), specs[1], P()))
+    step = jax.jit(outer, donate_argnums=(0, 1), out_shardings=shardings)
+    return step.lower(*state, jax.device_put(x, data), jax.device_put(y, data))
+
+
+def fleet_step(make, strategy, donate=True):
+    fleet.init(is_collective=True, strategy=strategy)
+    model = fleet.distributed_model(make(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+
+    def train(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return fleet.distributed_step(train, donate=donate), model, optimizer
+
+
+def fleet_lowered(make, x, y, strategy, donate=True):
+    step, model, optimizer = fleet_step(make, strategy, donate)
+    w = fleet.world()
+    xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
+    if strategy.sharding:  # the optimizer state is split at the first call
+        jax.block_until_ready(step(model, optimizer, xs, ys))
+    return step.lower(model, optimizer, xs, ys)
+
+
+def memory(name: str) -> None:
+    make, shape, batch = MODELS[name]
+    rng = np.random.RandomState(0)
+    x = rng.randn(batch, *shape).astype(np.float32)
+    y = rng.randint(0, 10, batch).astype(np.int32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+
+    def stage(k):
+        return fleet.DistributedStrategy(sharding=True, sharding_configs={"stage": k})
+
+    rows = {
+        "hand (donating)": (hand(make, x, y, mesh, False), None),
+        "hand, sharded (donating)": (hand(make, x, y, mesh, True), None),
+        "fleet, default": (fleet_lowered(make, x, y, fleet.DistributedStrategy()), "hand"),
+        "fleet, donate=False": (fleet_lowered(make, x, y, fleet.DistributedStrategy(),
+                                              donate=False), "hand"),
+        "fleet, check_nan_inf": (fleet_lowered(make, x, y, fleet.DistributedStrategy(
+            check_nan_inf=True)), "hand"),
+        "fleet, sharding stage 1": (fleet_lowered(make, x, y, stage(1)), "sharded"),
+        "fleet, sharding stage 2": (fleet_lowered(make, x, y, stage(2)), "sharded"),
+    }
+    analysis = {k: lowered.compile().memory_analysis() for k, (lowered, _) in rows.items()}
+    base = {"hand": live(analysis["hand (donating)"]),
+            "sharded": live(analysis["hand, sharded (donating)"])}
+    nparams = sum(p.size for p in jax.tree.leaves(nnx.state(make(nnx.Rngs(0)), nnx.Param)))
+    print(f"\nmemory, {name}: {nparams / 1e6:.2f}M parameters, Adam, global batch {batch}, "
+          f"{N} x cpu, per device (jax {jax.__version__})")
+    print(f"{'variant':28s} {'args MB':>8s} {'out MB':>7s} {'temp MB':>8s} {'alias MB':>9s} "
+          f"{'live MB':>8s} {'vs hand':>8s}")
+    for k, (_, against) in rows.items():
+        m = analysis[k]
+        ratio = f"{live(m) / base[against]:8.3f}" if against else f"{'':8s}"
+        print(f"{k:28s} {m.argument_size_in_bytes / 2**20:8.2f} {m.output_size_in_bytes / 2**20:7.2f} "
+              f"{m.temp_size_in_bytes / 2**20:8.2f} {m.alias_size_in_bytes / 2**20:9.2f} "
+              f"{live(m) / 2**20:8.2f} {ratio}")
+
+
+def plain_jit(make, x, y, mesh):
+    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
+    tx = optax.adam(1e-3)
+
+    def single(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    repl = NamedSharding(mesh, P())
+    step = jax.jit(single, donate_argnums=(0, 1), out_shardings=(repl, repl, repl))
+    state = [jax.device_put(params, repl), jax.device_put(tx.init(params), repl)]
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+
+    def run():
+        state[0], state[1], loss = step(state[0], state[1], xs, ys)
+        return loss
+
+    return run
+
+
+def dispatch(name: str) -> None:
+    make, shape, batch = MODELS[name]
+    rng = np.random.RandomState(0)
+    x = rng.randn(batch, *shape).astype(np.float32)
+    y = rng.randint(0, 10, batch).astype(np.int32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+
+    def fleet_run(strategy):
+        step, model, optimizer = fleet_step(make, strategy)
+        w = fleet.world()
+        xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
+
+        def run():
+            return step(model, optimizer, xs, ys)
+
+        run.strategy = strategy  # a step reads the world's strategy: set before its rounds
+        return run
+
+    def use(run):
+        if hasattr(run, "strategy"):
+            fleet.init(is_collective=True, strategy=run.strategy)
+
+    variants = {
+        "jax.jit": plain_jit(make, x, y, mesh),
+        "fleet, default": fleet_run(fleet.DistributedStrategy()),
+        "fleet, check_nan_inf": fleet_run(fleet.DistributedStrategy(check_nan_inf=True)),
+    }
+    for run in variants.values():  # compile and warm up
+        use(run)
+        for _ in range(3):
+            run()
+        jax.block_until_ready(run())
+    times = {v: [] for v in variants}
+    drain = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v, run in variants.items():
+            use(run)
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                out = run()
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            times[v].append(t1 - t0)
+            drain[v].append(time.perf_counter() - t0)
+    base = np.array(times["jax.jit"])
+    print(f"\ndispatch, {name}: {args.calls} calls without waiting, global batch {batch}, "
+          f"{N} x cpu, {args.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
+    print(f"{'variant':24s} {'dispatch ms':>12s} {'vs jax.jit':>11s} {'all done ms':>12s}")
+    for v, t in times.items():
+        t = np.array(t)
+        print(f"{v:24s} {np.median(t) * 1e3:12.1f} {np.median(t / base):11.3f} "
+              f"{np.median(drain[v]) * 1e3:12.1f}")
+
+
+def main():
+    for what in args.what.split(","):
+        for name in args.models.split(","):
+            {"memory": memory, "dispatch": dispatch}[what](name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Buffer donation: a step gives the NNX objects' old state to XLA.
+
+A step writes new arrays into the NNX objects' variables (parameters, optimizer
+state, buffers; ``fleet._graph.GraphCache``), so the old ones are dead once the
+step has run. fleet donates them (``jax.jit(..., donate_argnums=...)``): XLA
+writes the new state into the old buffers, and a device holds the parameters
+and the optimizer state once at the step boundary instead of twice. An old
+array a user kept (``w = model.kernel.value`` before the step) is deleted by
+the step, as with any donating ``jax.jit``; ``distributed_step(fn,
+donate=False)`` keeps old arrays alive. Arrays passed as pytrees (a Linen
+``TrainState``) belong to the user and are never donated.
+
+One buffer cannot be donated twice, nor donated and passed again in the same
+call (XLA refuses both): a state leaf that is the same ``jax.Array`` as another
+state leaf (tied weights, a ``device_put`` that returned its input) or as an
+array among the other arguments is passed undonated. :func:`split` cuts the
+state into the donated and the kept leaves; :func:`assemble`, inside the
+traced program, puts them back in order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import jax
+
+ALL = "all"  # layout: every state leaf donated
+NONE = "none"  # layout: every state leaf kept (donate=False)
+
+
+def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
+    """``(layout, donated, kept)``: the state leaves that can be donated and the
+    rest; ``layout`` (hashable, a static argument of the program) says which
+    list each leaf comes from. ``others`` are the call's other arguments."""
+    if not donate:
+        return NONE, [], state
+    ids = [id(x) for x in state]
+    shared = {id(x) for x in jax.tree.leaves(others) if isinstance(x, jax.Array)}
+    if len(set(ids)) == len(ids) and not shared.intersection(ids):
+        return ALL, state, []
+    counts = Counter(ids)
+    layout = tuple(counts[i] == 1 and i not in shared for i in ids)
+    donated = [x for x, d in zip(state, layout) if d]
+    kept = [x for x, d in zip(state, layout) if not d]
+    return layout, donated, kept
+
+
+def assemble(layout: Any, donated: list, kept: list) -> list:
+    """The state leaves in order, from :func:`split`'s two lists."""
+    if layout == ALL:
+        return list(donated)
+    if layout == NONE:
+        return list(kept)
+    donated_it, kept_it = iter(donated), iter(kept)
+    return [next(donated_it) if d else next(kept_it) for d in layout]
+
+
+def any_deleted(donated: list) -> bool:
+    """Whether a call already consumed (donated) one of these arrays: a failed call
+    must not be tried again with them."""
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in donated)

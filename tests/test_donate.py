@@ -1,0 +1,244 @@
+"""Issue 24, items 1 and 3: a step donates the NNX state it writes back
+(fleet/_donate.py), and ``check_nan_inf`` keeps the old state with a select on
+the device and raises without waiting for it (fleet/_finite.py).
+
+On CPU devices ``np.asarray`` of a ``jax.Array`` is a view of its buffer, which
+XLA then refuses to donate (it copies instead): these tests copy state on the
+device (``jnp.copy``) where they need the values from before a step.
+"""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import fleet
+from tests import models
+
+
+def leaves(*objs):
+    return jax.tree.leaves(nnx.state(objs))
+
+
+def copies(*objs):
+    return [jnp.copy(x) for x in leaves(*objs)]
+
+
+def same_bits(got, want) -> bool:
+    return len(got) == len(want) and all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(got, want))
+
+
+def train_setup(make_world, strategy=None):
+    make_world(4, strategy)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    return model, opt
+
+
+def test_a_step_donates_the_old_state(make_world):
+    """The parameters and the optimizer state the step replaced are deleted (their
+    buffers hold the new state); the new state is what a step without donation
+    gives, bitwise."""
+    make_world(4)
+    data = models.batches("linear", 3, 8)
+    results = {}
+    for donate in (True, False):
+        model, opt = train_setup(make_world)
+        step = fleet.distributed_step(models.nnx_train_step, donate=donate)
+        for x, y in data:
+            old = leaves(model, opt)
+            step(model, opt, x, y)
+            arrays = [a for a in old if isinstance(a, jax.Array)]
+            assert arrays and all(a.is_deleted() == donate for a in arrays), donate
+        results[donate] = [np.asarray(a) for a in leaves(model, opt)]
+    assert same_bits(results[True], results[False])
+
+
+def test_a_linen_train_state_is_not_donated(make_world):
+    """Arrays passed as pytrees are the user's: never donated."""
+    make_world(4)
+    net = fleet.distributed_model(models.LinenLinearNet())
+    x, y = models.batches("linear", 1, 8)[0]
+    params = net.init(jax.random.key(0), x[:1])
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-2))
+
+    @fleet.distributed_step
+    def step(state, x, y):
+        def loss(p):
+            return ((state.apply_fn(p, x) - y) ** 2).mean()
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    def arrays(tree):
+        return [a for a in jax.tree.leaves(tree) if isinstance(a, jax.Array)]
+
+    new, _ = step(state, x, y)
+    assert arrays(state) and not any(a.is_deleted() for a in arrays(state))
+    step(new, x, y)
+    assert not any(a.is_deleted() for a in arrays(new))
+
+
+class Twins(nnx.Module):
+    """Two layers of one shape, whose kernels may start as one jax.Array."""
+
+    def __init__(self, rngs):
+        self.a = nnx.Linear(10, 10, rngs=rngs)
+        self.b = nnx.Linear(10, 10, rngs=rngs)
+        self.out = nnx.Linear(10, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.b(nnx.relu(self.a(x))))
+
+
+def test_a_jax_array_held_twice_is_not_donated_and_trains(make_world):
+    """The same jax.Array in two variables (a device_put that returned its input),
+    and in a tree argument too: XLA cannot donate one buffer twice, nor donate it
+    and read it in the same call. fleet passes it undonated; the step trains as
+    with two separate copies, and the other leaves are donated."""
+    make_world(4)
+    data = models.batches("linear", 3, 8)
+
+    def step(model, opt, extra, x, y):
+        loss = models.nnx_train_step(model, opt, x, y)
+        return loss, extra["k"].sum()
+
+    params = {}
+    for shared in (True, False):
+        model = fleet.distributed_model(Twins(nnx.Rngs(0)))
+        kernel = jax.device_put(model.a.kernel.get_value(), fleet.world().replicated)
+        model.a.kernel.set_value(kernel)
+        model.b.kernel.set_value(kernel if shared else jnp.copy(kernel))
+        extra = {"k": kernel}
+        opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+        run = fleet.distributed_step(step)
+        other = model.out.kernel.get_value()
+        for x, y in data:
+            run(model, opt, extra, x, y)
+        assert not kernel.is_deleted() and other.is_deleted()
+        assert model.a.kernel.get_value() is not model.b.kernel.get_value()
+        params[shared] = [np.asarray(a) for a in leaves(model, opt)]
+    assert same_bits(params[True], params[False])
+
+
+def test_state_committed_elsewhere_is_placed_then_donated(make_world):
+    """Parameters committed to devices outside the mesh: jit refuses them before
+    anything runs (nothing is consumed), the step places them and runs; it
+    trains as the same model placed by fleet."""
+    make_world(4)
+    data = models.batches("linear", 2, 8)
+    elsewhere = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("other",)), jax.P())
+    got = {}
+    for placed in (False, True):
+        model, opt = train_setup(make_world)
+        if placed:
+            for v in jax.tree.leaves(nnx.state(model, nnx.Param),
+                                     is_leaf=lambda v: isinstance(v, nnx.Variable)):
+                v.set_value(jax.device_put(v.get_value(), elsewhere))
+        step = fleet.distributed_step(models.nnx_train_step)
+        for x, y in data:
+            step(model, opt, x, y)
+        got[placed] = [np.asarray(a) for a in leaves(model, opt)]
+    assert same_bits(got[True], got[False])
+
+
+def nan_batch(x):
+    bad = x.copy()
+    bad[5, 3] = np.nan
+    return bad
+
+
+def test_check_nan_inf_keeps_the_old_state_bitwise_with_donation(make_world):
+    """A non-finite call and the call after it (started before the host knew):
+    the state stays bitwise as before the non-finite call, the old arrays were
+    donated all the same, and the error names the call. Then training goes on."""
+    make_world(4)
+    model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), (x2, y2) = models.batches("linear", 2, 8)
+    step(model, opt, x, y)
+    step.wait()
+    before, old = copies(model, opt), leaves(model, opt)
+    with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
+                                               r"holds NaN or infinity after call 2 of the step; "
+                                               r"the state was left as it was before this call"):
+        step(model, opt, nan_batch(x2), y2)
+        assert all(a.is_deleted() for a in old if isinstance(a, jax.Array))
+        step(model, opt, x2, y2)  # raises here if the flags are back, else at wait()
+        step.wait()
+    assert same_bits(leaves(model, opt), before)
+    step(model, opt, x2, y2)  # the error was said: the next call trains
+    step.wait()
+    assert not same_bits(leaves(model, opt), before)
+
+
+def test_check_nan_inf_raises_at_the_next_call(make_world):
+    """The flags of call 2 are read at call 3 once they are back (no wait): call 3
+    raises before it runs, naming call 2."""
+    make_world(4)
+    model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), (x2, y2) = models.batches("linear", 2, 8)
+    step(model, opt, x, y)
+    before = copies(model, opt)
+    loss = step(model, opt, nan_batch(x2), y2)  # does not wait, does not raise
+    jax.block_until_ready(loss)
+    with pytest.raises(fleet.FleetError, match=r"NaN or infinity after call 2 of the step; the "
+                                               r"state was left as it was before this call\. Look"):
+        step(model, opt, x, y)
+    assert same_bits(leaves(model, opt), before)
+
+
+class Out(nnx.Module):
+    def __init__(self, rngs):
+        self.layer = nnx.Linear(10, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.layer(x)
+
+
+def test_check_nan_inf_without_an_optimizer_update_names_the_output(make_world):
+    """An eval step (no state changes): a non-finite output is named at wait()."""
+    make_world(4, fleet.DistributedStrategy(check_nan_inf=True))
+    model = fleet.distributed_model(Out(nnx.Rngs(0)))
+    step = fleet.distributed_step(lambda m, x: m(x).mean())
+    x = np.ones((8, 10), np.float32)
+    step(model, x)
+    step(model, nan_batch(x))
+    with pytest.raises(fleet.FleetError, match="check_nan_inf: the output holds NaN or infinity "
+                                               "after call 2"):
+        step.wait()
+
+
+EXIT_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np
+import fleet
+
+fleet.init(is_collective=True, strategy=fleet.DistributedStrategy(check_nan_inf=True))
+step = fleet.distributed_step(lambda x: (x * x).mean())
+step(np.ones((4, 2), np.float32))
+step(np.full((4, 2), np.nan, np.float32))  # the last call: nothing reads its flags
+print("LOOP ENDED", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_non_finite_last_call_is_reported_at_exit(tmp_path):
+    """A loop that ends without step.wait(): the non-finite last call is said on
+    stderr at exit, naming the output and the call, never left silent."""
+    (tmp_path / "run.py").write_text(EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=90)
+    assert "LOOP ENDED" in done.stdout, done.stderr[-3000:]
+    assert ("fleet: check_nan_inf: the output holds NaN or infinity after call 2 of the "
+            "step" in done.stderr), done.stderr[-3000:]
+    assert "found at exit: call step.wait()" in done.stderr
