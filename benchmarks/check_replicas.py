@@ -14,7 +14,7 @@ The extra time of ``every step`` over ``off`` is the cost of one check; the
 table gives it, and what a check every N steps would add to a step (median
 per-round figures).
 
-    python benchmarks/check_replicas.py [--rounds 5] [--steps 10] [--model cnn]
+    .venv/bin/python benchmarks/check_replicas.py [--rounds 5] [--steps 10] [--model cnn]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Every save and restore is timed twice each round, with the integrity check and
 without it (in alternating order); the table shows the medians over
 ``--rounds`` rounds side by side, and their ratio (target: at most 1.10).
 
-    python benchmarks/checkpoint_io.py [--rounds 3] [--devices 4] [--dir DIR]
+    .venv/bin/python benchmarks/checkpoint_io.py [--rounds 3] [--devices 4] [--dir DIR]
 """
 
 from __future__ import annotations

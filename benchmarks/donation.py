@@ -24,7 +24,7 @@ against ``jax.jit`` of the same single-device step (batch sharded over
 ``data``, parameters replicated and donated). Rounds run interleaved; the
 table shows the median ms per 100 calls and the median per-round ratio.
 
-    python benchmarks/donation.py [--what memory,dispatch] [--rounds 10]
+    .venv/bin/python benchmarks/donation.py [--what memory,dispatch] [--rounds 10]
 """
 
 from __future__ import annotations

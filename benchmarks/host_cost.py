@@ -14,7 +14,7 @@ Each call's result is waited for (``block_until_ready``) only at the end of a
 round. The table shows the median µs per call and the median per-round ratio
 fleet / hand.
 
-    python benchmarks/host_cost.py [--rounds 15] [--calls 200]
+    .venv/bin/python benchmarks/host_cost.py [--rounds 15] [--calls 200]
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ the same steps, and prints each variant's distance from both: a variant is
 within the floor when its distance from the split-sum reference is below
 ``|split-sum - single device|``.
 
-    python benchmarks/sharding.py [--rounds 5] [--steps 2] [--batch 32]
-    python benchmarks/sharding.py --quick                  # smoke run, MLP of width 512
-    python benchmarks/sharding.py --device-count 1         # one GPU (no sharding to do)
+    .venv/bin/python benchmarks/sharding.py [--rounds 5] [--steps 2] [--batch 32]
+    .venv/bin/python benchmarks/sharding.py --quick                  # smoke run, MLP of width 512
+    .venv/bin/python benchmarks/sharding.py --device-count 1         # one GPU (no sharding to do)
 """
 
 from __future__ import annotations

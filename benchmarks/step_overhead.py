@@ -19,7 +19,7 @@ round after round, each timing ``--steps`` steps; the
 table shows the median ms per step and the median of the per-round ratios
 against each baseline and against the faster of the two.
 
-    python benchmarks/step_overhead.py [--rounds 10] [--steps 10]
+    .venv/bin/python benchmarks/step_overhead.py [--rounds 10] [--steps 10]
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ On CPU, bfloat16 matmuls usually run slower than float32 (no bf16 units), so
 amp is expected to lose there; the target on a GPU is amp bf16 >= 1.5x the
 fp32 images/s on the MLP.
 
-    python benchmarks/strategy.py [--steps 2] [--repeats 5] [--models cnn,mlp]
-    python benchmarks/strategy.py --quick                  # smoke run, small MLP
-    python benchmarks/strategy.py --device-count 1         # one GPU
-    python benchmarks/strategy.py --models resnet          # the cost of sync_batch_norm
+    .venv/bin/python benchmarks/strategy.py [--steps 2] [--repeats 5] [--models cnn,mlp]
+    .venv/bin/python benchmarks/strategy.py --quick                  # smoke run, small MLP
+    .venv/bin/python benchmarks/strategy.py --device-count 1         # one GPU
+    .venv/bin/python benchmarks/strategy.py --models resnet          # the cost of sync_batch_norm
 """
 
 from __future__ import annotations

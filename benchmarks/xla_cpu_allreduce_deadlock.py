@@ -1,6 +1,6 @@
 """Minimal reproducer: XLA:CPU all-reduce deadlock on N fake CPU devices (no fleet).
 
-    python benchmarks/xla_cpu_allreduce_deadlock.py              # aborts (2-core machine)
+    .venv/bin/python benchmarks/xla_cpu_allreduce_deadlock.py              # aborts (2-core machine)
     PJRT_NPROC=8 python benchmarks/xla_cpu_allreduce_deadlock.py # completes
 
 jax/jaxlib 0.10.2. A jitted shard_map with one psum, called in a loop that never
