@@ -198,6 +198,10 @@ def measure(name: str) -> None:
     devices = f"{jax.device_count()} x {jax.devices()[0].platform}"
     print(f"\n{name}: {nparams / 1e6:.2f}M parameters, Adam, global batch {batch}, {devices}, "
           f"{args.rounds} rounds x {args.steps} steps (jax {jax.__version__})")
+    print("  ms/step: the median over rounds; vs (a), vs (b), vs best: the median of the "
+          "per-round ratios (each round times every variant back to back, so load that "
+          "moves between rounds cancels in a ratio but not across the ms column: the two "
+          "can disagree under load; trust the ratios)")
     print(f"{'variant':34s} {'ms/step':>8s} {'vs (a)':>7s} {'vs (b)':>7s} {'vs best':>8s}")
     for v, t in times.items():
         t = np.array(t)
