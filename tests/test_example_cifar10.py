@@ -290,7 +290,7 @@ def test_resume_mid_epoch_continues_as_if_never_stopped(tmp_path):
                          devices=4, cwd=tmp_path)
     assert "resumed from step 11 (epoch 2)" in resumed.stdout
     # the resumed epoch prints its progress, counting on from where it stopped (issue 21)
-    assert re.search(r"^step 8/8 - loss: ", resumed.stdout, re.M), resumed.stdout
+    assert re.search(r"^step 8/8 \[=+\] - loss: ", resumed.stdout, re.M), resumed.stdout
 
     a = json.loads((tmp_path / "straight" / "metrics.json").read_text())["epochs"]
     b = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["epochs"]
