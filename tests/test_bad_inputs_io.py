@@ -188,7 +188,7 @@ NO_GUARD = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("guarded", [False, True])
+@pytest.mark.parametrize("guarded", [False, pytest.param(True, marks=slow)])
 def test_a_script_without_the_main_guard_is_named_before_workers_start(tmp_path, guarded):
     """Issue 22 item 14: spawned workers import the script again; without the guard
     the error names the line and the guard (before: 'worker 0 exited unexpectedly

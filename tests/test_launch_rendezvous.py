@@ -14,6 +14,7 @@ from fleet.launch._config import LaunchConfig
 from fleet.launch._rendezvous import Clock, Stopped
 from fleet.launch._rendezvous_join import meet
 from tests.jobs import free_port
+from tests.tiers import slow
 
 
 @pytest.fixture
@@ -100,6 +101,7 @@ def test_other_nnodes_is_named():
         assert "says --nnodes 3 but node 0 says --nnodes 2" in str(result), results
 
 
+@slow  # seconds of waiting; the mismatch cases stay in the default tier
 def test_missing_node_is_awaited_then_named(lines):
     master = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
@@ -113,6 +115,7 @@ def test_missing_node_is_awaited_then_named(lines):
     assert "s of 3 s" in waiting[0] and "missing node rank 1" in waiting[0]
 
 
+@slow  # seconds of waiting; the mismatch cases stay in the default tier
 def test_no_node_0_is_named(lines):
     master = f"127.0.0.1:{free_port()}"
     with pytest.raises(FleetConfigError, match=rf"node 1: no fleetrun node 0 answered at "
@@ -122,6 +125,7 @@ def test_no_node_0_is_named(lines):
     assert any("node 0, the coordinator's: Connection refused" in line for line in lines)
 
 
+@slow  # seconds of waiting; the mismatch cases stay in the default tier
 def test_a_stranger_on_the_port_is_named_and_ignored(lines):
     master = f"127.0.0.1:{free_port()}"
     host, port = master.split(":")
