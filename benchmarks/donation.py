@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -45,40 +44,23 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _steps import MLP, CifarCNN, batch_of, loss_of, make_fleet, make_plain_jit, use  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples", "cifar10"))
-from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cifar10)
-
 import fleet  # noqa: E402
 
 SIZES = (1024, 2048, 2048, 1024, 10)  # 8.4M parameters
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(SIZES[:-1], SIZES[1:])])
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
-
-
-MODELS = {"mlp": (MLP, (SIZES[0],), 64), "cnn": (CifarCNN, (32, 32, 3), 128)}
+MODELS = {"mlp": (functools.partial(MLP, SIZES), (SIZES[0],), 64),
+          "cnn": (CifarCNN, (32, 32, 3), 128)}
 N = 4
-
-
-def loss_of(logits, y):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def live(memory) -> int:
@@ -141,23 +123,8 @@ def hand(make, x, y, mesh, sharded: bool):
     return step.lower(*state, jax.device_put(x, data), jax.device_put(y, data))
 
 
-def fleet_step(make, strategy, donate=True):
-    fleet.init(is_collective=True, strategy=strategy)
-    model = fleet.distributed_model(make(nnx.Rngs(0)))
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
-
-    def train(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
-        optimizer.update(model, grads)
-        return loss
-
-    return fleet.distributed_step(train, donate=donate), model, optimizer
-
-
 def fleet_lowered(make, x, y, strategy, donate=True):
-    step, model, optimizer = fleet_step(make, strategy, donate)
-    w = fleet.world()
-    xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
+    step, model, optimizer, xs, ys = make_fleet(make, x, y, strategy, donate).parts
     if strategy.sharding:  # the optimizer state is split at the first call
         jax.block_until_ready(step(model, optimizer, xs, ys))
     return step.lower(model, optimizer, xs, ys)
@@ -165,9 +132,7 @@ def fleet_lowered(make, x, y, strategy, donate=True):
 
 def memory(name: str) -> None:
     make, shape, batch = MODELS[name]
-    rng = np.random.RandomState(0)
-    x = rng.randn(batch, *shape).astype(np.float32)
-    y = rng.randint(0, 10, batch).astype(np.int32)
+    x, y = batch_of(shape, batch)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
     def stage(k):
@@ -200,53 +165,16 @@ def memory(name: str) -> None:
               f"{live(m) / 2**20:8.2f} {ratio}")
 
 
-def plain_jit(make, x, y, mesh):
-    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
-    tx = optax.adam(1e-3)
-
-    def single(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    repl = NamedSharding(mesh, P())
-    step = jax.jit(single, donate_argnums=(0, 1), out_shardings=(repl, repl, repl))
-    state = [jax.device_put(params, repl), jax.device_put(tx.init(params), repl)]
-    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
-
-    def run():
-        state[0], state[1], loss = step(state[0], state[1], xs, ys)
-        return loss
-
-    return run
-
-
 def dispatch(name: str) -> None:
     make, shape, batch = MODELS[name]
-    rng = np.random.RandomState(0)
-    x = rng.randn(batch, *shape).astype(np.float32)
-    y = rng.randint(0, 10, batch).astype(np.int32)
+    x, y = batch_of(shape, batch)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
-    def fleet_run(strategy):
-        step, model, optimizer = fleet_step(make, strategy)
-        w = fleet.world()
-        xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
-
-        def run():
-            return step(model, optimizer, xs, ys)
-
-        run.strategy = strategy  # a step reads the world's strategy: set before its rounds
-        return run
-
-    def use(run):
-        if hasattr(run, "strategy"):
-            fleet.init(is_collective=True, strategy=run.strategy)
-
     variants = {
-        "jax.jit": plain_jit(make, x, y, mesh),
-        "fleet, default": fleet_run(fleet.DistributedStrategy()),
-        "fleet, check_nan_inf": fleet_run(fleet.DistributedStrategy(check_nan_inf=True)),
+        "jax.jit": make_plain_jit(make, x, y, mesh),
+        "fleet, default": make_fleet(make, x, y, fleet.DistributedStrategy()),
+        "fleet, check_nan_inf": make_fleet(make, x, y,
+                                           fleet.DistributedStrategy(check_nan_inf=True)),
     }
     for run in variants.values():  # compile and warm up
         use(run)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -43,43 +42,23 @@ if args.platform == "cpu":
     )
     os.environ["JAX_PLATFORMS"] = "cpu"
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _steps import MLP, CifarCNN, batch_of, loss_of, make_fleet, make_plain_jit, use  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples", "cifar10"))
-from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cifar10)
-
 import fleet  # noqa: E402
 
 SIZES = (784, 1024, 1024, 256, 10)  # 2.1M parameters
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(SIZES[:-1], SIZES[1:])]
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
-
-
 MODELS = {  # name -> (constructor, input shape per example, global batch)
-    "mlp": (MLP, (SIZES[0],), 256),
+    "mlp": (functools.partial(MLP, SIZES), (SIZES[0],), 256),
     "cnn": (CifarCNN, (32, 32, 3), 128),
 }
-
-
-def loss_of(logits, y):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def make_shard_map(make, x, y, mesh):
@@ -110,61 +89,9 @@ def make_shard_map(make, x, y, mesh):
     return run
 
 
-def make_plain_jit(make, x, y, mesh):
-    """(b): the single-device step under jax.jit, batch sharded, parameters replicated."""
-    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
-    tx = optax.adam(1e-3)
-
-    def single(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    replicated = NamedSharding(mesh, P())
-    step = jax.jit(single, donate_argnums=(0, 1),
-                   out_shardings=(replicated, replicated, replicated))
-    state = [jax.device_put(params, replicated), jax.device_put(tx.init(params), replicated)]
-    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
-
-    def run():
-        state[0], state[1], loss = step(state[0], state[1], xs, ys)
-        return loss
-
-    return run
-
-
-def make_fleet(make, x, y, strategy):
-    fleet.init(is_collective=True, strategy=strategy)
-    model = fleet.distributed_model(make(nnx.Rngs(0)))
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
-
-    @fleet.distributed_step
-    def step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
-        optimizer.update(model, grads)
-        return loss
-
-    w = fleet.world()
-    xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
-
-    def run():
-        return step(model, optimizer, xs, ys)
-
-    run.strategy = strategy  # a step reads the world's strategy: set before its rounds
-    return run
-
-
-def use(run) -> None:
-    """Makes a fleet variant's strategy the world's again (same devices), untimed."""
-    if hasattr(run, "strategy"):
-        fleet.init(is_collective=True, strategy=run.strategy)
-
-
 def measure(name: str) -> None:
     make, shape, batch = MODELS[name]
-    rng = np.random.RandomState(0)
-    x = rng.randn(batch, *shape).astype(np.float32)
-    y = rng.randint(0, 10, batch).astype(np.int32)
+    x, y = batch_of(shape, batch)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     variants = {
         "(a) jit+shard_map, by hand": make_shard_map(make, x, y, mesh),
