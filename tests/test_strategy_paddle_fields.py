@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -24,6 +23,7 @@ import fleet
 from fleet.strategy import _paddle_fields as pf
 from tests import models
 from tests.jaxpr_utils import equations
+from tests.test_strategy import MLP6, grads_step
 
 PADDLE_FIELDS = [
     "build_strategy", "gradient_scale_configs", "a_sync", "a_sync_configs", "trainer_desc_configs",
@@ -256,34 +256,6 @@ def test_check_degrees_against_the_replicas(dp, sharding, configs, replicas, mat
             pf.check_degrees(strategy, replicas)
 
 
-class Block(nnx.Module):
-    """Its matmul outputs are what backward needs (through the tanh)."""
-
-    def __init__(self, width, rngs):
-        self.up = nnx.Linear(width, 2 * width, rngs=rngs)
-        self.down = nnx.Linear(2 * width, width, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.down(jnp.tanh(self.up(x))))
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs, width=32):
-        self.embed = nnx.Linear(10, width, rngs=rngs)
-        self.layers = nnx.List([Block(width, rngs) for _ in range(2)])
-        self.head = nnx.Linear(width, 1, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def grads_step(model, x, y):
-    return nnx.grad(lambda m: models.loss_of(m(x), y))(model)
-
-
 def to_host(jaxpr) -> int:
     """The values the traced step moves to host memory (``device_put`` to it)."""
     return sum(e.primitive.name == "device_put" and jax.memory.Space.Host in e.params["devices"]
@@ -303,7 +275,7 @@ def test_enable_offload_keeps_the_gradients_and_moves_to_host(make_world):
             s.recompute = True
             s.recompute_configs = {"checkpoints": ["layers.0", "layers.1"], "enable_offload": offload}
         make_world(2, s)
-        model = fleet.distributed_model(MLP(nnx.Rngs(0)))
+        model = fleet.distributed_model(MLP6(nnx.Rngs(0), width=32))
         step = fleet.distributed_step(grads_step)
         moved = to_host(step.make_jaxpr(model, x, y))
         results[offload] = (models.flat_params(nnx.to_pure_dict(step(model, x, y))), moved)

@@ -151,8 +151,9 @@ def _fresh(parent: str, name: str) -> tuple[str, str, int]:
     return fresh, tag, os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
 
 
-def write(final: str, tree: _file.Tree) -> None:
-    """Writes ``tree`` (:func:`fleet.checkpoint._file.encode`) to the file ``final``
+def write(final: str, tree: _file.Tree | bytes) -> None:
+    """Writes ``tree`` (:func:`fleet.checkpoint._file.encode`), or raw ``bytes``
+    (``Model.save(training=False)``'s exported program), to the file ``final``
     atomically, creating its directory (see the module).
 
     Raises:
@@ -170,7 +171,13 @@ def write(final: str, tree: _file.Tree) -> None:
     fresh, tag, guard = "", "", -1
     try:
         fresh, tag, guard = _fresh(parent, name)
-        _file.write(fresh, tree)
+        if isinstance(tree, bytes):
+            with open(fresh, "wb") as f:
+                f.write(tree)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            _file.write(fresh, tree)
         _put_in_place(fresh, final, tag)
         _sync_directory(parent)
     except BaseException as e:

@@ -32,6 +32,7 @@ from flax import nnx
 from fleet import _world, checkpoint
 from fleet._errors import FleetConfigError, FleetError
 from fleet._tree import dotted
+from fleet.checkpoint import _atomic
 
 EXPORT_SUFFIX = ".jaxexport"
 WEIGHTS_SUFFIX = ".pdiparams"
@@ -76,15 +77,9 @@ def export(network: nnx.Module, specs: list, path: str) -> None:
 
     leaf_specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
     exported = jax.export.export(jax.jit(forward), platforms=PLATFORMS)(leaf_specs, *specs)
-    if _world.is_first_worker():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if _world.is_first_worker():  # both written atomically, as fleet.save writes
         checkpoint.save({"names": names, "weights": values}, path + WEIGHTS_SUFFIX)
-        tmp = f"{path}{EXPORT_SUFFIX}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(exported.serialize())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path + EXPORT_SUFFIX)
+        _atomic.write(os.path.abspath(path + EXPORT_SUFFIX), bytes(exported.serialize()))
     _world.barrier_worker()
 
 
