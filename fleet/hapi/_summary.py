@@ -49,6 +49,10 @@ def _own_variables(module: nnx.Module) -> list[nnx.Variable]:
             and not isinstance(v, nnx.RngState)]
 
 
+def _size(variables: list[nnx.Variable]) -> int:
+    return sum(int(np.prod(np.shape(v.get_value()))) for v in variables)
+
+
 def _type_name(cls: type) -> str:
     """The user's class: fleet's wrappers and layer subclasses carry theirs."""
     cls = getattr(cls, "fleet_base", cls)
@@ -95,8 +99,7 @@ def _calls(network: nnx.Module, specs: list) -> list[tuple[str, str, str, int, i
             continue
         kind = _type_name(call.type)
         counts[kind] += 1
-        params = sum(int(np.prod(np.shape(v.get_value())))
-                     for v in _own_variables(modules[path]))
+        params = _size(_own_variables(modules[path]))
         out_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
                         for x in jax.tree.leaves(call.outputs) if hasattr(x, "shape")
                         and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
@@ -110,16 +113,14 @@ def summary(network: nnx.Module, input_size: Sequence[Any] | None = None, dtype:
             file: TextIO | None = None, inputs: Any = None) -> dict[str, int]:
     specs = _specs(input_size, dtype, inputs)
     variables = [v for _, m in nnx.iter_modules(network) for v in _own_variables(m)]
-    total = sum(int(np.prod(np.shape(v.get_value()))) for v in variables)
-    trainable = sum(int(np.prod(np.shape(v.get_value()))) for v in variables
-                    if isinstance(v, nnx.Param))
-    param_bytes = sum(np.asarray(v.get_value()).nbytes for v in variables)
+    total = _size(variables)
+    trainable = _size([v for v in variables if isinstance(v, nnx.Param)])
+    param_bytes = sum(v.get_value().nbytes for v in variables)  # (no copy to the host)
     if specs is not None:
         rows = _calls(network, specs)
     else:
-        rows = [(f"{dotted_name} ({_type_name(type(m))})", "", "", sum(
-            int(np.prod(np.shape(v.get_value()))) for v in _own_variables(m)), 0)
-            for dotted_name, m in _named(network) if _own_variables(m)]
+        rows = [(f"{name} ({_type_name(type(m))})", "", "", _size(_own_variables(m)), 0)
+                for name, m in _named(network) if _own_variables(m)]
     line, double = "-" * 75, "=" * 75
     header = ("Layer (type)", "Input Shape", "Output Shape", "Param #")
     out = [line, "".join(h.center(w) for h, w in zip(header, _WIDTHS)), double]
