@@ -35,9 +35,9 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     list each leaf comes from. ``others`` are the call's other arguments."""
     if not donate:
         return NONE, [], state
-    ids = [id(x) for x in state]
-    shared = {id(x) for x in jax.tree.leaves(others) if isinstance(x, jax.Array)}
-    if len(set(ids)) == len(ids) and not shared.intersection(ids):
+    ids = list(map(id, state))
+    shared = set(map(id, jax.tree.leaves(others)))  # (an id is a state leaf's only if it is one)
+    if len(set(ids)) == len(ids) and shared.isdisjoint(ids):
         return ALL, state, []
     counts = Counter(ids)
     layout = tuple(counts[i] == 1 and i not in shared for i in ids)

@@ -48,17 +48,18 @@ def global_batch(position: int, value: Any, w: World) -> Any:
             )
         is_local = multiprocess and not (isinstance(x, jax.Array) and not x.is_fully_addressable)
         replicas = w.num_local_replicas if is_local else w.num_replicas
-        if np.ndim(x) > 0 and np.shape(x)[0] == 0:
+        shape = tuple(np.shape(x))
+        if shape and shape[0] == 0:
             raise FleetConfigError(
-                f"argument {position} is a batch of 0 rows (shape {tuple(np.shape(x))}); "
+                f"argument {position} is a batch of 0 rows (shape {shape}); "
                 "a step needs at least one row per replica: skip empty batches, or use "
                 "drop_last=True in the sampler"
             )
-        if np.ndim(x) == 0 or np.shape(x)[0] % replicas:
+        if not shape or shape[0] % replicas:
             what = "process-local" if is_local else "global"
             raise FleetConfigError(
                 f"argument {position} is split over replicas along its leading axis, but "
-                f"its {what} shape {tuple(np.shape(x))} has a leading axis that is not "
+                f"its {what} shape {shape} has a leading axis that is not "
                 f"a multiple of the {replicas} replicas; use a batch size that is a "
                 f"multiple of {replicas} (or drop_last=True in the sampler), or pass "
                 "batch_argnums to distributed_step if this argument is not batch data"
@@ -69,6 +70,8 @@ def global_batch(position: int, value: Any, w: World) -> Any:
             return jax.device_put(x, w.batch)
         return x
 
+    if isinstance(value, (jax.Array, np.ndarray)):  # one array: no tree to map
+        return check(value)
     return jax.tree.map(check, value)
 
 

@@ -5,6 +5,8 @@ knows it)."""
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -45,8 +47,8 @@ def _holds_arrays(x: Any) -> bool:
 def _replicated_on(x: Any, n: int) -> bool:
     """Whether ``x`` is a jax.Array already replicated over the ``n`` mesh devices
     (a value a step returned: parameters, averaged gradients)."""
-    if not (isinstance(x, jax.Array) and len(x.sharding.device_set) == n
-            and x.is_fully_replicated):
+    if not (isinstance(x, jax.Array) and x.is_fully_replicated
+            and len(x.sharding.device_set) == n):
         return False
     spec = getattr(x.sharding, "spec", None)  # a batch sharded over `data` (one device) is not
     return spec is None or DATA_AXIS not in jax.tree.leaves(tuple(spec))
@@ -54,6 +56,12 @@ def _replicated_on(x: Any, n: int) -> bool:
 
 def kind(x: Any, is_batch: bool | None, n: int) -> str:
     """The role of a step argument: one of NNX, TREE, BATCH, REPL, STATIC."""
+    if isinstance(x, (jax.Array, np.ndarray)):  # first: the common case, decided cheaply
+        if x.ndim == 0:
+            return REPL
+        if is_batch is None:
+            return TREE if _replicated_on(x, n) else BATCH
+        return BATCH if is_batch else TREE
     if isinstance(x, nnx.Pytree):
         return NNX
     if isinstance(x, (bool, int, float, complex, np.generic)) or (
@@ -65,6 +73,29 @@ def kind(x: Any, is_batch: bool | None, n: int) -> str:
         return BATCH
     return TREE if _holds_arrays(x) else STATIC
 
+
+
+class Positions:
+    """Where each role's arguments are, from the roles of a call's arguments: each
+    picker takes the arguments (positional, then keywords by name) and returns a
+    tuple of those of its role, in order."""
+
+    def __init__(self, kinds: tuple):
+        def at(role: str) -> list[int]:
+            return [i for i, k in enumerate(kinds) if k == role]
+
+        self.nnx, self.trees, self.repl, self.statics = (
+            _picker(at(role)) for role in (NNX, TREE, REPL, STATIC))
+        self.batch = at(BATCH)  # (indices: the batch is placed with its position)
+
+
+def _picker(indices: list[int]) -> Callable[[Sequence], tuple]:
+    if not indices:
+        return lambda values: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda values: (values[i],)
+    return operator.itemgetter(*indices)
 
 
 def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[str], Any]:

@@ -89,6 +89,7 @@ from fleet._optimizer import (
 )
 from fleet._placement import global_batch
 from fleet._placement import placed as place_on_mesh
+from fleet._recall import Recall
 from fleet._replicas import check_replicas
 from fleet._world import DATA_AXIS, world
 from fleet.strategy import _sharding
@@ -112,6 +113,7 @@ class DistributedStep:
         self._calls = 0
         self._last_repl: Any = None
         self._merge = MergePosition()
+        self._recall: Recall | None = None  # the last call's decisions (fleet._recall)
 
     # -- the call, on the host ------------------------------------------------------
 
@@ -119,11 +121,20 @@ class DistributedStep:
         _worker.step_begin()
         if self._finite.pending:  # earlier calls' check_nan_inf flags, if ready: no wait
             self._check_finite(wait=False)
-        plan, call_args = self._prepare(args, kwargs)
-        compiled = self._compiled(plan)
+        recall = self._recall
+        batch = None if recall is None else recall.match(args, kwargs, self._program.graph)
+        if batch is not None:  # the same decisions as the last call (fleet._recall)
+            plan, run = recall.plan, recall.run
+            call_args = self._call_args(plan, recall.kinds, args, recall.positions, batch)
+        else:
+            plan, kinds, values = self._decide(args, kwargs)
+            run = self._compiled(plan)
+            call_args = self._call_args(plan, kinds, values)
+            self._recall = Recall.of(args, kwargs, kinds, self._batch_argnums, plan,
+                                     self._program.graph, world(), run, call_args[2])
         chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
         # The old NNX state is donated: the new state must be written whatever follows.
-        new_state, out, finite, chain = compiled(*call_args, chain)
+        new_state, out, finite, chain = run(*call_args, chain)
         self._program.graph.write(new_state)
         if plan.grad_merge is not None and self._program.records[plan]["merge_updates"]:
             self._merge.advanced(self._program.graph.objs)
@@ -193,6 +204,12 @@ class DistributedStep:
             )
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple]:
+        plan, kinds, values = self._decide(args, kwargs)
+        return plan, self._call_args(plan, kinds, values)
+
+    def _decide(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple, list]:
+        """The plan of a call, each argument's role, and the arguments in order
+        (the positional ones, then the keywords by name)."""
         w = world()
         names = tuple(sorted(kwargs))
         values = list(args) + [kwargs[k] for k in names]
@@ -236,22 +253,28 @@ class DistributedStep:
             mesh=w.mesh,
             grad_merge=grad_merge,
         )
-        batch = [v for v, k in zip(values, kinds) if k == _roles.BATCH]
-        repl = [v for v, k in zip(values, kinds) if k == _roles.REPL]
+        return plan, kinds, values
+
+    def _call_args(self, plan: Plan, kinds: tuple, values: Sequence,
+                   at: _roles.Positions | None = None, batch: list | None = None) -> tuple:
+        """The arguments of the compiled program: the NNX state, the pytree
+        state, the batch (placed, unless given), the replicated scalars. In a
+        multi-process job, every process agrees first on a new program and on
+        changed scalars."""
+        w = world()
+        at = at or _roles.Positions(kinds)
+        repl = list(at.repl(values))
         if jax.process_count() > 1:
-            shapes = (plan, tuple(np.shape(x) for x in jax.tree.leaves(batch)))
+            given = [values[i] for i in at.batch]
+            shapes = (plan, tuple(np.shape(x) for x in jax.tree.leaves(given)))
             if shapes not in self._agreed:
-                _guards.agree_program(self._fn, kinds, no_sync, batch, self._program.graph.read(), w)
+                _guards.agree_program(self._fn, kinds, plan.no_sync, given,
+                                      self._program.graph.read(), w)
                 self._agreed.add(shapes)
             self._last_repl = _guards.agree_replicated(self._fn, kinds, repl, self._last_repl)
-        call_args = (
-            self._program.graph.read(),
-            trees,
-            [global_batch(i, v, w) for i, (v, k) in enumerate(zip(values, kinds))
-             if k == _roles.BATCH],
-            [v for v, k in zip(values, kinds) if k == _roles.REPL],
-        )
-        return plan, call_args
+        if batch is None:
+            batch = [global_batch(i, values[i], w) for i in at.batch]
+        return self._program.graph.read(), list(at.trees(values)), batch, repl
 
     def _check_argnums(self, n_positional: int) -> None:
         if self._batch_argnums is not None:
@@ -265,9 +288,7 @@ class DistributedStep:
 
     def _plan(self, **fields: Any) -> Plan:
         last = self._last_plan
-        if last is not None and all(
-            getattr(last, k) is v or getattr(last, k) == v for k, v in fields.items()
-        ):
+        if last is not None and last.same_as(fields):
             return last
         for value in fields["statics"]:
             try:

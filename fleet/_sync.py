@@ -89,7 +89,11 @@ class SyncTrace:
                 if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
-_local = threading.local()
+class _Local(threading.local):
+    no_sync = 0  # (a class default: read at every step call without a lookup that fails)
+
+
+_local = _Local()
 
 
 def current() -> SyncTrace | None:
@@ -109,7 +113,7 @@ def tracing(trace: SyncTrace) -> Iterator[SyncTrace]:
 
 def no_sync_active() -> bool:
     """Whether the calling thread is inside ``no_sync``."""
-    return getattr(_local, "no_sync", 0) > 0
+    return _local.no_sync > 0
 
 
 @contextlib.contextmanager
@@ -122,7 +126,7 @@ def no_sync() -> Iterator[None]:
             "no_sync() was entered inside a distributed step; enter it around the call "
             "instead: `with model.no_sync(): loss = train_step(model, optimizer, x, y)`"
         )
-    _local.no_sync = getattr(_local, "no_sync", 0) + 1
+    _local.no_sync += 1
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ contiguous block of rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -49,12 +50,12 @@ class World:
     def local_devices(self) -> list:
         return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
 
-    @property
+    @functools.cached_property  # (read at every step call: made once)
     def replicated(self) -> NamedSharding:
         """Every replica holds the whole value (parameters, optimizer state)."""
         return NamedSharding(self.mesh, PartitionSpec())
 
-    @property
+    @functools.cached_property
     def batch(self) -> NamedSharding:
         """The leading axis is split over the replicas (batches)."""
         return NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))

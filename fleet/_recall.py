@@ -1,0 +1,101 @@
+"""A repeated call's fast path: what a step decided at its last call, and the
+checks that those decisions still hold.
+
+A training loop calls its step with the same model and optimizer objects and a
+new batch of the same kind, thousands of times. ``DistributedStep._prepare``
+works out each argument's role, the NNX graph, the plan (the ``jit`` key); on a
+small model on a GPU its Python time is a real part of the step. :class:`Recall`
+keeps what the last call decided and, for the next call, checks only what can
+differ between two calls of a loop:
+
+* the same number of positional arguments and no keywords, each of the same
+  type; the same NNX objects (by identity) with the same structure (their
+  :class:`fleet._graph.Fingerprint`); the same static values;
+* each array argument's role again (``fleet._roles.kind``: a batch is split,
+  a replicated array is state);
+* the same mesh and the same strategy switches read at each call
+  (``check_nan_inf``, ``sharding``), and no ``no_sync`` block.
+
+Anything else, and every call that cannot be recalled (pytree state such as a
+Linen ``TrainState``, gradient merge, ZeRO, ``no_sync``, keyword arguments, a
+batch given as a dict or tuple), takes the full path, which decides the same
+things from scratch. The batch is still checked and placed at every call
+(``fleet._placement.global_batch``), and a multi-process job still agrees on
+each new program and on changed scalars (``DistributedStep._call_args``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from fleet import _roles, _sync
+from fleet._graph import GraphCache, Plan
+from fleet._placement import global_batch
+from fleet._world import World, world
+
+
+class Recall:
+    """The last call's decisions (see the module docstring)."""
+
+    def __init__(self, args: tuple, kinds: tuple, batch_argnums: tuple | None, plan: Plan,
+                 graph: GraphCache, run: Callable, batch: list):
+        self.types = tuple(map(type, args))
+        self.kinds = kinds
+        self.plan, self.graph, self.run = plan, graph, run
+        self.positions = _roles.Positions(kinds)
+        self.obj_ids = tuple(map(id, self.positions.nnx(args)))
+        # Each array argument: its position, batch_argnums' word on it, and its
+        # sharding (numpy: dtype) and shape, which decide its role and placement.
+        self.arrays = [(i, None if batch_argnums is None else i in batch_argnums, _looks(a))
+                       for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
+        # The batch arguments that fleet._placement.global_batch passed as they were.
+        self.as_given = {i for i, placed in zip(self.positions.batch, batch) if placed is args[i]}
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict, kinds: tuple, batch_argnums: tuple | None,
+           plan: Plan, graph: GraphCache, w: World, run: Callable,
+           batch: list) -> Recall | None:
+        """The decisions of a call that took the full path (``batch``: its batch as
+        placed), or ``None`` when a next call could not be checked cheaply."""
+        if (kwargs or _roles.TREE in kinds or plan.grad_merge is not None or plan.no_sync
+                or plan.sharded or w.strategy.sharding or graph.fingerprint is None):
+            return None
+        if any(k == _roles.BATCH and not isinstance(a, (jax.Array, np.ndarray))
+               for a, k in zip(args, kinds)):
+            return None  # a dict or tuple of arrays: its leaves' roles take the full path
+        return cls(args, kinds, batch_argnums, plan, graph, run, batch)
+
+    def match(self, args: tuple, kwargs: dict, graph: GraphCache | None) -> list | None:
+        """The batch of a call with these arguments, placed, if the call decides
+        what the last one did (``graph``: the step's graph now); else ``None``."""
+        if kwargs or graph is not self.graph or tuple(map(type, args)) != self.types:
+            return None
+        w = world()
+        strategy = w.strategy
+        if (w.mesh is not self.plan.mesh or strategy.sharding or _sync.no_sync_active()
+                or strategy.check_nan_inf != self.plan.check_nan_inf
+                or tuple(map(id, self.positions.nnx(args))) != self.obj_ids):
+            return None
+        same = set()  # arrays that look as the last call's did: the same role and placement
+        for i, is_batch, looks in self.arrays:
+            if _looks(args[i]) == looks:
+                same.add(i)
+            elif _roles.kind(args[i], is_batch, w.num_replicas) != self.kinds[i]:
+                return None
+        if self.plan.statics:
+            try:
+                if self.positions.statics(args) != self.plan.statics:
+                    return None
+            except Exception:  # noqa: BLE001 (a value whose == is not a bool: decide afresh)
+                return None
+        if not self.graph.fingerprint.same():
+            return None
+        return [args[i] if i in same and i in self.as_given else global_batch(i, args[i], w)
+                for i in self.positions.batch]
+
+
+def _looks(x: jax.Array | np.ndarray) -> tuple:
+    return (x.sharding if isinstance(x, jax.Array) else x.dtype), x.shape

@@ -1,0 +1,183 @@
+"""A repeated call's fast path (``fleet._recall``, issue 24): a call with the same
+objects skips deciding again, and every change between two calls that the full
+path would see is still seen: each test changes something between calls and
+compares with the single-device step (``nnx.jit``) given the same changes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from fleet import _step
+from tests import models
+
+
+class Scaled(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(10, 1, rngs=rngs)
+        self.scale = 2.0  # a static setting
+        self.extra = nnx.List([])  # more layers, added in place
+
+    def __call__(self, x):
+        y = self.linear(x) * self.scale
+        for layer in self.extra:
+            y = y + layer(x)
+        return y
+
+
+def sgd_step(model, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: models.loss_of(m(x), y))(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+    return loss
+
+
+def run_both(make_world, changes, step_fn=sgd_step, steps=None):
+    """Runs ``step_fn`` on one device (``nnx.jit``) and with fleet on 4, calling
+    ``changes[k](model)`` on both after call ``k``; returns both losses and
+    parameters."""
+    data = models.batches("linear", steps or max(changes) + 2, 8)  # a call after each change
+    reference = Scaled(nnx.Rngs(0))
+    single = nnx.jit(step_fn)
+    make_world(4)
+    model = fleet.distributed_model(Scaled(nnx.Rngs(0)))
+    step = fleet.distributed_step(step_fn)
+    want, got = [], []
+    for k, (x, y) in enumerate(data):
+        want.append(float(single(reference, x, y)))
+        got.append(float(step(model, x, y)))
+        if k in changes:
+            changes[k](reference)
+            changes[k](model)
+    return want, got, models.flat_params(reference), models.flat_params(model), step
+
+
+def test_a_repeated_call_takes_the_fast_path(make_world, monkeypatch):
+    decided = []
+    original = _step.DistributedStep._decide
+    monkeypatch.setattr(_step.DistributedStep, "_decide",
+                        lambda self, *a: decided.append(1) or original(self, *a))
+    want, got, ref, params, _ = run_both(make_world, {}, steps=5)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert models.max_diff(params, ref) < 1e-6
+    assert len(decided) == 1  # the first call; four recalled
+
+
+def test_a_static_setting_changed_between_calls_is_seen(make_world):
+    def rescale(m):
+        m.scale = 3.0
+
+    want, got, ref, params, step = run_both(make_world, {1: rescale})
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert models.max_diff(params, ref) < 1e-6
+    assert step.trace_count == 2
+
+
+def test_a_layer_added_in_place_is_seen(make_world):
+    """nnx.List.append changes the graph without a new attribute on the model: the
+    next call refuses the new layer's gradient, naming it (it was added after the
+    model was wrapped, so JAX would sum it over the replicas), instead of
+    training the old graph."""
+    def grow(m):
+        m.extra.append(nnx.Linear(10, 1, rngs=nnx.Rngs(1)))
+
+    with pytest.raises(fleet.FleetError, match="'extra.0.kernel'"):
+        run_both(make_world, {1: grow})
+
+
+def test_a_layer_added_in_place_is_used_in_an_eval_step(make_world):
+    def grow(m):
+        m.extra.append(nnx.Linear(10, 1, rngs=nnx.Rngs(1)))
+
+    def evaluate(model, x, y):
+        return models.loss_of(model(x), y)
+
+    want, got, _, _, step = run_both(make_world, {0: grow, 1: grow}, step_fn=evaluate)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert len(set(got)) == 3 and step.trace_count == 3
+
+
+def test_a_variable_replaced_by_an_equal_one_is_the_one_trained(make_world):
+    """A new variable of the same class holding the same values: the step must
+    write the new object (the old one is no longer the model's)."""
+    def replace_bias(m):
+        old = m.linear.bias
+        m.linear.bias = type(old)(jnp.array(np.asarray(old[...])))
+
+    want, got, ref, params, _ = run_both(make_world, {0: replace_bias, 2: replace_bias})
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert models.max_diff(params, ref) < 1e-6
+
+
+def test_a_sub_module_replaced_is_the_one_used(make_world):
+    """A new layer in a wrapped model, added after the wrapping: its gradient
+    would be summed over the replicas, so the next call refuses it, naming it."""
+    def replace(m):
+        m.linear = nnx.Linear(10, 1, rngs=nnx.Rngs(2))
+
+    with pytest.raises(fleet.FleetError, match="'linear.kernel'"):
+        run_both(make_world, {1: replace})
+
+
+def test_an_array_that_changes_role_is_seen(make_world):
+    """The same position gets a sharded batch, then an array replicated on every
+    device (state, as a step's own output is), then numpy rows of another dtype."""
+    make_world(4)
+    w = fleet.world()
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    reference = models.LinearNet(nnx.Rngs(0))
+
+    @fleet.distributed_step
+    def mean_out(model, x):
+        return model(x).mean()
+
+    x = np.random.RandomState(0).randn(8, 10).astype(np.float32)
+    want = float(reference(x).mean())
+    for _ in range(2):
+        assert abs(float(mean_out(model, jax.device_put(x, w.batch))) - want) < 1e-6
+    assert abs(float(mean_out(model, jax.device_put(x, w.replicated))) - want) < 1e-6
+    assert abs(float(mean_out(model, x.astype(np.float64))) - want) < 1e-6
+
+
+def test_a_batch_that_no_longer_splits_is_still_refused(make_world):
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), = models.batches("linear", 1, 8)
+    for _ in range(3):
+        step(model, optimizer, x, y)
+    with pytest.raises(fleet.FleetConfigError, match="multiple of the 4 replicas"):
+        step(model, optimizer, x[:6], y[:6])
+
+
+def test_a_static_argument_changed_between_calls_is_seen(make_world):
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    reference = models.LinearNet(nnx.Rngs(0))
+
+    def scaled(model, x, how):
+        return model(x).mean() * {"double": 2.0, "triple": 3.0}[how]
+
+    step = fleet.distributed_step(scaled)
+    x = np.random.RandomState(0).randn(8, 10).astype(np.float32)
+    for how in ("double", "double", "triple", "triple", "double"):
+        assert abs(float(step(model, x, how)) - float(scaled(reference, x, how))) < 1e-6, how
+    assert step.trace_count == 2
+
+
+def test_check_nan_inf_switched_on_between_calls_is_seen(make_world):
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), = models.batches("linear", 1, 8)
+    step(model, optimizer, x, y)
+    step(model, optimizer, x, y)
+    fleet.world().strategy.check_nan_inf = True
+    step(model, optimizer, np.full_like(x, np.nan), y)
+    with pytest.raises(fleet.FleetError, match="check_nan_inf"):
+        step.wait()
