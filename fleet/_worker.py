@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -68,35 +69,76 @@ def heartbeat() -> None:
 # never runs) from a deadlock: ``BEGUN ENDED STATE`` (STATE: ``run`` or ``done``,
 # written when the script ended with exit status 0), padded to a fixed width and
 # rewritten in place with one ``pwrite`` (which also updates the time of the beat).
+#
+# A step call only counts: the counts are written when the last write is older than
+# BEAT_INTERVAL, else by a daemon thread (started with the first write) within
+# BEAT_INTERVAL, so a worker that blocks right after a step (on a dead peer, in
+# its next host read) still leaves its true counts. A step that runs for hours
+# writes nothing meanwhile, as before: the file's time is that of the last count.
 PROGRESS_WIDTH = 48
-_progress = {"fd": None, "begun": 0, "ended": 0, "path": None}
+BEAT_INTERVAL = 0.2  # seconds
+_progress = {"fd": None, "begun": 0, "ended": 0, "path": None, "at": float("-inf"),
+             "written": None, "state": "run", "flusher": None}
+_lock = threading.Lock()
 
 
 def _write_progress(state: str = "run") -> None:
     path = os.environ.get("FLEET_HEARTBEAT_FILE")
     if not path:
         return
-    try:
-        if _progress["fd"] is None or _progress["path"] != path:
-            _progress["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            _progress["path"] = path
-        line = f"{_progress['begun']} {_progress['ended']} {state}"
-        os.pwrite(_progress["fd"], line.ljust(PROGRESS_WIDTH).encode() + b"\n", 0)
-    except OSError:
-        pass
+    with _lock:
+        if state == "run" and _progress["state"] != "run":
+            return  # done or failed: never overwritten by a later count
+        _progress["state"] = state
+        counts = (_progress["begun"], _progress["ended"])
+        try:
+            if _progress["fd"] is None or _progress["path"] != path:
+                _progress["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                _progress["path"] = path
+            line = f"{counts[0]} {counts[1]} {state}"
+            os.pwrite(_progress["fd"], line.ljust(PROGRESS_WIDTH).encode() + b"\n", 0)
+        except OSError:
+            pass
+        _progress["at"], _progress["written"] = time.monotonic(), counts
+        if _progress["flusher"] is None and state == "run":
+            _progress["flusher"] = threading.Thread(target=_flush, name="fleet-heartbeat",
+                                                    daemon=True)
+            _progress["flusher"].start()
+
+
+def _flush() -> None:
+    """The daemon thread: writes counts a step left unwritten (see above)."""
+    while _progress["state"] == "run":
+        time.sleep(BEAT_INTERVAL)
+        if (_progress["begun"], _progress["ended"]) != _progress["written"]:
+            _write_progress()
+
+
+def _forked_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # (the parent's may have been held)
+    _progress.update(fd=None, path=None, flusher=None, written=None, at=float("-inf"))
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
+def _beat() -> None:
+    if time.monotonic() - _progress["at"] >= BEAT_INTERVAL:
+        _write_progress()
 
 
 def step_begin() -> None:
     """Called by ``fleet.distributed_step`` when a step starts (before any collective):
     counts the step and beats."""
     _progress["begun"] += 1
-    _write_progress()
+    _beat()
 
 
 def step_end() -> None:
     """Called by ``fleet.distributed_step`` when a step has returned: counts and beats."""
     _progress["ended"] += 1
-    _write_progress()
+    _beat()
 
 
 def steps() -> tuple[int, int]:

@@ -1,0 +1,71 @@
+"""The worker's step counts in its heartbeat file (``fleet._worker``, issue 24): a
+step call only counts, the file is written at most every ``BEAT_INTERVAL``, and
+the counts a burst of steps left unwritten reach the file within that interval
+(the launcher reads them to tell uneven steps from a deadlock)."""
+
+import os
+import time
+
+import pytest
+
+from fleet import _worker
+from fleet.launch._watchdog import read_progress
+
+
+@pytest.fixture
+def heartbeat(tmp_path, monkeypatch):
+    """A heartbeat file for this process, and the worker's counts from zero."""
+    path = tmp_path / "heartbeat.0"
+    monkeypatch.setenv("FLEET_HEARTBEAT_FILE", str(path))
+    saved, exit_state = dict(_worker._progress), dict(_worker._exit_state)
+    _worker._progress.update(fd=None, begun=0, ended=0, path=None, at=float("-inf"),
+                             written=None, state="run", flusher=None)
+    writes = []
+    pwrite = os.pwrite
+    monkeypatch.setattr(_worker.os, "pwrite", lambda *a: writes.append(a) or pwrite(*a))
+    yield path, writes
+    _worker._progress["state"] = "done"  # ends the flusher
+    flusher = _worker._progress["flusher"]
+    if flusher is not None:
+        flusher.join(timeout=5)
+    _worker._progress.clear()
+    _worker._progress.update(saved)
+    _worker._exit_state.clear()
+    _worker._exit_state.update(exit_state)
+
+
+def test_a_burst_of_steps_writes_a_few_times_and_ends_with_its_counts(heartbeat):
+    path, writes = heartbeat
+    start = time.monotonic()
+    for _ in range(2000):
+        _worker.step_begin()
+        _worker.step_end()
+    elapsed = time.monotonic() - start
+    assert len(writes) <= 2 + elapsed / _worker.BEAT_INTERVAL, (len(writes), elapsed)
+    time.sleep(3 * _worker.BEAT_INTERVAL)  # the flusher writes what the burst left
+    progress = read_progress(str(path))
+    assert (progress.begun, progress.ended) == (2000, 2000)
+
+
+def test_a_step_that_blocks_leaves_its_begun_count(heartbeat):
+    """A worker stuck inside its next step (a dead peer) shows begun > ended."""
+    path, _ = heartbeat
+    for _ in range(5):
+        _worker.step_begin()
+        _worker.step_end()
+    _worker.step_begin()  # ... and never returns
+    time.sleep(3 * _worker.BEAT_INTERVAL)
+    progress = read_progress(str(path))
+    assert (progress.begun, progress.ended, progress.in_step) == (6, 5, True)
+
+
+def test_done_is_never_overwritten_by_a_later_count(heartbeat):
+    path, _ = heartbeat
+    _worker.step_begin()
+    _worker.step_end()
+    _worker.mark_finished()
+    _worker.step_begin()
+    time.sleep(3 * _worker.BEAT_INTERVAL)
+    assert path.read_text().split()[2] == "done"
+    _worker.mark_failed()  # a failure after it still says so
+    assert path.read_text().split()[2].startswith("failed:")
