@@ -1,10 +1,12 @@
-"""Benchmark: a step's memory at the step boundary and the time to dispatch steps,
-fleet against hand-written donating steps, side by side (issue 24, items 1, 3).
+"""Benchmark: a step's memory at the step boundary, fleet against hand-written
+donating steps, side by side (issue 24, item 1). The time to dispatch steps
+without waiting is benchmarks/host_cost.py's (a tiny model: here the device's
+time would be measured, as JAX's CPU client waits once 32 programs are in flight).
 
 Two models with Adam on 4 CPU devices: an MLP of 8.4M parameters and the
 seed's CIFAR-10 CNN (examples/cifar10).
 
-Memory (``--what memory``), per device, from ``compile().memory_analysis()``:
+Memory, per device, from ``compile().memory_analysis()``:
 the bytes live at the step boundary, arguments + outputs + temporaries -
 aliased (the donated inputs whose buffers the outputs reuse). Baselines:
 
@@ -17,27 +19,16 @@ aliased (the donated inputs whose buffers the outputs reuse). Baselines:
 fleet: its default (donating), ``donate=False``, ``check_nan_inf``, and
 ``strategy.sharding`` stage 1 and 2 (against ``hand, sharded``).
 
-Dispatch (``--what dispatch``): the host time of 100 calls without waiting for
-the device (the device is idle at the start of each round, and the round's
-steps are waited for after the clock stops), fleet (default, check_nan_inf)
-against ``jax.jit`` of the same single-device step (batch sharded over
-``data``, parameters replicated and donated). Rounds run interleaved; the
-table shows the median ms per 100 calls and the median per-round ratio.
-
-    .venv/bin/python benchmarks/donation.py [--what memory,dispatch] [--rounds 10]
+    .venv/bin/python benchmarks/donation.py [--models mlp,cnn]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-parser.add_argument("--what", default="memory,dispatch")
 parser.add_argument("--models", default="mlp,cnn")
-parser.add_argument("--rounds", type=int, default=10)
-parser.add_argument("--calls", type=int, default=100)
 args = parser.parse_args()
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -50,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _steps import MLP, CifarCNN, batch_of, loss_of, make_fleet, make_plain_jit, use  # noqa: E402
+from _steps import MLP, CifarCNN, batch_of, loss_of, make_fleet  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -165,48 +156,9 @@ def memory(name: str) -> None:
               f"{live(m) / 2**20:8.2f} {ratio}")
 
 
-def dispatch(name: str) -> None:
-    make, shape, batch = MODELS[name]
-    x, y = batch_of(shape, batch)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-
-    variants = {
-        "jax.jit": make_plain_jit(make, x, y, mesh),
-        "fleet, default": make_fleet(make, x, y, fleet.DistributedStrategy()),
-        "fleet, check_nan_inf": make_fleet(make, x, y,
-                                           fleet.DistributedStrategy(check_nan_inf=True)),
-    }
-    for run in variants.values():  # compile and warm up
-        use(run)
-        for _ in range(3):
-            run()
-        jax.block_until_ready(run())
-    times = {v: [] for v in variants}
-    drain = {v: [] for v in variants}
-    for _ in range(args.rounds):
-        for v, run in variants.items():
-            use(run)
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                out = run()
-            t1 = time.perf_counter()
-            jax.block_until_ready(out)
-            times[v].append(t1 - t0)
-            drain[v].append(time.perf_counter() - t0)
-    base = np.array(times["jax.jit"])
-    print(f"\ndispatch, {name}: {args.calls} calls without waiting, global batch {batch}, "
-          f"{N} x cpu, {args.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
-    print(f"{'variant':24s} {'dispatch ms':>12s} {'vs jax.jit':>11s} {'all done ms':>12s}")
-    for v, t in times.items():
-        t = np.array(t)
-        print(f"{v:24s} {np.median(t) * 1e3:12.1f} {np.median(t / base):11.3f} "
-              f"{np.median(drain[v]) * 1e3:12.1f}")
-
-
 def main():
-    for what in args.what.split(","):
-        for name in args.models.split(","):
-            {"memory": memory, "dispatch": dispatch}[what](name)
+    for name in args.models.split(","):
+        memory(name)
 
 
 if __name__ == "__main__":
