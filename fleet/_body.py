@@ -3,10 +3,12 @@
 :meth:`Program.run` is the global program: the step's function runs once per
 replica (``jax.shard_map`` over ``data``, ``check_vma=True``) in :meth:`Program.body`,
 and the per-replica outputs are combined outside it (mean, sum, gather), so the
-body's only collectives are the gradient buckets and the buffers' means. The
-first trace of a plan probes the body (a trace that records what it did: the
-outputs' kinds, the gradient syncs, the optimizer calls) and checks the step
-against the contract (``fleet._guards``) before the real trace.
+body's only collectives are the gradient buckets and the buffers' means (and,
+with ``check_nan_inf``, the agreement of the finite flags: the body selects the
+state it leaves, :mod:`fleet._finite`). The first trace of a plan probes the
+body (a trace that records what it did: the outputs' kinds, the gradient syncs,
+the optimizer calls) and checks the step against the contract
+(``fleet._guards``) before the real trace.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _guards, _roles, _sync
+from fleet import _finite, _guards, _roles, _sync
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -60,6 +61,8 @@ class Program:
             plan.tree_shards, P(DATA_AXIS), P())
         specs = (state_specs, tree_specs, P(DATA_AXIS), P())
         args = (state, trees, batch, repl)
+        if plan.check_nan_inf:  # the chain goes in: the body selects the state
+            specs, args = (*specs, P()), (*args, chain)
         record = self.records.get(plan)
         if record is None:
             strategy = world().strategy
@@ -101,13 +104,15 @@ class Program:
             self.records[plan] = record
         out_specs = (state_specs,
                      [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
-                     P(DATA_AXIS))
+                     P() if plan.check_nan_inf else P(DATA_AXIS))
+        if plan.check_nan_inf:
+            out_specs = (*out_specs, P())
         self.trace_count += 1
         run = jax.shard_map(
             functools.partial(self.body, plan, record=record, probe=False),
             mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
         )
-        new_state, out_leaves, finite = run(*args)
+        new_state, out_leaves, finite, *chain_out = run(*args)
         # Stacked per-replica values are combined here, outside the per-device body,
         # so the body's only collectives are the gradient buckets and buffer means.
         out_leaves = [
@@ -115,15 +120,10 @@ class Program:
             else _sharding.Shard(x, r[1]) if isinstance(r, tuple) else x
             for x, r in zip(out_leaves, record["out"])
         ]
-        if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
-            finite = jax.lax.with_sharding_constraint(  # (read back from one device)
-                finite.reshape(plan.mesh.devices.size, -1).all(0), NamedSharding(plan.mesh, P()))
-            chain = jnp.logical_and(chain, finite.all())
-            new_state = [jnp.where(chain, n, o) for n, o in zip(new_state, state)]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
-        return new_state, out, finite, chain
+        return new_state, out, finite, (chain_out[0] if chain_out else chain)
 
-    def body(self, plan: Plan, state, trees, batch, repl, *, record, probe):
+    def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe):
         per_replica = self.graph.per_replica
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
@@ -145,7 +145,8 @@ class Program:
         trace.accum_in = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)
-        with _sync.tracing(trace):
+        recorder = _finite.Recorder() if plan.check_nan_inf else None
+        with _sync.tracing(trace), _finite.recording(recorder):
             out = self.fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
@@ -177,7 +178,13 @@ class Program:
         out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum")
                                                    or isinstance(r, tuple) else x)
                       for x, r in zip(leaves, reduces)]
+        if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
+            flags = _sync.psum([(~flags).astype(jnp.int32)])[0] == 0
+            chain = jnp.logical_and(chain, flags.all())
+            new_state = recorder.select(chain, new_state, original)
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
+        if plan.check_nan_inf:
+            return new_state, out_leaves, flags, chain
         return new_state, out_leaves, flags
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:

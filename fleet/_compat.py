@@ -53,10 +53,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax._src import core as jax_core
 from jax._src import distributed, xla_bridge
 from jax._src.interpreters import ad
 from jax._src.lib import _jax
 from jax.extend import backend as jax_backend
+from jax.extend import core as extend_core
 
 from fleet._errors import FleetUnsupportedError
 
@@ -93,6 +95,17 @@ def bind_cpu_collectives(address: str) -> None:
 def is_differentiated(x: Any) -> bool:
     """Whether ``x`` is being differentiated (a JVP or linearize tracer)."""
     return isinstance(x, (ad.JVPTracer, ad.LinearizeTracer))
+
+
+def bind_equation(eqn: Any, invals: Sequence) -> Any:
+    """One equation of a jaxpr evaluated on ``invals`` as JAX's own ``eval_jaxpr``
+    does (``check_nan_inf``'s replay, ``fleet._finite``): its primitive bound with
+    its bind parameters (a call's inner jaxpr as a callable), in the equation's
+    context (source, compute type). Undocumented members of the public
+    ``jax.extend.core.JaxprEqn`` and ``Primitive``: ``ctx.manager``,
+    ``get_bind_params``."""
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
 
 
 def register_before_exit(fn: Callable[[], None]) -> None:
@@ -191,6 +204,11 @@ def check() -> None:
     for name in ("JVPTracer", "LinearizeTracer"):
         if not isinstance(getattr(ad, name, None), type):
             missing.append(f"jax._src.interpreters.ad.{name}")
+    if not callable(getattr(extend_core.Primitive, "get_bind_params", None)):
+        missing.append("jax.extend.core.Primitive.get_bind_params")
+    if "ctx" not in getattr(extend_core.JaxprEqn, "__dataclass_fields__", vars(
+            extend_core.JaxprEqn)) or not hasattr(jax_core.JaxprEqnContext, "manager"):
+        missing.append("jax.extend.core.JaxprEqn.ctx.manager")
     if not callable(getattr(threading, "_register_atexit", None)):
         missing.append("threading._register_atexit")
     probe = nnx.Param(np.zeros(()))  # numpy: importing fleet computes nothing

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fleet import _compat, _sync
+from fleet import _compat, _finite, _sync
 from fleet._buckets import strategy_buckets
 from fleet._errors import FleetError, FleetTypeError, FleetUnsupportedError
 from fleet._reduce import reduce_gradients
@@ -67,7 +67,9 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
         _shard_probe.verify(inner, params, shard)
         return _sharding.shard_state(state, _sharding.plan(inner.init, params, shard))
 
-    def update(grads, state, params=None, **extra):
+    def prepare(grads):
+        """The trace's bookkeeping of an update; raw parameters' summed gradients
+        divided by the replica count."""
         if _under_no_sync():
             raise FleetUnsupportedError(
                 "no_sync with an optax transformation (Linen / TrainState) is not supported: "
@@ -88,12 +90,36 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
                 grads = jax.tree.map(
                     lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
                     else g / n, grads)
+        return grads
+
+    def local_update(grads, state, params=None, **extra):
+        """The update in parts (see fleet.strategy._sharding.local_update):
+        ``core(*args)`` updates the arrays this replica holds (its slices under
+        sharding), ``finish`` makes the full parameters, updates and state."""
+        grads = prepare(grads)
         if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))):
-            return _sharding.update(inner, grads, state, params, **extra)
-        return inner.update(reduce_gradients(grads, buckets), state, params, **extra)
+            return _sharding.local_update(inner, grads, state, params, **extra)
+
+        def core(g, s, p):
+            return inner.update(g, s, p, **extra)
+
+        def finish(updates, new_state, keep=None, *, apply=True):
+            if params is None or not apply:
+                return None, updates, new_state
+            new_params = optax.apply_updates(params, updates)
+            if keep is not None:  # check_nan_inf's replay (fleet._finite)
+                new_params = _finite.select(keep, new_params, params)
+            return new_params, updates, new_state
+
+        return core, (reduce_gradients(grads, buckets), state, params), finish
+
+    def update(grads, state, params=None, **extra):
+        core, args, finish = local_update(grads, state, params, **extra)
+        return finish(*core(*args), apply=False)[1:]  # (updates, new state)
 
     tx = _AllReduceThen(inner.init if shard is None else init, update)
     tx.inner = inner
+    tx.local_update = local_update
     return tx
 
 
@@ -205,23 +231,41 @@ class DistributedOptimizer(nnx.Optimizer):
         return self._update_or_skip(model, grads, **kwargs)
 
     def _apply(self, model, grads, /, **kwargs):
-        if not self.sharded:
+        rec = _finite.recorder()
+        if not self.sharded and rec is None:
             return super().update(model, grads, **kwargs)
-        # nnx.Optimizer.update, with the sharded leaves handed to the optax update
-        # as fleet.strategy._sharding.Shard nodes.
-        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        # nnx.Optimizer.update through the distributed update's parts (local_update),
+        # sharded leaves as Shard nodes; check_nan_inf replays it (fleet._finite).
+        model_state = nnx.state(model, self.wrt, graph=self.graph)
         variables = self._state_variables()
-        layouts = [_sharding.layout_of(v) for v in variables]
-        treedef = jax.tree.structure(nnx.as_pure(self.opt_state))
-        state = jax.tree.unflatten(treedef, [
-            v.get_value() if lay is None else _sharding.Shard(v.get_value(), lay)
-            for v, lay in zip(variables, layouts)])
-        updates, new_state = self.tx.update(grad_arrays, state, params, **nnx.as_pure(kwargs))
-        nnx.update(model, optax.apply_updates(params, updates))
-        for var, new in zip(variables, jax.tree.leaves(new_state, is_leaf=_sharding.is_shard)):
-            var.set_value(new.value if _sharding.is_shard(new) else new)
-        self.step[...] += 1
+        state = jax.tree.unflatten(jax.tree.structure(nnx.as_pure(self.opt_state)), [
+            v.get_value() if _sharding.layout_of(v) is None
+            else _sharding.Shard(v.get_value(), _sharding.layout_of(v)) for v in variables])
+        written = [*jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+                   *variables, self.step]
+        before, step = [v.get_raw_value() for v in written], self.step[...]
+        core, args, finish = self.tx.local_update(
+            nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph)), state,
+            nnx.as_pure(model_state), **nnx.as_pure(kwargs))
+
+        def applied(updates, new_state, keep=None):
+            new_params, updates, new_state = finish(updates, new_state, keep)
+            return new_params, updates, [x.value if _sharding.is_shard(x) else x for x in
+                                         jax.tree.leaves(new_state, is_leaf=_sharding.is_shard)]
+
+        new_params, updates, new_state = applied(*core(*args))
+        nnx.update(model, new_params)
+        for var, new in zip(variables, new_state):
+            var.set_value(new)
+        self.step[...] = step + 1
+        if rec is not None:
+            redo = _finite.replay(core, args, state_at=1)
+
+            def replayed(keep):  # the values of `written`, selected by keep
+                new_params, _, new_state = applied(*redo(keep), keep)
+                return [*jax.tree.leaves(new_params), *new_state, jnp.where(keep, step + 1, step)]
+
+            rec.add([v.get_raw_value() for v in written], before, replayed)
         return updates
 
     def _update_or_skip(self, model, grads, **kwargs):

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from jax._src import distributed, xla_bridge
 from jax._src.interpreters import ad
+from jax.extend import core as extend_core
 
 from fleet import _compat
 from fleet._errors import FleetUnsupportedError
@@ -30,6 +31,7 @@ PACKAGE = Path(_compat.__file__).parent
     (ad, "JVPTracer", "jax._src.interpreters.ad.JVPTracer"),
     (ad, "LinearizeTracer", "jax._src.interpreters.ad.LinearizeTracer"),
     (threading, "_register_atexit", "threading._register_atexit"),
+    (extend_core.Primitive, "get_bind_params", "jax.extend.core.Primitive.get_bind_params"),
 ])
 def test_a_missing_symbol_fails_loudly(monkeypatch, owner, name, symbol):
     monkeypatch.delattr(owner, name)
@@ -98,6 +100,19 @@ def test_each_entry_does_what_it_says():
     assert type(a) is type(b) and type(a).__name__ == "MixedMyParam"
     assert isinstance(a, Mixin) and isinstance(a, MyParam) and type(a).__mro__[2] is MyParam
     np.testing.assert_array_equal(b.get_value(), [1, 1])
+
+    # bind_equation: the equations of a jaxpr (a jit call among them), one by one,
+    # give what the jaxpr gives
+    def g(x, y):
+        return jax.jit(lambda a: jnp.sin(a) * y)(x) + 1.0
+
+    closed = jax.make_jaxpr(g)(jnp.arange(3.0), 2.0)
+    env = dict(zip(closed.jaxpr.invars, (jnp.arange(3.0), 2.0)))
+    for eqn in closed.jaxpr.eqns:
+        out = _compat.bind_equation(eqn, [v.val if isinstance(v, extend_core.Literal)
+                                          else env[v] for v in eqn.invars])
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+    np.testing.assert_array_equal(env[closed.jaxpr.outvars[0]], g(jnp.arange(3.0), 2.0))
 
 
 def test_register_before_exit_runs_before_atexit_hooks():

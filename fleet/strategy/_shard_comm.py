@@ -92,16 +92,13 @@ def fleet_scatter(*leaves: Any, wire: str | None = None, scatter: bool = True) -
 
 @jax.jit
 def fleet_gather(*slices: Any) -> list:
-    """One all-gather bucket: the replicas' chunks, concatenated, gathered once
-    (invariant: every replica gets the same rows)."""
-    sizes = [s.shape[0] for s in slices]
-    rows = jax.lax.all_gather(jnp.concatenate(slices) if len(slices) > 1 else slices[0],
-                              DATA_AXIS, to="invarying")
-    out, offset = [], 0
-    for size in sizes:
-        out.append(rows[:, offset:offset + size])
-        offset += size
-    return out
+    """One all-gather bucket: each of the replicas' chunks gathered into its
+    ``(replicas, chunk)`` rows (invariant: every replica gets the same rows). The
+    bucket is a list, not one concatenated buffer: concatenating costs a copy
+    of the bucket's slices, which XLA cannot remove across the collective (the
+    MLP of benchmarks/donation.py held its 8 MB of slices per device twice), and
+    XLA merges the list's all-gathers itself."""
+    return list(jax.lax.all_gather(list(slices), DATA_AXIS, to="invarying"))
 
 
 def reduce_slices(leaves: Sequence, cfg: Any, divisor: Any = None) -> list:

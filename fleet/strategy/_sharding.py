@@ -25,8 +25,13 @@ One step, inside the per-device body:
    touching optax; any other transformation that is not elementwise is
    caught by a probe (:func:`fleet.strategy._shard_probe.verify`) before the first step
    and refused;
-3. the updates are all-gathered in buckets of ``segment_broadcast_MB`` and
-   applied to the full parameters, replicated as in plain data parallelism.
+3. each replica applies its slice of the updates to its slice of the
+   parameters, and the new parameters are all-gathered in buckets of
+   ``segment_broadcast_MB`` (each bucket a list of slices, not one buffer),
+   replicated as in plain data parallelism: as a hand-written ZeRO step, the
+   gather writes them where the donated ones were (:func:`local_update`). An
+   optax transformation's ``update`` (a Linen ``TrainState``) returns the
+   gathered updates instead.
 
 A ``sharding_degree`` below the replica count shards inside groups of that
 size and replicates across them; without grouped collectives it reduces with
@@ -42,16 +47,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _compat, _sync
+from fleet import _compat, _finite, _sync
 from fleet._buckets import strategy_buckets
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet._world import DATA_AXIS, current_strategy, world
@@ -242,9 +248,25 @@ def sliced_update(inner: Any, cfg: Config, grads: Any, state: Any, state_marks: 
 # --------------------------------------------------------------------------- the update
 
 
-def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tuple[Any, Any]:
-    """The sharded update of ``inner`` inside a step: returns the full (gathered)
-    updates and the new state (its :class:`Shard` leaves the new slices)."""
+def local_update(inner: Any, grads: Any, state: Any, params: Any,
+                 **extra: Any) -> tuple[Callable, tuple, Callable]:
+    """The sharded update of ``inner`` inside a step, in parts: ``core(*args)``,
+    the update of this replica's slices (``args``: the reduced gradient slices,
+    the state with its :class:`Shard` leaves as slices, the parameter slices),
+    which returns the update slices and the new state; and ``finish(updates,
+    new_state, keep=None, apply=True)``, which returns the new full parameters
+    (the updated parameter slices, gathered; ``None`` without parameters or
+    ``apply``: an optax transformation's update), the full updates
+    (gathered: only if read, XLA drops them otherwise) and the new state (its
+    :class:`Shard` leaves the new slices). ``keep``: ``check_nan_inf``'s replay
+    keeps the old parameters where it is false (:mod:`fleet._finite`).
+
+    The new parameters are gathered rather than the updates, as a hand-written
+    ZeRO step does: the gather writes them where the donated ones were, while
+    gathering the updates and adding them to the full parameters holds the
+    gathered updates besides (the MLP of benchmarks/donation.py at stage 2: 84.2
+    MB live per device against 78.2 MB). Each element is the same sum either way
+    (:func:`_apply`)."""
     trace = _sync.current()
     if trace is not None and trace.shard is None:
         raise FleetError(
@@ -258,6 +280,57 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
             "inside a fleet.distributed_step that differentiates the wrapped model")
     cfg: Config = trace.shard
     g_leaves, g_def = jax.tree.flatten(grads)
+    layouts = [cfg.layout(jnp.shape(g)) for g in g_leaves]
+    slices = _reduced_slices(trace, grads)
+    s_leaves, s_def = jax.tree.flatten(state, is_leaf=is_shard)
+    inner_state = jax.tree.unflatten(s_def, [x.value if is_shard(x) else x for x in s_leaves])
+    p_slices = None
+    if params is not None:
+        p_slices = jax.tree.unflatten(g_def, [own_slice(p, lay) for p, lay in
+                                              zip(jax.tree.leaves(params), layouts)])
+    marks = jax.tree.unflatten(s_def, [is_shard(x) for x in s_leaves])
+
+    def core(g_slices: Any, sliced_state: Any, p: Any) -> tuple[Any, Any]:
+        return sliced_update(inner, cfg, g_slices, sliced_state, marks, p, **extra)
+
+    def full(slices_tree: Any) -> Any:
+        return jax.tree.unflatten(g_def, gather(jax.tree.leaves(slices_tree), layouts,
+                                                cfg.gather_bytes))
+
+    def finish(updates: Any, new_inner: Any, keep: Any = None, *,
+               apply: bool = True) -> tuple[Any, Any, Any]:
+        new_state = jax.tree.unflatten(s_def, [
+            Shard(v, x.layout) if is_shard(x) else v
+            for v, x in zip(jax.tree.leaves(new_inner), s_leaves)])
+        new_params = None
+        if p_slices is not None and apply:
+            new_params = full(_apply(p_slices, updates, keep))
+        return new_params, full(updates), new_state
+
+    return core, (jax.tree.unflatten(g_def, slices), inner_state, p_slices), finish
+
+
+def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:
+    """``optax.apply_updates`` on the slices; with ``keep`` (``check_nan_inf``'s
+    replay, :mod:`fleet._finite`), ``where(keep, new, old)`` per slice.
+
+    Each update slice is made whole first (``jax.lax.optimization_barrier``), as
+    when the updates were gathered and added to the full parameters: XLA would
+    otherwise fuse the update's last product into the sum (one fused
+    multiply-add, rounded once) and the new parameters would differ in the last
+    bit from that sum (tests/test_memory_select.py). XLA:CPU keeps the barrier
+    with fleet's ``--xla_disable_hlo_passes=cse_barrier_expander`` (set where
+    JAX runs on CPU only, fleet/_xla_flags.py); GPU and TPU keep it by themselves."""
+    new = optax.apply_updates(p_slices, jax.tree.map(jax.lax.optimization_barrier, updates))
+    return new if keep is None else _finite.select(keep, new, p_slices)
+
+
+def _reduced_slices(trace: _sync.SyncTrace, grads: Any) -> list:
+    """This replica's slices of the reduced gradients: the wrapped model's
+    backward left them (stage 2) or the local gradients (stage 1, reduce-scattered
+    here); their finite flags recorded, and float16 amp's agreed flag."""
+    cfg: Config = trace.shard
+    g_leaves = jax.tree.leaves(grads)
     found = [trace.shard_grads.get(id(g)) for g in g_leaves]
     missing = [i for i, f in enumerate(found) if f is None]
     if missing:
@@ -269,7 +342,6 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
             "each replica holds only its slice of the reduced gradient, so make such "
             "changes inside the optax chain (optax.clip_by_global_norm, optax.scale...), "
             "or turn strategy.sharding off")
-    layouts = [cfg.layout(jnp.shape(g)) for g in g_leaves]
     slices: list = [None] * len(found)
     local = [i for i, (_, value, reduced) in enumerate(found) if not reduced]
     for i, (_, value, reduced) in enumerate(found):
@@ -286,18 +358,4 @@ def update(inner: Any, grads: Any, state: Any, params: Any, **extra: Any) -> tup
     if trace.loss_scale is not None:  # float16 amp: every shard agrees (psum of the flags)
         bad = sum(jnp.sum(~jnp.isfinite(s)).astype(jnp.int32) for s in slices)
         trace.shard_finite = _sync.psum([bad])[0] == 0
-    s_leaves, s_def = jax.tree.flatten(state, is_leaf=is_shard)
-    inner_state = jax.tree.unflatten(s_def, [x.value if is_shard(x) else x for x in s_leaves])
-    p_slices = None
-    if params is not None:
-        p_slices = jax.tree.unflatten(g_def, [own_slice(p, lay) for p, lay in
-                                              zip(jax.tree.leaves(params), layouts)])
-    u_slices, new_inner = sliced_update(
-        inner, cfg, jax.tree.unflatten(g_def, slices), inner_state,
-        jax.tree.unflatten(s_def, [is_shard(x) for x in s_leaves]), p_slices, **extra)
-    new_leaves = jax.tree.leaves(new_inner)
-    new_state = jax.tree.unflatten(s_def, [
-        Shard(v, x.layout) if is_shard(x) else v for v, x in zip(new_leaves, s_leaves)])
-    u_leaves = jax.tree.leaves(u_slices)
-    updates = jax.tree.unflatten(g_def, gather(u_leaves, layouts, cfg.gather_bytes))
-    return updates, new_state
+    return slices
