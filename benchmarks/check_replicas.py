@@ -76,6 +76,9 @@ def main():
     print(f"step, no check: {step * 1e3:.2f} ms; every step: "
           f"{statistics.median(times['every step']) * 1e3:.2f} ms; "
           f"one check: {check * 1e3:.2f} ms ({check / step:.1%} of a step)")
+    print("  (no check, every step: the medians over rounds; one check: the median over "
+          "rounds of every step - no check in the same round, so it need not equal the "
+          "difference of the two medians)")
     for n in (1, 10, 100, 500):
         print(f"  a check every {n:4d} steps adds {check / step / n:7.3%} per step")
 

@@ -154,6 +154,8 @@ def memory(name: str) -> None:
         print(f"{k:28s} {m.argument_size_in_bytes / 2**20:8.2f} {m.output_size_in_bytes / 2**20:7.2f} "
               f"{m.temp_size_in_bytes / 2**20:8.2f} {m.alias_size_in_bytes / 2**20:9.2f} "
               f"{live(m) / 2**20:8.2f} {ratio}")
+    print("  (live MB = args + out + temp - alias; vs hand: against hand (donating), the "
+          "sharding rows against hand, sharded (donating))")
 
 
 def main():

@@ -19,7 +19,7 @@ on the machine hits all cases alike. Cases:
 "CPU us/image" adds up this process and its workers: it shows the cost of each way
 of loading independently of how busy the machine is.
 
-Run: ``python benchmarks/loader_throughput.py [--rounds 12]`` (needs ``psutil``, from
+Run: ``.venv/bin/python benchmarks/loader_throughput.py [--rounds 12]`` (needs ``psutil``, from
 the ``test`` extra).
 """
 

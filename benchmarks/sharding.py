@@ -33,8 +33,8 @@ The targets are reported as met or not; nothing is asserted. The optimizer
 state ratio is 1 / device count up to the zero padding of each leaf to a
 multiple of the device count and Adam's replicated step count (a few bytes).
 
-XLA places temporaries in the output buffers of the new state while those are
-still free, so stage 0's ``temp MB`` can read near zero; stage 1 keeps each
+Stage 0's ``temp MB`` holds the new optimizer state's moments (as large as
+``opt MB``: XLA does not place them in the donated state here); stage 1 keeps each
 replica's full local gradients until the optimizer reduce-scatters them, stage 2
 only the reduced slices, so stage 1's temporaries are larger.
 
@@ -234,7 +234,7 @@ def main():
     d = jax.devices()[0]
     print(f"device: {len(devices())} x {d.device_kind} ({d.platform}), jax {jax.__version__}, "
           f"flax {flax.__version__}, optax {optax.__version__}")
-    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"command: {shlex.join([os.path.relpath(sys.executable), *sys.argv])}")
     rng = np.random.RandomState(0)
     x = rng.randn(args.batch, WIDTH).astype(np.float32)
     y = rng.randint(0, 10, args.batch).astype(np.int32)
@@ -279,8 +279,9 @@ def main():
           f"{args.rounds} rounds x {args.steps} step{'s' * (args.steps != 1)}; "
           f"memory per device ({dev})")
     print(f"{'variant':10s} {'opt MB':>8s} {'vs 0':>6s} {'temp MB':>8s} {'args MB':>8s} "
-          f"{'out MB':>8s} {'ms/step':>8s} {'vs 0':>6s} {'dparam 1':>10s} {'dparam end':>10s} "
-          f"{'> 1e-6':>7s}")
+          f"{'out MB':>8s} {'ms/step':>8s} {'vs 0':>6s} {'rounds':>13s} {'dparam 1':>10s} "
+          f"{'dparam end':>10s} {'> 1e-6':>7s}")
+    outside = []
     verdicts = []
     for name, v in variants.items():
         opt = v.opt_bytes(dev)
@@ -291,10 +292,20 @@ def main():
               f"{memory_mb(v.memory, 'temp_size_in_bytes')} "
               f"{memory_mb(v.memory, 'argument_size_in_bytes')} "
               f"{memory_mb(v.memory, 'output_size_in_bytes')} "
-              f"{np.median(t) * 1e3:8.1f} {ratio_t:6.3f} {first[name]:10.2e} {diff:10.2e} "
-              f"{count:>7d}")
+              f"{np.median(t) * 1e3:8.1f} {ratio_t:6.3f} "
+              f"{(t / base_t).min():6.3f}-{(t / base_t).max():<6.3f} "
+              f"{first[name]:10.2e} {diff:10.2e} {count:>7d}")
+        of_medians = np.median(t) / np.median(base_t)
+        if not (t / base_t).min() <= of_medians <= (t / base_t).max():
+            outside.append(f"{name} {of_medians:.3f}")
         if v is not base:
             verdicts.append((name, opt / base_opt, ratio_t))
+    print("  (ms/step: the median over rounds; the second vs 0: the median over rounds of "
+          "the variant's ms / stage 0's in the same round, so it need not equal the ratio "
+          "of the ms medians; rounds: its lowest-highest)")
+    if outside:
+        print(f"  (the ratio of the ms medians falls outside the rounds' range: "
+              f"{', '.join(outside)}; the load changed during the run, so trust no ratio here)")
     print(f"  (dparam 1, dparam end: the largest parameter difference from stage 0 after the "
           f"first step and after all {steps_run}; > 1e-6: how many of the {nparams:,} "
           f"parameters differ by more than 1e-6 at the end)")

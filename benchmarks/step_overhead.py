@@ -125,15 +125,25 @@ def measure(name: str) -> None:
     devices = f"{jax.device_count()} x {jax.devices()[0].platform}"
     print(f"\n{name}: {nparams / 1e6:.2f}M parameters, Adam, global batch {batch}, {devices}, "
           f"{args.rounds} rounds x {args.steps} steps (jax {jax.__version__})")
-    print("  ms/step: the median over rounds; vs (a), vs (b), vs best: the median of the "
-          "per-round ratios (each round times every variant back to back, so load that "
-          "moves between rounds cancels in a ratio but not across the ms column: the two "
-          "can disagree under load; trust the ratios)")
-    print(f"{'variant':34s} {'ms/step':>8s} {'vs (a)':>7s} {'vs (b)':>7s} {'vs best':>8s}")
+    print(f"{'variant':34s} {'ms/step':>8s} {'vs (a)':>7s} {'vs (b)':>7s} {'vs best':>8s} "
+          f"{'rounds':>13s}")
+    outside = []
     for v, t in times.items():
         t = np.array(t)
+        ratios = t / best
         print(f"{v:34s} {np.median(t) * 1e3:8.2f} {np.median(t / a):7.3f} "
-              f"{np.median(t / b):7.3f} {np.median(t / best):8.3f}")
+              f"{np.median(t / b):7.3f} {np.median(ratios):8.3f} "
+              f"{ratios.min():6.3f}-{ratios.max():<6.3f}")
+        of_medians = np.median(t) / np.median(best)
+        if not ratios.min() <= of_medians <= ratios.max():
+            outside.append(f"{v} {of_medians:.3f}")
+    print("  (ms/step: the median over rounds; vs (a), vs (b), vs best: the median over "
+          "rounds of the variant's ms / the baseline's in the same round (each round times "
+          "every variant back to back, so a load that moves between rounds cancels in a "
+          "ratio, not in the ms column); rounds: vs best's lowest-highest)")
+    if outside:
+        print(f"  (the ratio of the ms medians falls outside the rounds' range: "
+              f"{', '.join(outside)}; the load changed during the run, so trust no ratio here)")
 
 
 def main():

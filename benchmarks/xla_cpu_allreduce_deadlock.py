@@ -1,7 +1,7 @@
 """Minimal reproducer: XLA:CPU all-reduce deadlock on N fake CPU devices (no fleet).
 
     .venv/bin/python benchmarks/xla_cpu_allreduce_deadlock.py              # aborts (2-core machine)
-    PJRT_NPROC=8 python benchmarks/xla_cpu_allreduce_deadlock.py # completes
+    PJRT_NPROC=8 .venv/bin/python benchmarks/xla_cpu_allreduce_deadlock.py # completes
 
 jax/jaxlib 0.10.2. A jitted shard_map with one psum, called in a loop that never
 waits, on 4 fake CPU devices. On a machine with fewer cores than 2 x devices it
@@ -9,7 +9,8 @@ stops (0% CPU) once the loop is about 32 steps ahead of the devices, then aborts
 
     F... rendezvous.cc:161] [id=0] Termination timeout for `all reduce
     RendezvousKey{run_id=..., global_devices=[0, 1, 2, 3], num_local_participants=4,
-    collective_op_kind=cross_module, op_id=1}` of 40 seconds exceeded. Exiting to
+    collective_op_kind=cross_module, op_id=1}` of 10 seconds exceeded (the script's
+    timeout; XLA's own is 40 s). Exiting to
     ensure a consistent program state. Expected 4 threads to join the rendezvous,
     but only 3 of them arrived on time.
 
