@@ -21,9 +21,11 @@ traced program, puts them back in order.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from typing import Any
 
 import jax
+import numpy as np
 
 ALL = "all"  # layout: every state leaf donated
 NONE = "none"  # layout: every state leaf kept (donate=False)
@@ -36,7 +38,7 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     if not donate:
         return NONE, [], state
     ids = list(map(id, state))
-    shared = set(map(id, jax.tree.leaves(others)))  # (an id is a state leaf's only if it is one)
+    shared = set(map(id, _leaves(others)))  # (an id is a state leaf's only if it is one)
     if len(set(ids)) == len(ids) and shared.isdisjoint(ids):
         return ALL, state, []
     counts = Counter(ids)
@@ -44,6 +46,19 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     donated = [x for x, d in zip(state, layout) if d]
     kept = [x for x, d in zip(state, layout) if not d]
     return layout, donated, kept
+
+
+def _leaves(others: tuple) -> list:
+    """The leaves of ``others``, groups (lists) of arguments: the groups' items
+    when each is an array or a scalar (a step's usual batch), without flattening
+    a tree at every call."""
+    items = list(chain.from_iterable(others))
+    if all(isinstance(x, _FLAT) for x in items):
+        return items
+    return jax.tree.leaves(others)
+
+
+_FLAT = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def assemble(layout: Any, donated: list, kept: list) -> list:

@@ -124,7 +124,9 @@ os.register_at_fork(after_in_child=_forked_child)
 
 
 def _beat() -> None:
-    if time.monotonic() - _progress["at"] >= BEAT_INTERVAL:
+    now = time.monotonic()
+    if now - _progress["at"] >= BEAT_INTERVAL:
+        _progress["at"] = now  # (also without a heartbeat file: no lookup at every step)
         _write_progress()
 
 
