@@ -29,10 +29,13 @@ On the host, :class:`FiniteFlags` keeps the flag vectors of the calls in
 flight and reads one only once it is ready, so a step never waits for the
 device:
 
-* single process: each call first reads the flags of the earlier calls that
+* single process: a call first reads the flags of the earlier calls that
   have finished (no wait) and raises for the first non-finite one, naming the
   leaf and the call (the calls started after it are named too: they ran and
-  left the state unchanged). So a non-finite call raises at a later call;
+  left the state unchanged). So a non-finite call raises at a later call. A
+  read brings the flags back from the device, so a call looks at most every
+  ``POLL_INTERVAL`` (0.1 s: a loop of small steps does not pay one read per
+  step; the calls in between run and leave the state unchanged);
 * several processes: every process must raise at the same call (the calls are
   collective), so after call ``k+1`` is started, the flags of call ``k`` are
   read, waiting for them: the host runs one step ahead of the device;
@@ -54,6 +57,7 @@ import collections
 import contextlib
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -86,16 +90,31 @@ def _report_at_exit() -> None:
             pass
 
 
+POLL_INTERVAL = 0.1  # seconds between two looks at the flags in flight (single process)
+
+
 class FiniteFlags:
     """A step's flags in flight (see the module docstring)."""
 
     def __init__(self) -> None:
         self._chain: tuple[Any, jax.Array] | None = None  # (mesh, device bool)
         self._pending: deque = deque()  # (call, flags, names), oldest first
+        self._looked = float("-inf")  # when a call last looked at them
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
+
+    def due(self) -> bool:
+        """Whether a call should look at the flags in flight now: there are some,
+        and the last look is ``POLL_INTERVAL`` old."""
+        if not self._pending:
+            return False
+        now = time.monotonic()
+        if now - self._looked < POLL_INTERVAL:
+            return False
+        self._looked = now
+        return True
 
     def chain(self, mesh: Any) -> jax.Array:
         """The chain flag the next call takes (a replicated device bool)."""

@@ -9,6 +9,7 @@ device (``jnp.copy``) where they need the values from before a step.
 
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 from flax.training import train_state
 
 import fleet
+from fleet import _finite
 from tests import models
 
 
@@ -180,8 +182,10 @@ def test_check_nan_inf_keeps_the_old_state_bitwise_with_donation(make_world):
 
 
 def test_check_nan_inf_raises_at_the_next_call(make_world):
-    """The flags of call 2 are read at call 3 once they are back (no wait): call 3
-    raises before it runs, naming call 2."""
+    """The flags of call 2 are read at call 3 once they are back (no wait) and the
+    last look is POLL_INTERVAL old: call 3 raises before it runs, naming call 2
+    (issue 24 changed the spec from "at the next call": a loop of small steps
+    would read the flags back at every call)."""
     make_world(4)
     model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
     step = fleet.distributed_step(models.nnx_train_step)
@@ -190,10 +194,36 @@ def test_check_nan_inf_raises_at_the_next_call(make_world):
     before = copies(model, opt)
     loss = step(model, opt, nan_batch(x2), y2)  # does not wait, does not raise
     jax.block_until_ready(loss)
+    time.sleep(_finite.POLL_INTERVAL)
     with pytest.raises(fleet.FleetError, match=r"NaN or infinity after call 2 of the step; the "
                                                r"state was left as it was before this call\. Look"):
         step(model, opt, x, y)
     assert same_bits(leaves(model, opt), before)
+
+
+def test_check_nan_inf_looks_at_the_flags_at_most_every_poll_interval(make_world, monkeypatch):
+    """A burst of calls reads the flags back a few times, not once a call; a
+    non-finite call among them is still named, at a later call or at wait()."""
+    model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), = models.batches("linear", 1, 8)
+    step(model, opt, x, y)
+    step.wait()
+    looks = []
+    check = _finite.FiniteFlags.check
+    monkeypatch.setattr(_finite.FiniteFlags, "check",
+                        lambda self, **kw: looks.append(kw["wait"]) or check(self, **kw))
+    start = time.monotonic()
+    for _ in range(60):
+        step(model, opt, x, y)
+    elapsed = time.monotonic() - start
+    assert looks.count(False) <= 1 + elapsed / _finite.POLL_INTERVAL, (looks, elapsed)
+    step(model, opt, nan_batch(x), y)
+    with pytest.raises(fleet.FleetError, match=r"after call 62 of the step"):
+        for _ in range(100):
+            step(model, opt, x, y)
+            time.sleep(_finite.POLL_INTERVAL / 10)
+        step.wait()
 
 
 class Out(nnx.Module):
