@@ -73,12 +73,14 @@ def heartbeat() -> None:
 # A step call only counts: the counts are written when the last write is older than
 # BEAT_INTERVAL, else by a daemon thread (started with the first write) within
 # BEAT_INTERVAL, so a worker that blocks right after a step (on a dead peer, in
-# its next host read) still leaves its true counts. A step that runs for hours
-# writes nothing meanwhile, as before: the file's time is that of the last count.
+# its next host read) still leaves its true counts. The file's time (the beat the
+# watchdog reads) is set to when the counts last changed, not when they were
+# written, so the watchdog still tells which worker fell silent first. A step
+# that runs for hours writes nothing meanwhile, as before.
 PROGRESS_WIDTH = 48
 BEAT_INTERVAL = 0.2  # seconds
 _progress = {"fd": None, "begun": 0, "ended": 0, "path": None, "at": float("-inf"),
-             "written": None, "state": "run", "flusher": None}
+             "written": None, "state": "run", "flusher": None, "changed": None}
 _lock = threading.Lock()
 
 
@@ -97,6 +99,9 @@ def _write_progress(state: str = "run") -> None:
                 _progress["path"] = path
             line = f"{counts[0]} {counts[1]} {state}"
             os.pwrite(_progress["fd"], line.ljust(PROGRESS_WIDTH).encode() + b"\n", 0)
+            changed = _progress["changed"]
+            if state == "run" and changed is not None:  # the beat: when the counts changed
+                os.utime(_progress["fd"], (changed, changed))
         except OSError:
             pass
         _progress["at"], _progress["written"] = time.monotonic(), counts
@@ -134,12 +139,14 @@ def step_begin() -> None:
     """Called by ``fleet.distributed_step`` when a step starts (before any collective):
     counts the step and beats."""
     _progress["begun"] += 1
+    _progress["changed"] = time.time()
     _beat()
 
 
 def step_end() -> None:
     """Called by ``fleet.distributed_step`` when a step has returned: counts and beats."""
     _progress["ended"] += 1
+    _progress["changed"] = time.time()
     _beat()
 
 

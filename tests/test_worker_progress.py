@@ -19,7 +19,7 @@ def heartbeat(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEET_HEARTBEAT_FILE", str(path))
     saved, exit_state = dict(_worker._progress), dict(_worker._exit_state)
     _worker._progress.update(fd=None, begun=0, ended=0, path=None, at=float("-inf"),
-                             written=None, state="run", flusher=None)
+                             written=None, state="run", flusher=None, changed=None)
     writes = []
     pwrite = os.pwrite
     monkeypatch.setattr(_worker.os, "pwrite", lambda *a: writes.append(a) or pwrite(*a))
@@ -42,9 +42,13 @@ def test_a_burst_of_steps_writes_a_few_times_and_ends_with_its_counts(heartbeat)
         _worker.step_end()
     elapsed = time.monotonic() - start
     assert len(writes) <= 2 + elapsed / _worker.BEAT_INTERVAL, (len(writes), elapsed)
+    last = time.time()
     time.sleep(3 * _worker.BEAT_INTERVAL)  # the flusher writes what the burst left
     progress = read_progress(str(path))
     assert (progress.begun, progress.ended) == (2000, 2000)
+    # the beat is when the counts last changed, not when the flusher wrote them: the
+    # watchdog tells which worker fell silent first by it
+    assert last - 0.05 <= progress.beat <= last, (progress.beat, last)
 
 
 def test_a_step_that_blocks_leaves_its_begun_count(heartbeat):
