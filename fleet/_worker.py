@@ -100,7 +100,8 @@ def _write_progress(state: str = "run") -> None:
             line = f"{counts[0]} {counts[1]} {state}"
             os.pwrite(_progress["fd"], line.ljust(PROGRESS_WIDTH).encode() + b"\n", 0)
             changed = _progress["changed"]
-            if state == "run" and changed is not None:  # the beat: when the counts changed
+            if state == "run" and changed is not None and os.utime in os.supports_fd:
+                # the beat: when the counts changed
                 os.utime(_progress["fd"], (changed, changed))
         except OSError:
             pass
