@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fleet
+from tests.tiers import slow, stages
 
 N = 4
 SIZES = (64, 256, 256, 10)  # two 256-wide layers: their moments dominate the state
@@ -134,7 +135,7 @@ def test_check_nan_inf_costs_no_step_memory(make_world):
     assert checked <= default + 1024, (checked, default)  # (the flags: a few bytes)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", stages())
 def test_zero_costs_no_more_than_a_hand_written_sharded_step(make_world, stage):
     """Stage 2 holds no more than the hand-written sharded step (before: the
     gathered updates and their concatenated bucket besides the parameters).
@@ -186,10 +187,10 @@ ZERO2 = {"sharding": True, "sharding_configs": {"stage": 2}}
 @pytest.mark.parametrize("tx, sharding, how", [
     (None, {}, {}),
     (CLIP_ADAM, {}, {}),
-    (optax.sgd(1e-2, momentum=0.9), {}, {}),
-    (None, ZERO1, {}),
+    pytest.param(optax.sgd(1e-2, momentum=0.9), {}, {}, marks=slow),
+    pytest.param(None, ZERO1, {}, marks=slow),
     (None, ZERO2, {}),
-    (None, {}, {"nested": True}),
+    pytest.param(None, {}, {"nested": True}, marks=slow),
     (None, {}, {"reads": True}),
 ], ids=["adam", "clip-adam", "momentum", "zero1", "zero2", "nested-update", "reads-new-params"])
 def test_check_nan_inf_leaves_a_finite_call_bitwise_as_without(make_world, tx, sharding, how):
@@ -237,7 +238,7 @@ def test_a_non_finite_output_keeps_the_state_bitwise(make_world, sharding):
                          [before])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", stages())
 def test_zero_adds_the_whole_updates_to_the_parameters(make_world, stage):
     """ZeRO applies each slice of the updates to its slice of the parameters and
     gathers the new parameters; each is the old parameter plus the whole
