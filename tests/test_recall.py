@@ -142,12 +142,17 @@ def test_an_array_that_changes_role_is_seen(make_world):
     assert abs(float(mean_out(model, x.astype(np.float64))) - want) < 1e-6
 
 
-def test_a_batch_that_no_longer_splits_is_still_refused(make_world):
+def linear_training(make_world):
+    """The seeds' LinearNet with SGD on 4 devices: model, optimizer, step, a batch."""
     make_world(4)
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
-    step = fleet.distributed_step(models.nnx_train_step)
     (x, y), = models.batches("linear", 1, 8)
+    return model, optimizer, fleet.distributed_step(models.nnx_train_step), x, y
+
+
+def test_a_batch_that_no_longer_splits_is_still_refused(make_world):
+    model, optimizer, step, x, y = linear_training(make_world)
     for _ in range(3):
         step(model, optimizer, x, y)
     with pytest.raises(fleet.FleetConfigError, match="multiple of the 4 replicas"):
@@ -170,11 +175,7 @@ def test_a_static_argument_changed_between_calls_is_seen(make_world):
 
 
 def test_check_nan_inf_switched_on_between_calls_is_seen(make_world):
-    make_world(4)
-    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
-    step = fleet.distributed_step(models.nnx_train_step)
-    (x, y), = models.batches("linear", 1, 8)
+    model, optimizer, step, x, y = linear_training(make_world)
     step(model, optimizer, x, y)
     step(model, optimizer, x, y)
     fleet.world().strategy.check_nan_inf = True
