@@ -81,8 +81,12 @@ class Program:
                 # them. A distributed optimizer that got them, with no wrapped model in
                 # the step, divides them by N (raw parameters, functional optax style).
                 if record["wrapped_syncs"] or not record["tx_calls"]:
+                    unsynced = [name for name, v, synced in zip(
+                        self.graph.names, self.graph.variables, self.graph.synced)
+                        if name in summed and isinstance(v, nnx.Param) and not synced]
                     raise FleetError(_guards.implicit_sum(
-                        plan.mesh.devices.size, summed, bool(record["wrapped_syncs"])))
+                        plan.mesh.devices.size, summed, bool(record["wrapped_syncs"]),
+                        unsynced))
                 record["auto_sum"] = True
                 if strategy.amp:
                     raise FleetError(

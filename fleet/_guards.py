@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -75,10 +76,12 @@ def placeholder_uses(jaxpr: Any) -> list[str]:
     return found
 
 
-def implicit_sum(n: int, summed: list[str], wrapped: bool) -> str:
+def implicit_sum(n: int, summed: list[str], wrapped: bool, unsynced: Sequence[str] = ()) -> str:
     """The message for a step whose program sums over replicas outside fleet: the
-    state leaves whose gradients JAX summed (``summed``), and whether the step
-    has a wrapped model (``wrapped``)."""
+    state leaves whose gradients JAX summed (``summed``), whether the step has a
+    wrapped model (``wrapped``), and which of them are parameters no wrapping
+    synced (``unsynced``: a layer added after the wrapping, a model never
+    wrapped)."""
     if not summed:
         return (
             f"the step sums over the {n} replicas itself (a jax.lax.psum or pmean of its "
@@ -86,6 +89,15 @@ def implicit_sum(n: int, summed: list[str], wrapped: bool) -> str:
             "gradients over the replicas, so remove it; to combine a value of your own "
             "across replicas, use fleet.all_reduce")
     what = ", ".join(summed[:3]) + (" ..." if len(summed) > 3 else "")
+    if wrapped and unsynced:
+        what = ", ".join(unsynced[:3]) + (" ..." if len(unsynced) > 3 else "")
+        return (
+            f"the step differentiates {what}, parameters that fleet.distributed_model did "
+            "not wrap: a layer added to the model after it was wrapped, or a second model "
+            f"that never was. JAX sums such gradients over the {n} replicas (N times the "
+            "single-device gradient) instead of averaging them. Build the whole model "
+            "before `model = fleet.distributed_model(model)`, and wrap every model whose "
+            "parameters the step trains")
     if wrapped:
         return (
             f"the step differentiates {what} through a read outside the wrapped model's "
