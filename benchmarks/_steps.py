@@ -52,11 +52,47 @@ def batch_of(shape: Sequence[int], batch: int) -> tuple[np.ndarray, np.ndarray]:
             rng.randint(0, 10, batch).astype(np.int32))
 
 
-def make_plain_jit(make: Callable, x, y, mesh) -> Callable:
-    """The single-device step under ``jax.jit``, batch sharded over ``data``,
-    parameters replicated and donated (XLA's partitioner inserts the all-reduce)."""
+def make_shard_map(make: Callable, x, y, mesh, tx=None) -> Callable:
+    """The step by hand: ``jax.jit(jax.shard_map(...))`` on ``nnx.split`` state,
+    parameters and optimizer state replicated and donated, Adam unless ``tx``.
+    ``run()`` runs it on the batch sharded over ``data``; ``run.numpy()`` on the
+    numpy rows, placed by the jit's ``in_shardings``."""
     graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
-    tx = optax.adam(1e-3)
+    tx = tx or optax.adam(1e-3)
+    n = mesh.devices.size
+
+    def per_device(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
+        grads = jax.tree.map(lambda g: g / n, grads)  # shard_map's transpose summed them
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    step = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                      out_specs=(P(), P(), P())),
+        donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows, rows),
+    )
+    state = [jax.device_put(params, replicated), jax.device_put(tx.init(params), replicated)]
+    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+
+    def on(bx, by):
+        state[0], state[1], loss = step(state[0], state[1], bx, by)
+        return loss
+
+    def run():
+        return on(xs, ys)
+
+    run.numpy = lambda: on(x, y)
+    return run
+
+
+def make_plain_jit(make: Callable, x, y, mesh, tx=None) -> Callable:
+    """The single-device step under ``jax.jit``, batch sharded over ``data``,
+    parameters replicated and donated (XLA's partitioner inserts the all-reduce);
+    Adam unless ``tx``."""
+    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
+    tx = tx or optax.adam(1e-3)
 
     def single(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
@@ -76,13 +112,15 @@ def make_plain_jit(make: Callable, x, y, mesh) -> Callable:
     return run
 
 
-def make_fleet(make: Callable, x, y, strategy, donate: bool = True) -> Callable:
-    """fleet's four steps with Adam under ``strategy``: a function running one step.
-    It carries ``strategy`` (:func:`use`) and ``parts``: (step, model, optimizer,
-    placed x, placed y)."""
+def make_fleet(make: Callable, x, y, strategy, donate: bool = True, tx=None) -> Callable:
+    """fleet's four steps with Adam (unless ``tx``) under ``strategy``: a function
+    running one step on the placed batch. It carries ``strategy`` (:func:`use`),
+    ``numpy()`` (the step on the numpy rows) and ``parts``: (step, model,
+    optimizer, placed x, placed y)."""
     fleet.init(is_collective=True, strategy=strategy)
     model = fleet.distributed_model(make(nnx.Rngs(0)))
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+    optimizer = fleet.distributed_optimizer(
+        nnx.Optimizer(model, tx or optax.adam(1e-3), wrt=nnx.Param))
 
     def train(model, optimizer, x, y):
         loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
@@ -97,6 +135,7 @@ def make_fleet(make: Callable, x, y, strategy, donate: bool = True) -> Callable:
         return step(model, optimizer, xs, ys)
 
     run.strategy = strategy  # a step reads the world's strategy: set before its rounds
+    run.numpy = lambda: step(model, optimizer, x, y)
     run.parts = (step, model, optimizer, xs, ys)
     return run
 

@@ -1,7 +1,7 @@
 """Benchmark: the host's cost of one step call, and whether calls wait for the
 device, fleet against hand-written JAX (issue 24, items 2 and 3).
 
-A tiny model (a 16 -> 16 -> 1 MLP, SGD, 16 rows per step) on 4 CPU devices,
+A tiny model (a 16 -> 16 -> 10 MLP, SGD, 16 rows per step) on 4 CPU devices,
 so that the host's work per call (Python, tree flattening, dispatch) is what is
 measured. Variants run interleaved, round after round; in each round a variant
 makes ``--calls`` calls without waiting, then its results are waited for
@@ -37,6 +37,7 @@ medians printed beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -53,99 +54,12 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _steps import use  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from _steps import MLP, batch_of, make_fleet, make_plain_jit, make_shard_map, use  # noqa: E402
 
 import fleet  # noqa: E402
 
-
-class Tiny(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(16, 16, rngs=rngs)
-        self.b = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.b(jax.nn.relu(self.a(x)))
-
-
-def loss_fn(model, x, y):
-    return ((model(x) - y) ** 2).mean()
-
-
+SIZES = (16, 16, 10)  # a tiny MLP: compute is negligible
 TX = optax.sgd(1e-3)
-
-
-def hand_steps(mesh, x, y):
-    """The hand-written ``jit(shard_map)`` step on split state: one run function
-    per batch form (sharded, numpy)."""
-    graphdef, params = nnx.split(Tiny(nnx.Rngs(0)), nnx.Param)
-    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
-    def body(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p), x, y))(params)
-        grads = jax.lax.pmean(grads, "data")
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                           out_specs=(P(), P(), P()))
-    step = jax.jit(mapped, donate_argnums=(0, 1),
-                   in_shardings=(replicated, replicated, rows, rows))
-    params = jax.device_put(params, replicated)
-    state = [params, jax.device_put(TX.init(params), replicated)]
-    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
-
-    def run(x, y):
-        state[0], state[1], loss = step(state[0], state[1], x, y)
-        return loss
-
-    return (lambda: run(xs, ys)), (lambda: run(x, y))
-
-
-def plain_jit(mesh, x, y):
-    """``jax.jit`` of the single-device step, batch sharded, parameters replicated."""
-    graphdef, params = nnx.split(Tiny(nnx.Rngs(0)), nnx.Param)
-    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
-    def single(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p), x, y))(params)
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(single, donate_argnums=(0, 1),
-                   out_shardings=(replicated, replicated, replicated))
-    params = jax.device_put(params, replicated)
-    state = [params, jax.device_put(TX.init(params), replicated)]
-    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
-
-    def run():
-        state[0], state[1], loss = step(state[0], state[1], xs, ys)
-        return loss
-
-    return run
-
-
-def fleet_steps(strategy, x, y):
-    """fleet's step: one run function per batch form (sharded, numpy)."""
-    fleet.init(is_collective=True, strategy=strategy)
-    model = fleet.distributed_model(Tiny(nnx.Rngs(0)))
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, TX, wrt=nnx.Param))
-
-    @fleet.distributed_step
-    def step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        optimizer.update(model, grads)
-        return loss
-
-    w = fleet.world()
-    xs, ys = jax.device_put(x, w.batch), jax.device_put(y, w.batch)
-    sharded, numpy = (lambda: step(model, optimizer, xs, ys)), (lambda: step(model, optimizer, x, y))
-    sharded.strategy = numpy.strategy = strategy  # (see _steps.use)
-    return sharded, numpy
 
 
 def measure(variants: dict) -> tuple[dict, dict, dict]:
@@ -174,16 +88,17 @@ def measure(variants: dict) -> tuple[dict, dict, dict]:
 
 def main() -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((16, 16), np.float32)
-    y = rng.standard_normal((16, 1), np.float32)
-    hand_sharded, hand_numpy = hand_steps(mesh, x, y)
-    fleet_sharded, fleet_numpy = fleet_steps(fleet.DistributedStrategy(), x, y)
-    nan_sharded, _ = fleet_steps(fleet.DistributedStrategy(check_nan_inf=True), x, y)
+    make = functools.partial(MLP, SIZES)
+    x, y = batch_of(SIZES[:1], 16)
+    hand = make_shard_map(make, x, y, mesh, TX)
+    fleet_default = make_fleet(make, x, y, fleet.DistributedStrategy(), tx=TX)
+    fleet_nan = make_fleet(make, x, y, fleet.DistributedStrategy(check_nan_inf=True), tx=TX)
+    fleet_numpy = fleet_default.numpy
+    fleet_numpy.strategy = fleet_default.strategy  # (see _steps.use)
     variants = {
-        "hand": hand_sharded, "fleet": fleet_sharded,
-        "hand, numpy batch": hand_numpy, "fleet, numpy batch": fleet_numpy,
-        "jax.jit": plain_jit(mesh, x, y), "fleet, check_nan_inf": nan_sharded,
+        "hand": hand, "fleet": fleet_default,
+        "hand, numpy batch": hand.numpy, "fleet, numpy batch": fleet_numpy,
+        "jax.jit": make_plain_jit(make, x, y, mesh, TX), "fleet, check_nan_inf": fleet_nan,
     }
     cpu, wall, done = measure(variants)
     load = os.getloadavg()[0]

@@ -46,11 +46,8 @@ import functools  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from _steps import MLP, CifarCNN, batch_of, loss_of, make_fleet, make_plain_jit, use  # noqa: E402
+from _steps import MLP, CifarCNN, batch_of, make_fleet, make_plain_jit, make_shard_map, use  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fleet  # noqa: E402
 
@@ -59,34 +56,6 @@ MODELS = {  # name -> (constructor, input shape per example, global batch)
     "mlp": (functools.partial(MLP, SIZES), (SIZES[0],), 256),
     "cnn": (CifarCNN, (32, 32, 3), 128),
 }
-
-
-def make_shard_map(make, x, y, mesh):
-    """(a): jit + shard_map by hand."""
-    graphdef, params = nnx.split(make(nnx.Rngs(0)), nnx.Param)
-    tx = optax.adam(1e-3)
-    n = mesh.devices.size
-
-    def per_device(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
-        grads = jax.tree.map(lambda g: g / n, grads)  # shard_map's transpose summed them
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
-
-    step = jax.jit(
-        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                      out_specs=(P(), P(), P())),
-        donate_argnums=(0, 1),
-    )
-    replicated = NamedSharding(mesh, P())
-    state = [jax.device_put(params, replicated), jax.device_put(tx.init(params), replicated)]
-    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
-
-    def run():
-        state[0], state[1], loss = step(state[0], state[1], xs, ys)
-        return loss
-
-    return run
 
 
 def measure(name: str) -> None:
