@@ -168,6 +168,7 @@ def run_calls(make_world, strategy, tx=None, calls=3, nested=False, reads=False)
         out = step(model, opt, *batch(i))
         states.append([np.asarray(a) for a in jax.tree.leaves(nnx.state((model, opt)))])
         outs.append([float(v) for v in jax.tree.leaves(out)])
+        assert fleet.check_replicas((model, opt)) == []  # every device holds the same state
     return states, outs
 
 
@@ -232,6 +233,7 @@ def test_a_non_finite_output_keeps_the_state_bitwise(make_world, sharding):
         step.wait()
     after = [np.asarray(a) for a in jax.tree.leaves(nnx.state((model, opt)))]
     assert same_bits([after], [before])
+    assert fleet.check_replicas((model, opt)) == []
     step(model, opt, x, y, z)  # said: the next call trains
     step.wait()
     assert not same_bits([[np.asarray(a) for a in jax.tree.leaves(nnx.state((model, opt)))]],

@@ -52,6 +52,7 @@ def run_both(make_world, changes, step_fn=sgd_step, steps=None):
         if k in changes:
             changes[k](reference)
             changes[k](model)
+    assert fleet.check_replicas(model) == []  # every device holds the same parameters
     return want, got, models.flat_params(reference), models.flat_params(model), step
 
 
