@@ -73,7 +73,8 @@ def bytes_on(tree, device) -> int:
 # -- acceptance 1: equivalence ----------------------------------------------------------------
 
 @pytest.mark.parametrize("devices", tiers.devices(2, 4, 8))
-@pytest.mark.parametrize("opt_name", ["momentum", "lamb", pytest.param("adam", marks=tiers.slow)])
+@pytest.mark.parametrize("opt_name", [pytest.param("momentum", marks=tiers.slow), "lamb",
+                                      pytest.param("adam", marks=tiers.slow)])
 def test_stages_equal_the_unsharded_run_nnx_and_linen(make_world, devices, opt_name):
     data = models.batches("linear", STEPS, 16)
     tx = OPTIMIZERS[opt_name]
@@ -502,6 +503,7 @@ assert models.max_diff(sharded, plain) < 1e-6
 """
 
 
+@tiers.slow
 def test_a_sharded_step_patches_nothing():
     """Issue 19, acceptance 2: after import fleet, fleet.init and ZeRO stage-2
     steps of clip_by_global_norm + LAMB, optax.tree.norm, optax's safe_norm and

@@ -223,6 +223,7 @@ def test_bf16_fashion_mnist_loss_curve_within_2_percent_of_fp32(fashion_runs):
     assert curve <= 0.02
 
 
+@slow
 def test_the_composed_strategy_through_fleet_model_equals_the_low_level_loop(make_world):
     """fleet.Model with amp, recompute, gradient_merge, LAMB and fp16_allreduce
     (and one update=False call, its no_sync) trains what the low-level loop with

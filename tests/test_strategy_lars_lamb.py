@@ -27,6 +27,7 @@ from flax.training.train_state import TrainState
 import fleet
 from fleet.strategy._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
 from tests import models
+from tests.tiers import slow
 
 STEPS, BATCH, TOL = 10, 16, 1e-6
 BIAS_OFF = {"linear1": {"kernel": True, "bias": False}, "linear2": {"kernel": True, "bias": False}}
@@ -379,7 +380,7 @@ def test_distributed_nnx_equals_single_device_optax(make_world, section, wrap):
     assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
 
 
-@pytest.mark.parametrize("section", ["lars", "lamb"])
+@pytest.mark.parametrize("section", [pytest.param("lars", marks=slow), "lamb"])
 def test_distributed_linen_train_state_equals_single_device_optax(make_world, section):
     data = models.batches("linear", STEPS, BATCH)
     make_world(N_DEVICES, strategy(section, **configs(section, ["bias", "Dense_1"])))

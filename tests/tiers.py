@@ -4,9 +4,12 @@
 and 4 devices, the one fleetrun job of tests/test_two_processes.py, the
 checkpoint integrity checks and the examples' short runs. ``python -m pytest -q
 -m slow`` runs the rest: the other device counts, the multi-process fault cases
-and watchdog waits, and the examples' full runs. A test of the slow tier carries
-``pytest.mark.slow`` (:data:`slow`): a whole file through ``pytestmark``, one
-test or one table row through :func:`devices` or ``pytest.param(..., marks=slow)``.
+and watchdog waits, the examples' full runs, and long tests whose property a
+default-tier test also checks (a second optimizer of a ZeRO or LARS/LAMB
+table, the composed strategy through ``fleet.Model``, the sharded step's
+no-patching check). A test of the slow tier carries ``pytest.mark.slow``
+(:data:`slow`): a whole file through ``pytestmark``, one test or one table row
+through :func:`devices` or ``pytest.param(..., marks=slow)``.
 """
 
 import pytest
