@@ -21,7 +21,7 @@ traced program, puts them back in order.
 from __future__ import annotations
 
 from collections import Counter
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import jax
@@ -37,10 +37,11 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     list each leaf comes from. ``others`` are the call's other arguments."""
     if not donate:
         return NONE, [], state
-    ids = list(map(id, state))
-    shared = set(map(id, _leaves(others)))  # (an id is a state leaf's only if it is one)
-    if len(set(ids)) == len(ids) and shared.isdisjoint(ids):
+    distinct = set(map(id, state))  # (an id is a state leaf's only if it is one)
+    if len(distinct) == len(state) and distinct.isdisjoint(map(id, _leaves(others))):
         return ALL, state, []
+    ids = list(map(id, state))
+    shared = set(map(id, _leaves(others)))
     counts = Counter(ids)
     layout = tuple(counts[i] == 1 and i not in shared for i in ids)
     donated = [x for x, d in zip(state, layout) if d]
@@ -48,12 +49,20 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     return layout, donated, kept
 
 
+def split_flat(state: list, flat: list, donate: bool) -> tuple[Any, list, list]:
+    """:func:`split`, for other arguments given as one flat list of arrays and
+    scalars (a recalled call's batch and replicated values: ``fleet._recall``)."""
+    if donate and len(set(map(id, state + flat))) == len(state) + len(flat):
+        return ALL, state, []
+    return split(state, [flat], donate)
+
+
 def _leaves(others: tuple) -> list:
     """The leaves of ``others``, groups (lists) of arguments: the groups' items
     when each is an array or a scalar (a step's usual batch), without flattening
     a tree at every call."""
     items = list(chain.from_iterable(others))
-    if all(isinstance(x, _FLAT) for x in items):
+    if all(map(isinstance, items, repeat(_FLAT))):
         return items
     return jax.tree.leaves(others)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import MutableMapping, MutableSequence, Sequence
+from operator import is_
 from typing import Any
 
 import jax
@@ -181,8 +182,7 @@ class Fingerprint:
             fields = getattr(node, "__dict__", None)
             if not isinstance(fields, dict) or getattr(type(node), "__slots__", ()):
                 return None
-            nodes.append((node, tuple(fields), _ids(fields.values())))
-            keep.append(tuple(fields.values()))
+            nodes.append((node, len(fields), tuple(fields), tuple(fields.values())))
             for name, value in fields.items():
                 if isinstance(value, nnx.Pytree):
                     stack.append(value)
@@ -195,10 +195,12 @@ class Fingerprint:
         return cls(nodes, parts, keep)
 
     def same(self) -> bool:
-        """Whether the objects still have this fingerprint."""
-        for node, names, ids in self.nodes:
+        """Whether the objects still have this fingerprint (a name that is an equal
+        but other string object reads as a change: the caller flattens then)."""
+        for node, size, names, values in self.nodes:
             fields = vars(node)
-            if tuple(map(id, fields.values())) != ids or tuple(fields) != names:
+            if not (len(fields) == size and all(map(is_, fields.values(), values))
+                    and all(map(is_, fields, names))):
                 return False
         for node, name, treedef, ids in self.parts:
             leaves, now = jax.tree_util.tree_flatten(vars(node)[name], is_leaf=_is_part)

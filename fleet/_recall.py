@@ -47,12 +47,19 @@ class Recall:
         self.plan, self.graph, self.run = plan, graph, run
         self.positions = _roles.Positions(kinds)
         self.obj_ids = tuple(map(id, self.positions.nnx(args)))
-        # Each array argument: its position, batch_argnums' word on it, and its
-        # sharding (numpy: dtype) and shape, which decide its role and placement.
-        self.arrays = [(i, None if batch_argnums is None else i in batch_argnums, _looks(a))
-                       for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
-        # The batch arguments that fleet._placement.global_batch passed as they were.
-        self.as_given = {i for i, placed in zip(self.positions.batch, batch) if placed is args[i]}
+        self.batch_argnums = batch_argnums
+        self.arrays = self._arrays(args, batch)
+
+    def _arrays(self, args: tuple, batch: list) -> list[tuple]:
+        """Each array argument: its position, batch_argnums' word on it, whether it is
+        a ``jax.Array``, its sharding (numpy: dtype) and shape (which decide its role
+        and placement), whether it is batch, and whether
+        ``fleet._placement.global_batch`` passed it as it was."""
+        given = {i for i, placed in zip(self.positions.batch, batch) if placed is args[i]}
+        argnums = self.batch_argnums
+        return [(i, None if argnums is None else i in argnums, isinstance(a, jax.Array),
+                 _looks(a), self.kinds[i] == _roles.BATCH, i in given)
+                for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, kinds: tuple, batch_argnums: tuple | None,
@@ -79,12 +86,6 @@ class Recall:
                 or strategy.check_nan_inf != self.plan.check_nan_inf
                 or tuple(map(id, self.positions.nnx(args))) != self.obj_ids):
             return None
-        same = set()  # arrays that look as the last call's did: the same role and placement
-        for i, is_batch, looks in self.arrays:
-            if _looks(args[i]) == looks:
-                same.add(i)
-            elif _roles.kind(args[i], is_batch, w.num_replicas) != self.kinds[i]:
-                return None
         if self.plan.statics:
             try:
                 if self.positions.statics(args) != self.plan.statics:
@@ -93,8 +94,20 @@ class Recall:
                 return None
         if not self.graph.fingerprint.same():
             return None
-        return [args[i] if i in same and i in self.as_given else global_batch(i, args[i], w)
-                for i in self.positions.batch]
+        batch, looks_same = [], True
+        for i, is_batch, is_jax, looks, in_batch, given in self.arrays:
+            x = args[i]  # (of the type it had: checked above)
+            # the same role and placement as the last call's:
+            same = (x.sharding if is_jax else x.dtype, x.shape) == looks
+            if not same:
+                if _roles.kind(x, is_batch, w.num_replicas) != self.kinds[i]:
+                    return None
+                looks_same = False
+            if in_batch:
+                batch.append(x if same and given else global_batch(i, x, w))
+        if not looks_same:  # (a numpy batch after a placed one): compare with this call's
+            self.arrays = self._arrays(args, batch)
+        return batch
 
 
 def _looks(x: jax.Array | np.ndarray) -> tuple:

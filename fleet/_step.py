@@ -124,7 +124,7 @@ class DistributedStep:
         recall = self._recall
         batch = None if recall is None else recall.match(args, kwargs, self._program.graph)
         if batch is not None:  # the same decisions as the last call (fleet._recall)
-            plan, run = recall.plan, recall.run
+            plan, run, flat = recall.plan, recall.run, True
             call_args = self._call_args(plan, recall.kinds, args, recall.positions, batch)
         else:
             plan, kinds, values = self._decide(args, kwargs)
@@ -132,9 +132,10 @@ class DistributedStep:
             call_args = self._call_args(plan, kinds, values)
             self._recall = Recall.of(args, kwargs, kinds, self._batch_argnums, plan,
                                      self._program.graph, world(), run, call_args[2])
+            flat = False
         chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
         # The old NNX state is donated: the new state must be written whatever follows.
-        new_state, out, finite, chain = run(*call_args, chain)
+        new_state, out, finite, chain = run(*call_args, chain, flat)
         self._program.graph.write(new_state)
         if plan.grad_merge is not None and self._program.records[plan]["merge_updates"]:
             self._merge.advanced(self._program.graph.objs)
@@ -323,8 +324,13 @@ class DistributedStep:
             )
             self._jitted[(plan.mesh, plan.tree_shards)] = jitted
 
-        def run(state, trees, batch, repl, chain):
-            layout, donated, kept = _donate.split(state, (trees, batch, repl), self._donate)
+        donate = self._donate
+
+        def run(state, trees, batch, repl, chain, flat=False):
+            # (flat: a recalled call, whose batch and replicated values are arrays
+            # and scalars, and which has no trees: fleet._recall)
+            layout, donated, kept = (_donate.split_flat(state, batch + repl, donate) if flat
+                                     else _donate.split(state, (trees, batch, repl), donate))
             try:
                 return jitted(plan, layout, donated, kept, trees, batch, repl, chain)
             except ValueError:

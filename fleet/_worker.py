@@ -99,10 +99,11 @@ def _write_progress(state: str = "run") -> None:
                 _progress["path"] = path
             line = f"{counts[0]} {counts[1]} {state}"
             os.pwrite(_progress["fd"], line.ljust(PROGRESS_WIDTH).encode() + b"\n", 0)
-            changed = _progress["changed"]
+            changed = _progress["changed"]  # (time.monotonic(): one clock read a step)
             if state == "run" and changed is not None and os.utime in os.supports_fd:
                 # the beat: when the counts changed
-                os.utime(_progress["fd"], (changed, changed))
+                at = time.time() - (time.monotonic() - changed)
+                os.utime(_progress["fd"], (at, at))
         except OSError:
             pass
         _progress["at"], _progress["written"] = time.monotonic(), counts
@@ -130,7 +131,7 @@ os.register_at_fork(after_in_child=_forked_child)
 
 
 def _beat() -> None:
-    now = time.monotonic()
+    now = _progress["changed"] = time.monotonic()
     if now - _progress["at"] >= BEAT_INTERVAL:
         _progress["at"] = now  # (also without a heartbeat file: no lookup at every step)
         _write_progress()
@@ -140,14 +141,12 @@ def step_begin() -> None:
     """Called by ``fleet.distributed_step`` when a step starts (before any collective):
     counts the step and beats."""
     _progress["begun"] += 1
-    _progress["changed"] = time.time()
     _beat()
 
 
 def step_end() -> None:
     """Called by ``fleet.distributed_step`` when a step has returned: counts and beats."""
     _progress["ended"] += 1
-    _progress["changed"] = time.time()
     _beat()
 
 

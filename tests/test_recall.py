@@ -145,6 +145,36 @@ def test_an_array_that_changes_role_is_seen(make_world):
     assert abs(float(mean_out(model, x.astype(np.float64))) - want) < 1e-6
 
 
+def test_a_batch_of_another_size_stays_on_the_fast_path(make_world, monkeypatch):
+    """Placed batches of 8 rows, then of 4 (an epoch's last batch): every call is
+    recalled and equals the single-device step; the first 4-row batch is checked
+    and placed (``global_batch``), and the fast path compares the next ones with it
+    (they pass as they are)."""
+    from fleet import _recall
+
+    decided, placed = [], []
+    original, place = _step.DistributedStep._decide, _recall.global_batch
+    monkeypatch.setattr(_step.DistributedStep, "_decide",
+                        lambda self, *a: decided.append(1) or original(self, *a))
+    monkeypatch.setattr(_recall, "global_batch", lambda *a: placed.append(1) or place(*a))
+    make_world(4)
+    w = fleet.world()
+    reference, single = Scaled(nnx.Rngs(0)), nnx.jit(sgd_step)
+    model, step = fleet.distributed_model(Scaled(nnx.Rngs(0))), fleet.distributed_step(sgd_step)
+    counts = []
+    for k, (x, y) in enumerate(models.batches("linear", 6, 8)):
+        rows = 8 if k < 3 else 4
+        want = float(single(reference, x[:rows], y[:rows]))
+        x, y = jax.device_put(x[:rows], w.batch), jax.device_put(y[:rows], w.batch)
+        before = len(placed)
+        assert float(step(model, x, y)) == pytest.approx(want, rel=1e-6, abs=1e-6), k
+        counts.append(len(placed) - before)
+    assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-6
+    assert fleet.check_replicas(model) == []
+    assert len(decided) == 1
+    assert counts == [0, 0, 0, 2, 0, 0]
+
+
 def linear_training(make_world):
     """The seeds' LinearNet with SGD on 4 devices: model, optimizer, step, a batch."""
     make_world(4)
