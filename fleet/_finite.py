@@ -29,11 +29,13 @@ On the host, :class:`FiniteFlags` keeps the flag vectors of the calls in
 flight and reads one only once it is ready, so a step never waits for the
 device:
 
-* single process: a call first reads the flags of the earlier calls that
-  have finished (no wait) and raises for the first non-finite one, naming the
+* single process: a call first looks at the earlier calls that have
+  finished (no wait) and raises for the first non-finite one, naming the
   leaf and the call (the calls started after it are named too: they ran and
   left the state unchanged). So a non-finite call raises at a later call. A
-  read brings the flags back from the device, so a call looks at most every
+  look reads one value back from the device, the newest finished call's
+  chain (true: every call up to it was finite; only when it is false are the
+  calls' flags read, to name the first), and a call looks at most every
   ``POLL_INTERVAL`` (0.1 s: a loop of small steps does not pay one read per
   step; the calls in between run and leave the state unchanged);
 * several processes: every process must raise at the same call (the calls are
@@ -118,7 +120,9 @@ class FiniteFlags:
 
     def chain(self, mesh: Any) -> jax.Array:
         """The chain flag the next call takes (a replicated device bool)."""
-        if self._chain is None or self._chain[0] != mesh:
+        if self._chain is None or (self._chain[0] is not mesh and self._chain[0] != mesh):
+            if self._chain is not None:
+                self.check(wait=True)  # (a new chain does not tell about these calls)
             self._chain = (mesh, jax.device_put(np.True_, NamedSharding(mesh, P())))
         return self._chain[1]
 
@@ -126,25 +130,38 @@ class FiniteFlags:
                chain: jax.Array) -> None:
         """Call ``call`` was started: its per-leaf flags and the chain it leaves."""
         self._chain = (mesh, chain)
-        self._pending.append((call, flags, names))
-        if not _REGISTERED:
-            _REGISTERED.append(atexit.register(_report_at_exit))
-        _LIVE.add(self)
+        if not self._pending:
+            if not _REGISTERED:
+                _REGISTERED.append(atexit.register(_report_at_exit))
+            _LIVE.add(self)
+        self._pending.append((call, flags, names, chain))
 
     def check(self, *, wait: bool, upto: int | None = None) -> None:
-        """Reads the flags of the calls in flight, oldest first (up to call
-        ``upto``), waiting for them if ``wait`` else only those finished; raises
-        for the first non-finite one."""
-        last = self._pending[-1][0] if self._pending else 0
-        while self._pending:
-            call, flags, names = self._pending[0]
-            if (upto is not None and call > upto) or (not wait and not flags.is_ready()):
-                return
-            self._pending.popleft()
+        """Looks at the calls in flight (up to call ``upto``), waiting for them if
+        ``wait`` else only at those finished; raises for the first non-finite one.
+
+        One read tells about many calls: the newest call's chain is true only if it
+        and every call before it were finite. Only when it is false are the
+        calls' own flags read, oldest first, to name the first non-finite one."""
+        pending = self._pending
+        last = pending[-1][0] if pending else 0
+        newest = len(pending) - 1
+        while newest >= 0 and upto is not None and pending[newest][0] > upto:
+            newest -= 1
+        while newest >= 0 and not wait and not pending[newest][3].is_ready():
+            newest -= 1  # (calls finish in order: the chain of one is the next's input)
+        if newest < 0:
+            return
+        if bool(np.asarray(pending[newest][3].addressable_data(0))):
+            for _ in range(newest + 1):
+                pending.popleft()
+            return
+        for _ in range(newest + 1):
+            call, flags, names, _ = pending.popleft()
             values = np.asarray(flags.addressable_data(0))
             bad = next((n for n, ok in zip(names, values) if not ok), None)
             if bad is not None:
-                self._pending.clear()
+                pending.clear()
                 self._chain = None
                 raise FleetError(_message(bad, call, last))
 

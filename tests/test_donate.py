@@ -226,6 +226,58 @@ def test_check_nan_inf_looks_at_the_flags_at_most_every_poll_interval(make_world
         step.wait()
 
 
+
+class CountingNumpy:
+    """numpy for fleet._finite, counting its reads of device values (asarray)."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def asarray(self, x):
+        self.reads += 1
+        return np.asarray(x)
+
+
+def test_check_nan_inf_reads_one_value_for_many_finite_calls(make_world, monkeypatch):
+    """A look at finished calls reads back one value, the newest call's chain; a
+    false one reads the calls' flags, oldest first, up to the non-finite one."""
+    monkeypatch.setattr(_finite, "POLL_INTERVAL", 1e9)  # one look, at call 2 (of call 1)
+    model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), = models.batches("linear", 1, 8)
+    counting = CountingNumpy()
+    monkeypatch.setattr(_finite, "np", counting)
+    for _ in range(30):
+        step(model, opt, x, y)
+    counting.reads = 0
+    step.wait()
+    assert counting.reads == 1
+    for k in range(10):
+        step(model, opt, nan_batch(x) if k == 3 else x, y)
+    counting.reads = 0
+    with pytest.raises(fleet.FleetError, match=r"after call 34 of the step"):
+        step.wait()
+    assert counting.reads == 1 + 4  # the chain of call 40, then calls 31..34's flags
+
+
+def test_check_nan_inf_still_names_a_call_made_before_the_devices_changed(make_world,
+                                                                         monkeypatch):
+    """A new mesh starts a new chain, which says nothing of the calls before it:
+    those are looked at first, and the non-finite one among them is named."""
+    monkeypatch.setattr(_finite, "POLL_INTERVAL", 1e9)  # one look, at call 2 (of call 1)
+    model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), = models.batches("linear", 1, 8)
+    step(model, opt, x, y)
+    step(model, opt, nan_batch(x), y)
+    make_world(2, fleet.DistributedStrategy(check_nan_inf=True))
+    with pytest.raises(fleet.FleetError, match=r"after call 2 of the step"):
+        step(model, opt, x, y)
+        step.wait()
+
 class Out(nnx.Module):
     def __init__(self, rngs):
         self.layer = nnx.Linear(10, 1, rngs=rngs)
