@@ -54,8 +54,9 @@ class Program:
         """The global program (``jit`` traces it): the per-replica body under
         ``shard_map``, its outputs combined. The first trace of a plan probes the
         body and checks the step (fleet._guards). Returns the new state, the
-        outputs, the per-leaf finite flags and (``check_nan_inf``) the chain
-        flag: the state is selected on the device (fleet._finite)."""
+        outputs, and with ``check_nan_inf`` the per-leaf finite flags and the
+        chain flag (the state is selected on the device: fleet._finite); else
+        ``None`` and the chain given."""
         state_specs = [P(DATA_AXIS) if pr else P() for pr in self.graph.per_replica]
         tree_specs = P() if plan.tree_shards is None else tree_layout(
             plan.tree_shards, P(DATA_AXIS), P())
@@ -107,16 +108,15 @@ class Program:
                     "wrt=nnx.Param)) to the step and update with it")
             self.records[plan] = record
         out_specs = (state_specs,
-                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]],
-                     P() if plan.check_nan_inf else P(DATA_AXIS))
-        if plan.check_nan_inf:
-            out_specs = (*out_specs, P())
+                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]])
+        if plan.check_nan_inf:  # the flags and the chain: agreed over the replicas
+            out_specs = (*out_specs, P(), P())
         self.trace_count += 1
         run = jax.shard_map(
             functools.partial(self.body, plan, record=record, probe=False),
             mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
         )
-        new_state, out_leaves, finite, *chain_out = run(*args)
+        new_state, out_leaves, *checked = run(*args)
         # Stacked per-replica values are combined here, outside the per-device body,
         # so the body's only collectives are the gradient buckets and buffer means.
         out_leaves = [
@@ -125,7 +125,8 @@ class Program:
             for x, r in zip(out_leaves, record["out"])
         ]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
-        return new_state, out, finite, (chain_out[0] if chain_out else chain)
+        finite, chain = checked if checked else (None, chain)
+        return new_state, out, finite, chain
 
     def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe):
         per_replica = self.graph.per_replica
@@ -189,7 +190,7 @@ class Program:
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
         if plan.check_nan_inf:
             return new_state, out_leaves, flags, chain
-        return new_state, out_leaves, flags
+        return new_state, out_leaves
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: buffers averaged, anything else varying refused."""
