@@ -18,7 +18,10 @@ elsewhere). Baselines, written as a JAX user would:
   ``in_shardings``.
 
 fleet: ``fleet.distributed_step`` with the model and optimizer objects and the
-same batch (sharded, or numpy).
+same batch (sharded, or numpy), each variant with a step of its own, as a
+training loop passes one kind of batch (a step's fast path, ``fleet._recall``,
+recalls the kind of its last call: a switch from numpy rows to a placed batch
+takes one full call).
 
 Dispatch (item 3): the wall time of the ``--calls`` calls, against ``jax.jit``
 of the single-device step (batch sharded over ``data``, parameters replicated
@@ -93,8 +96,11 @@ def main() -> None:
     hand = make_shard_map(make, x, y, mesh, TX)
     fleet_default = make_fleet(make, x, y, fleet.DistributedStrategy(), tx=TX)
     fleet_nan = make_fleet(make, x, y, fleet.DistributedStrategy(check_nan_inf=True), tx=TX)
-    fleet_numpy = fleet_default.numpy
-    fleet_numpy.strategy = fleet_default.strategy  # (see _steps.use)
+    # Its own step: a step's fast path recalls the kind of batch of its last call
+    # (a loop passes one kind), and each switch would take one full call.
+    fleet_on_numpy = make_fleet(make, x, y, fleet.DistributedStrategy(), tx=TX)
+    fleet_numpy = fleet_on_numpy.numpy
+    fleet_numpy.strategy = fleet_on_numpy.strategy  # (see _steps.use)
     variants = {
         "hand": hand, "fleet": fleet_default,
         "hand, numpy batch": hand.numpy, "fleet, numpy batch": fleet_numpy,
