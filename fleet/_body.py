@@ -54,9 +54,9 @@ class Program:
         """The global program (``jit`` traces it): the per-replica body under
         ``shard_map``, its outputs combined. The first trace of a plan probes the
         body and checks the step (fleet._guards). Returns the new state, the
-        outputs, and with ``check_nan_inf`` the per-leaf finite flags and the
-        chain flag (the state is selected on the device: fleet._finite); else
-        ``None`` and the chain given."""
+        outputs, and the chain: with ``check_nan_inf`` the one this call leaves
+        (the state is selected on the device: fleet._finite), else the one
+        given (``None``)."""
         state_specs = [P(DATA_AXIS) if pr else P() for pr in self.graph.per_replica]
         tree_specs = P() if plan.tree_shards is None else tree_layout(
             plan.tree_shards, P(DATA_AXIS), P())
@@ -109,8 +109,8 @@ class Program:
             self.records[plan] = record
         out_specs = (state_specs,
                      [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]])
-        if plan.check_nan_inf:  # the flags and the chain: agreed over the replicas
-            out_specs = (*out_specs, P(), P())
+        if plan.check_nan_inf:  # the chain: agreed over the replicas
+            out_specs = (*out_specs, P())
         self.trace_count += 1
         run = jax.shard_map(
             functools.partial(self.body, plan, record=record, probe=False),
@@ -125,8 +125,7 @@ class Program:
             for x, r in zip(out_leaves, record["out"])
         ]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
-        finite, chain = checked if checked else (None, chain)
-        return new_state, out, finite, chain
+        return new_state, out, (checked[0] if checked else chain)
 
     def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe):
         per_replica = self.graph.per_replica
@@ -185,11 +184,11 @@ class Program:
                       for x, r in zip(leaves, reduces)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
             flags = _sync.psum([(~flags).astype(jnp.int32)])[0] == 0
-            chain = jnp.logical_and(chain, flags.all())
-            new_state = recorder.select(chain, new_state, original)
+            chain = _finite.chain(flags, chain)
+            new_state = recorder.select(chain == 0, new_state, original)
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
         if plan.check_nan_inf:
-            return new_state, out_leaves, flags, chain
+            return new_state, out_leaves, chain
         return new_state, out_leaves
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:

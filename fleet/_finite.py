@@ -3,10 +3,12 @@ the host without waiting for it.
 
 Inside the step (``fleet._body.Program.body``) each call computes one flag per
 checked leaf (the outputs, the reduced gradients), agreed over the replicas,
-and a *chain* flag: true while this call and every call before it were
-finite. The state the call writes is ``where(chain, new, old)``: a non-finite
-call, and every call after it, leave the parameters, the optimizer state and
-the buffers bitwise as they were before the first non-finite call. That select
+and a *chain*, a device int: 0 while this call and every call before it were
+finite, else 1 + the index of the first non-finite leaf of the first
+non-finite call (:func:`chain`). The state the call writes is ``where(chain
+== 0, new, old)``: a non-finite call, and every call after it, leave the
+parameters, the optimizer state and the buffers bitwise as they were before
+the first non-finite call. That select
 happens on the device, so the old state can be donated and the host need not
 wait.
 
@@ -34,8 +36,9 @@ device:
   leaf and the call (the calls started after it are named too: they ran and
   left the state unchanged). So a non-finite call raises at a later call. A
   look reads one value back from the device, the newest finished call's
-  chain (true: every call up to it was finite; only when it is false are the
-  calls' flags read, to name the first), and a call looks at most every
+  chain (0: every call up to it was finite; else a search over the calls'
+  chains finds the first non-finite call, and the chain names its leaf), and
+  a call looks at most every
   ``POLL_INTERVAL`` (0.1 s: a loop of small steps does not pay one read per
   step; the calls in between run and leave the state unchanged);
 * several processes: every process must raise at the same call (the calls are
@@ -99,8 +102,8 @@ class FiniteFlags:
     """A step's flags in flight (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._chain: tuple[Any, jax.Array] | None = None  # (mesh, device bool)
-        self._pending: deque = deque()  # (call, flags, names), oldest first
+        self._chain: tuple[Any, jax.Array] | None = None  # (mesh, device int)
+        self._pending: deque = deque()  # (call, names, chain), oldest first
         self._looked = float("-inf")  # when a call last looked at them
 
     @property
@@ -119,51 +122,68 @@ class FiniteFlags:
         return True
 
     def chain(self, mesh: Any) -> jax.Array:
-        """The chain flag the next call takes (a replicated device bool)."""
+        """The chain the next call takes (a replicated device int)."""
         if self._chain is None or (self._chain[0] is not mesh and self._chain[0] != mesh):
             if self._chain is not None:
                 self.check(wait=True)  # (a new chain does not tell about these calls)
-            self._chain = (mesh, jax.device_put(np.True_, NamedSharding(mesh, P())))
+            self._chain = (mesh, jax.device_put(np.int32(0), NamedSharding(mesh, P())))
         return self._chain[1]
 
-    def record(self, mesh: Any, call: int, flags: jax.Array, names: list[str],
-               chain: jax.Array) -> None:
-        """Call ``call`` was started: its per-leaf flags and the chain it leaves."""
+    def record(self, mesh: Any, call: int, names: list[str], chain: jax.Array) -> None:
+        """Call ``call`` was started: its checked leaves' names and the chain it leaves."""
         self._chain = (mesh, chain)
         if not self._pending:
             if not _REGISTERED:
                 _REGISTERED.append(atexit.register(_report_at_exit))
             _LIVE.add(self)
-        self._pending.append((call, flags, names, chain))
+        self._pending.append((call, names, chain))
 
     def check(self, *, wait: bool, upto: int | None = None) -> None:
         """Looks at the calls in flight (up to call ``upto``), waiting for them if
         ``wait`` else only at those finished; raises for the first non-finite one.
 
-        One read tells about many calls: the newest call's chain is true only if it
-        and every call before it were finite. Only when it is false are the
-        calls' own flags read, oldest first, to name the first non-finite one."""
+        One read tells about many calls: the newest call's chain is 0 only if it
+        and every call before it were finite. Only when it is not are more
+        chains read, a binary search for the first call whose chain is not 0."""
         pending = self._pending
         last = pending[-1][0] if pending else 0
         newest = len(pending) - 1
         while newest >= 0 and upto is not None and pending[newest][0] > upto:
             newest -= 1
-        while newest >= 0 and not wait and not pending[newest][3].is_ready():
+        while newest >= 0 and not wait and not pending[newest][2].is_ready():
             newest -= 1  # (calls finish in order: the chain of one is the next's input)
         if newest < 0:
             return
-        if bool(np.asarray(pending[newest][3].addressable_data(0))):
+        bad = _read(pending[newest][2])
+        if not bad:
             for _ in range(newest + 1):
                 pending.popleft()
             return
-        for _ in range(newest + 1):
-            call, flags, names, _ = pending.popleft()
-            values = np.asarray(flags.addressable_data(0))
-            bad = next((n for n, ok in zip(names, values) if not ok), None)
-            if bad is not None:
-                pending.clear()
-                self._chain = None
-                raise FleetError(_message(bad, call, last))
+        first, end = 0, newest  # the first non-finite call is in first..end
+        while first < end:
+            middle = (first + end) // 2
+            if _read(pending[middle][2]):
+                end = middle
+            else:
+                first = middle + 1
+        call, names, _ = pending[first]
+        pending.clear()
+        self._chain = None
+        raise FleetError(_message(names[bad - 1], call, last))
+
+
+def _read(chain: jax.Array) -> int:
+    return int(np.asarray(chain.addressable_data(0)))
+
+
+def chain(flags: jax.Array, chain_in: jax.Array) -> jax.Array:
+    """The chain a call leaves (inside the step): the one it took if that is not
+    0, else 0 if every agreed flag of this call holds, else 1 + the index of its
+    first non-finite leaf."""
+    if flags.shape[0] == 0:
+        return chain_in
+    bad = jnp.where(flags.all(), 0, 1 + jnp.argmin(flags.astype(jnp.int32)))
+    return jnp.where(chain_in > 0, chain_in, bad).astype(jnp.int32)
 
 
 def _message(name: str, call: int, last: int) -> str:

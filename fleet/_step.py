@@ -135,14 +135,14 @@ class DistributedStep:
             flat = False
         chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
         # The old NNX state is donated: the new state must be written whatever follows.
-        new_state, out, finite, chain = run(*call_args, chain, flat)
+        new_state, out, chain = run(*call_args, chain, flat)
         self._program.graph.write(new_state)
         if plan.grad_merge is not None and self._program.records[plan]["merge_updates"]:
             self._merge.advanced(self._program.graph.objs)
         self._calls += 1
         if plan.check_nan_inf:
-            self._finite.record(plan.mesh, self._calls, finite,
-                                self._program.records[plan]["finite"], chain)
+            self._finite.record(plan.mesh, self._calls, self._program.records[plan]["finite"],
+                                chain)
             if jax.process_count() > 1:  # every process raises at the same call
                 self._check_finite(wait=True, upto=self._calls - 1)
         every = world().strategy.check_replicas_every_n_steps

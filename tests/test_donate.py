@@ -242,8 +242,9 @@ class CountingNumpy:
 
 
 def test_check_nan_inf_reads_one_value_for_many_finite_calls(make_world, monkeypatch):
-    """A look at finished calls reads back one value, the newest call's chain; a
-    false one reads the calls' flags, oldest first, up to the non-finite one."""
+    """A look at finished calls reads back one value, the newest call's chain; one
+    that is not 0 reads a few more chains (a binary search for the first non-finite
+    call), never each call's."""
     monkeypatch.setattr(_finite, "POLL_INTERVAL", 1e9)  # one look, at call 2 (of call 1)
     model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
     step = fleet.distributed_step(models.nnx_train_step)
@@ -260,7 +261,7 @@ def test_check_nan_inf_reads_one_value_for_many_finite_calls(make_world, monkeyp
     counting.reads = 0
     with pytest.raises(fleet.FleetError, match=r"after call 34 of the step"):
         step.wait()
-    assert counting.reads == 1 + 4  # the chain of call 40, then calls 31..34's flags
+    assert counting.reads == 1 + 3  # the chain of call 40, then those of calls 35, 33 and 34
 
 
 def test_check_nan_inf_still_names_a_call_made_before_the_devices_changed(make_world,
