@@ -10,14 +10,13 @@ Adam, on 4 CPU devices (or the local GPUs with ``--platform gpu``). Baselines:
   all-reduce).
 
 fleet runs with its defaults, 1 MB buckets, fusion off, and ``check_nan_inf``
-(each variant's strategy made the world's again before its rounds: a step
-reads the world's strategy)
-(which selects the state on the device and reads its flags back without
-waiting, fleet/_finite.py). Every variant donates its parameters and optimizer
-state (fleet by default). Variants run interleaved,
-round after round, each timing ``--steps`` steps; the
-table shows the median ms per step and the median of the per-round ratios
-against each baseline and against the faster of the two.
+(which selects the state on the device and reads its chain back without
+waiting, fleet/_finite.py); each variant's strategy is made the world's again
+before its rounds (a step reads the world's strategy). Every variant donates
+its parameters and optimizer state (fleet by default). Variants run
+interleaved, round after round, each timing ``--steps`` steps; the table shows
+the median ms per step and the median of the per-round ratios against each
+baseline and against the faster of the two.
 
     .venv/bin/python benchmarks/step_overhead.py [--rounds 10] [--steps 10]
 """
