@@ -184,7 +184,7 @@ class Program:
                       for x, r in zip(leaves, reduces)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
             flags = _sync.psum([(~flags).astype(jnp.int32)])[0] == 0
-            chain = _finite.chain(flags, chain)
+            chain = _finite.chain_after(flags, chain)
             new_state = recorder.select(chain == 0, new_state, original)
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
         if plan.check_nan_inf:

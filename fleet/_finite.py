@@ -1,16 +1,15 @@
-"""``strategy.check_nan_inf``: the state kept on the device, the flags read on
+"""``strategy.check_nan_inf``: the state kept on the device, the result read on
 the host without waiting for it.
 
 Inside the step (``fleet._body.Program.body``) each call computes one flag per
 checked leaf (the outputs, the reduced gradients), agreed over the replicas,
 and a *chain*, a device int: 0 while this call and every call before it were
 finite, else 1 + the index of the first non-finite leaf of the first
-non-finite call (:func:`chain`). The state the call writes is ``where(chain
-== 0, new, old)``: a non-finite call, and every call after it, leave the
-parameters, the optimizer state and the buffers bitwise as they were before
-the first non-finite call. That select
-happens on the device, so the old state can be donated and the host need not
-wait.
+non-finite call (:func:`chain_after`). The state the call writes is
+``where(chain == 0, new, old)``: a non-finite call, and every call after it,
+leave the parameters, the optimizer state and the buffers bitwise as they
+were before the first non-finite call. That select happens on the device, so
+the old state can be donated and the host need not wait.
 
 The select costs no memory when it is made where the optimizer makes the new
 state (:class:`Recorder`). Written after the step, as one more pass, it does:
@@ -27,23 +26,22 @@ state, the moments written in place, the parameters read from them as without
 the check. The update's first, unselected values are then unused and XLA drops
 them (a step that reads the new parameters, say for an output, keeps both).
 
-On the host, :class:`FiniteFlags` keeps the flag vectors of the calls in
-flight and reads one only once it is ready, so a step never waits for the
-device:
+On the host, :class:`FiniteFlags` keeps the chains of the calls in flight and
+reads one only once it is ready, so a step never waits for the device:
 
 * single process: a call first looks at the earlier calls that have
   finished (no wait) and raises for the first non-finite one, naming the
   leaf and the call (the calls started after it are named too: they ran and
   left the state unchanged). So a non-finite call raises at a later call. A
   look reads one value back from the device, the newest finished call's
-  chain (0: every call up to it was finite; else a search over the calls'
-  chains finds the first non-finite call, and the chain names its leaf), and
-  a call looks at most every
-  ``POLL_INTERVAL`` (0.1 s: a loop of small steps does not pay one read per
-  step; the calls in between run and leave the state unchanged);
+  chain (0: every call up to it was finite; else a binary search over the
+  calls' chains finds the first non-finite call, and the chain names its
+  leaf), and a call looks at most every ``POLL_INTERVAL`` (0.1 s: a loop of
+  small steps does not pay one read per step; the calls in between run and
+  leave the state unchanged);
 * several processes: every process must raise at the same call (the calls are
-  collective), so after call ``k+1`` is started, the flags of call ``k`` are
-  read, waiting for them: the host runs one step ahead of the device;
+  collective), so after call ``k+1`` is started, the chain of call ``k`` is
+  read, waiting for it: the host runs one step ahead of the device;
 * :meth:`FiniteFlags.check` with ``wait=True`` (``DistributedStep.wait()``,
   and with each ``check_replicas_every_n_steps`` check) waits for every call in
   flight and raises for a non-finite one.
@@ -99,7 +97,7 @@ POLL_INTERVAL = 0.1  # seconds between two looks at the flags in flight (single 
 
 
 class FiniteFlags:
-    """A step's flags in flight (see the module docstring)."""
+    """A step's calls in flight, with their chains (see the module docstring)."""
 
     def __init__(self) -> None:
         self._chain: tuple[Any, jax.Array] | None = None  # (mesh, device int)
@@ -176,7 +174,7 @@ def _read(chain: jax.Array) -> int:
     return int(np.asarray(chain.addressable_data(0)))
 
 
-def chain(flags: jax.Array, chain_in: jax.Array) -> jax.Array:
+def chain_after(flags: jax.Array, chain_in: jax.Array) -> jax.Array:
     """The chain a call leaves (inside the step): the one it took if that is not
     0, else 0 if every agreed flag of this call holds, else 1 + the index of its
     first non-finite leaf."""
