@@ -41,7 +41,7 @@ def same_bits(got, want) -> bool:
     return got.dtype == want.dtype and got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("moment", ["writing", "commit"])
+@pytest.mark.parametrize("moment", [pytest.param("writing", marks=slow), "commit"])
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(make_world, tmp_path, moment):
     ckpt, log = tmp_path / "ckpt", tmp_path / "worker.log"
     proc = ckpt_jobs.start(["--devices", 1, "--dir", ckpt, "--save-every", 3, "--steps", 100,

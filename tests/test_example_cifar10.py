@@ -373,6 +373,7 @@ def test_explicit_or_corrupt_data_still_fails_loudly(archive, tmp_path):
     assert "GENERATED" not in proc.stdout
 
 
+@slow  # (tests/test_batch_norm.py checks global-batch BatchNorm in the default tier)
 def test_the_resnet_step_equals_the_single_device_step(monkeypatch, make_world):
     """Issue 21: the example's ResNet (BatchNorm after every convolution), its own
     train_step (augmentation included), global-batch BatchNorm (the example's

@@ -276,7 +276,7 @@ def _continue(make_world, n, stage, data, tmp_path, step):
     return state, models.flat_params(model)
 
 
-@pytest.mark.parametrize("saved", [pytest.param((4, 2), id="saved_4_sharded"),
+@pytest.mark.parametrize("saved", [pytest.param((4, 2), id="saved_4_sharded", marks=tiers.slow),
                                    pytest.param((1, 0), id="saved_unsharded", marks=tiers.slow)])
 def test_checkpoints_move_between_replica_counts_and_sharding(make_world, tmp_path, saved):
     data = models.batches("cnn", 12, 16)

@@ -6,8 +6,11 @@ checkpoint integrity checks and the examples' short runs. ``python -m pytest -q
 -m slow`` runs the rest: the other device counts, the multi-process fault cases
 and watchdog waits, the examples' full runs, and long tests whose property a
 default-tier test also checks (a second optimizer of a ZeRO or LARS/LAMB
-table, the composed strategy through ``fleet.Model``, the sharded step's
-no-patching check). A test of the slow tier carries ``pytest.mark.slow``
+table, a second moment of kill -9 during a save, checkpoints moved between
+sharded and unsharded runs (also across processes in test_two_processes.py),
+the composed strategy through ``fleet.Model``, the sharded step's no-patching
+check, the CIFAR example's ResNet step against one device (global-batch
+BatchNorm: tests/test_batch_norm.py)). A test of the slow tier carries ``pytest.mark.slow``
 (:data:`slow`): a whole file through ``pytestmark``, one test or one table row
 through :func:`devices` or ``pytest.param(..., marks=slow)``.
 """
