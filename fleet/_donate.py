@@ -37,6 +37,8 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     list each leaf comes from. ``others`` are the call's other arguments."""
     if not donate:
         return NONE, [], state
+    if not state:  # (no NNX state, a Linen step: nothing to look for in the others)
+        return ALL, state, []
     distinct = set(map(id, state))  # (an id is a state leaf's only if it is one)
     if len(distinct) == len(state) and distinct.isdisjoint(map(id, _leaves(others))):
         return ALL, state, []

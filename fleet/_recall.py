@@ -12,13 +12,14 @@ differ between two calls of a loop:
   type; the same NNX objects (by identity) with the same structure (their
   :class:`fleet._graph.Fingerprint`); the same static values;
 * each array argument's role again (``fleet._roles.kind``: a batch is split,
-  a replicated array is state);
+  a replicated array is state), when it does not look as the last one did
+  (its sharding and shape); each pytree argument's (a Linen ``TrainState``, a
+  batch given as a dict or a tuple), from its leaves, at every call;
 * the same mesh and the same strategy switches read at each call
   (``check_nan_inf``, ``sharding``), and no ``no_sync`` block.
 
-Anything else, and every call that cannot be recalled (pytree state such as a
-Linen ``TrainState``, gradient merge, ZeRO, ``no_sync``, keyword arguments, a
-batch given as a dict or tuple), takes the full path, which decides the same
+Anything else, and every call that cannot be recalled (gradient merge, ZeRO,
+``no_sync``, keyword arguments), takes the full path, which decides the same
 things from scratch. The batch is still checked and placed at every call
 (``fleet._placement.global_batch``), and a multi-process job still agrees on
 each new program and on changed scalars (``DistributedStep._call_args``).
@@ -49,6 +50,17 @@ class Recall:
         self.obj_ids = tuple(map(id, self.positions.nnx(args)))
         self.batch_argnums = batch_argnums
         self.arrays = self._arrays(args, batch)
+        # Pytree arguments (state such as a TrainState, a batch given as a dict or a
+        # tuple): their role is decided again at each call, from their leaves.
+        self.trees = [(i, self._argnum(i), kinds[i] == _roles.BATCH)
+                      for i, a in enumerate(args)
+                      if kinds[i] in (_roles.TREE, _roles.BATCH) and not _is_array(a)]
+        # No pytree state nor pytree batch: the batch and the replicated values are
+        # arrays and scalars (fleet._donate.split_flat).
+        self.flat = not self.trees and _roles.TREE not in kinds
+
+    def _argnum(self, i: int) -> bool | None:
+        return None if self.batch_argnums is None else i in self.batch_argnums
 
     def _arrays(self, args: tuple, batch: list) -> list[tuple]:
         """Each array argument: its position, batch_argnums' word on it, whether it is
@@ -56,10 +68,9 @@ class Recall:
         and placement), whether it is batch, and whether
         ``fleet._placement.global_batch`` passed it as it was."""
         given = {i for i, placed in zip(self.positions.batch, batch) if placed is args[i]}
-        argnums = self.batch_argnums
-        return [(i, None if argnums is None else i in argnums, isinstance(a, jax.Array),
-                 _looks(a), self.kinds[i] == _roles.BATCH, i in given)
-                for i, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
+        return [(i, self._argnum(i), isinstance(a, jax.Array), _looks(a),
+                 self.kinds[i] == _roles.BATCH, i in given)
+                for i, a in enumerate(args) if _is_array(a)]
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, kinds: tuple, batch_argnums: tuple | None,
@@ -67,12 +78,10 @@ class Recall:
            batch: list) -> Recall | None:
         """The decisions of a call that took the full path (``batch``: its batch as
         placed), or ``None`` when a next call could not be checked cheaply."""
-        if (kwargs or _roles.TREE in kinds or plan.grad_merge is not None or plan.no_sync
-                or plan.sharded or w.strategy.sharding or graph.fingerprint is None):
+        if (kwargs or plan.grad_merge is not None or plan.no_sync or plan.sharded
+                or plan.tree_shards is not None or w.strategy.sharding
+                or graph.fingerprint is None):
             return None
-        if any(k == _roles.BATCH and not isinstance(a, (jax.Array, np.ndarray))
-               for a, k in zip(args, kinds)):
-            return None  # a dict or tuple of arrays: its leaves' roles take the full path
         return cls(args, kinds, batch_argnums, plan, graph, run, batch)
 
     def match(self, args: tuple, kwargs: dict, graph: GraphCache | None) -> list | None:
@@ -94,7 +103,7 @@ class Recall:
                 return None
         if not self.graph.fingerprint.same():
             return None
-        batch, looks_same = [], True
+        placed, looks_same = {}, True
         for i, is_batch, is_jax, looks, in_batch, given in self.arrays:
             x = args[i]  # (of the type it had: checked above)
             # the same role and placement as the last call's:
@@ -104,10 +113,20 @@ class Recall:
                     return None
                 looks_same = False
             if in_batch:
-                batch.append(x if same and given else global_batch(i, x, w))
+                placed[i] = x if same and given else global_batch(i, x, w)
+        for i, is_batch, in_batch in self.trees:
+            if _roles.kind(args[i], is_batch, w.num_replicas) != self.kinds[i]:
+                return None
+            if in_batch:
+                placed[i] = global_batch(i, args[i], w)
+        batch = [placed[i] for i in self.positions.batch]
         if not looks_same:  # (a numpy batch after a placed one): compare with this call's
             self.arrays = self._arrays(args, batch)
         return batch
+
+
+def _is_array(x: object) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _looks(x: jax.Array | np.ndarray) -> tuple:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import jax
@@ -40,8 +41,10 @@ def _is_batch_like(x: Any) -> bool:
 
 def _holds_arrays(x: Any) -> bool:
     leaves = jax.tree_util.tree_leaves(x)
-    return bool(leaves) and all(_is_array(v) or isinstance(v, (int, float, np.generic))
-                                for v in leaves)
+    return bool(leaves) and all(map(isinstance, leaves, repeat(_ARRAY_LEAVES)))
+
+
+_ARRAY_LEAVES = (jax.Array, np.ndarray, int, float, np.generic)  # a pytree of arrays holds these
 
 
 def _replicated_on(x: Any, n: int) -> bool:

@@ -124,7 +124,7 @@ class DistributedStep:
         recall = self._recall
         batch = None if recall is None else recall.match(args, kwargs, self._program.graph)
         if batch is not None:  # the same decisions as the last call (fleet._recall)
-            plan, run, flat = recall.plan, recall.run, True
+            plan, run, flat = recall.plan, recall.run, recall.flat
             call_args = self._call_args(plan, recall.kinds, args, recall.positions, batch)
         else:
             plan, kinds, values = self._decide(args, kwargs)

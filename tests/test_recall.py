@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training.train_state import TrainState
 
 import fleet
 from fleet import _step
@@ -173,6 +174,61 @@ def test_a_batch_of_another_size_stays_on_the_fast_path(make_world, monkeypatch)
     assert fleet.check_replicas(model) == []
     assert len(decided) == 1
     assert counts == [0, 0, 0, 2, 0, 0]
+
+
+def count_decisions(monkeypatch) -> list:
+    decided = []
+    original = _step.DistributedStep._decide
+    monkeypatch.setattr(_step.DistributedStep, "_decide",
+                        lambda self, *a: decided.append(1) or original(self, *a))
+    return decided
+
+
+def test_a_linen_train_state_step_is_recalled(make_world, monkeypatch):
+    """A Linen TrainState (pytree state) and numpy rows: every call after the
+    first is recalled, and the run equals the single-device one."""
+    decided = count_decisions(monkeypatch)
+    data = models.batches("linear", 5, 8)
+    want_losses, want = models.linen_reference("linear", data)
+    make_world(4)
+    module = fleet.distributed_model(models.LINEN_MODELS["linear"]())
+    state = TrainState.create(apply_fn=module.apply,
+                              params=models.linen_init("linear", data)["params"],
+                              tx=fleet.distributed_optimizer(optax.adam(models.LR)))
+    step = fleet.distributed_step(models.linen_train_step)
+    losses = []
+    for x, y in data:
+        state, loss = step(state, x, y)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert models.max_diff(models.flat_params(state.params), want) < 1e-5
+    assert fleet.check_replicas(state) == []
+    assert len(decided) == 1
+
+
+def test_a_dict_batch_is_recalled_and_its_role_is_decided_at_each_call(make_world,
+                                                                       monkeypatch):
+    """A batch given as a dict is recalled; the same dict of arrays replicated on
+    every device (state, as a step's own output is) is not split."""
+    decided = count_decisions(monkeypatch)
+    make_world(4)
+    w = fleet.world()
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    reference = models.LinearNet(nnx.Rngs(0))
+
+    @fleet.distributed_step
+    def rows_out(model, batch):
+        return model(batch["x"])
+
+    x = np.random.RandomState(0).randn(8, 10).astype(np.float32)
+    want = np.asarray(reference(x))
+    for _ in range(3):  # rows: split, and gathered back in order
+        np.testing.assert_allclose(rows_out(model, {"x": x}), want, rtol=1e-6, atol=1e-6)
+    assert len(decided) == 1
+    # The same rows on every device: replicated state, each replica computes all rows.
+    np.testing.assert_allclose(rows_out(model, {"x": jax.device_put(x, w.replicated)}), want,
+                               rtol=1e-6, atol=1e-6)
+    assert len(decided) == 2
 
 
 def linear_training(make_world):
