@@ -44,6 +44,9 @@ class Plan:
     grad_merge: str | None = None  # strategy.gradient_merge: "local" calls, then "final"
     sharded: bool = False  # strategy.sharding: the step holds sharded optimizer state
     tree_shards: Any = None  # the trees' structure, with sharded leaves (fleet.strategy._sharding.Shard)
+    # The pytree arguments' structure (state and batch): the program's record of
+    # its outputs (fleet._body) is made for one structure.
+    arg_structure: Any = None
 
     def _key(self) -> tuple:
         return self._fields

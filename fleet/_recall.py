@@ -14,7 +14,8 @@ differ between two calls of a loop:
 * each array argument's role again (``fleet._roles.kind``: a batch is split,
   a replicated array is state), when it does not look as the last one did
   (its sharding and shape); each pytree argument's (a Linen ``TrainState``, a
-  batch given as a dict or a tuple), from its leaves, at every call;
+  batch given as a dict or a tuple), from its leaves, and its structure, at
+  every call;
 * the same mesh and the same strategy switches read at each call
   (``check_nan_inf``, ``sharding``), and no ``no_sync`` block.
 
@@ -52,7 +53,9 @@ class Recall:
         self.arrays = self._arrays(args, batch)
         # Pytree arguments (state such as a TrainState, a batch given as a dict or a
         # tuple): their role is decided again at each call, from their leaves.
-        self.trees = [(i, self._argnum(i), kinds[i] == _roles.BATCH)
+        # Each one's structure is the plan's too (Plan.arg_structure).
+        self.trees = [(i, self._argnum(i), kinds[i] == _roles.BATCH,
+                       jax.tree_util.tree_structure(a))
                       for i, a in enumerate(args)
                       if kinds[i] in (_roles.TREE, _roles.BATCH) and not _is_array(a)]
         # No pytree state nor pytree batch: the batch and the replicated values are
@@ -114,8 +117,9 @@ class Recall:
                 looks_same = False
             if in_batch:
                 placed[i] = x if same and given else global_batch(i, x, w)
-        for i, is_batch, in_batch in self.trees:
-            if _roles.kind(args[i], is_batch, w.num_replicas) != self.kinds[i]:
+        for i, is_batch, in_batch, structure in self.trees:
+            if (jax.tree_util.tree_structure(args[i]) != structure
+                    or _roles.kind(args[i], is_batch, w.num_replicas) != self.kinds[i]):
                 return None
             if in_batch:
                 placed[i] = global_batch(i, args[i], w)

@@ -253,6 +253,8 @@ class DistributedStep:
             check_nan_inf=w.strategy.check_nan_inf,
             mesh=w.mesh,
             grad_merge=grad_merge,
+            arg_structure=jax.tree.structure(
+                [v for v, k in zip(values, kinds) if k in (_roles.TREE, _roles.BATCH)]),
         )
         return plan, kinds, values
 

@@ -231,6 +231,28 @@ def test_a_dict_batch_is_recalled_and_its_role_is_decided_at_each_call(make_worl
     assert len(decided) == 2
 
 
+def test_pytree_state_of_another_structure_gets_its_own_outputs(make_world):
+    """The same step given replicated parameters of another structure (other
+    names): it returns them under their own names, as jax.jit does (the record of
+    a program's outputs belongs to one argument structure: Plan.arg_structure;
+    before, the second call returned the first call's names)."""
+    make_world(4)
+    replicated = fleet.world().replicated
+
+    def scale(params, x):
+        return jax.tree.map(lambda p: p * 2.0, params), x.mean()
+
+    step, single = fleet.distributed_step(scale), jax.jit(scale)
+    x = np.ones((8, 3), np.float32)
+    for names in (("a", "b"), ("c", "d"), ("c", "d"), ("a", "b")):
+        params = {n: jnp.full(3, float(k)) for k, n in enumerate(names)}
+        got, _ = step(jax.device_put(params, replicated), x)
+        want, _ = single(params, x)
+        assert sorted(got) == sorted(want) == sorted(names)
+        for n in names:
+            np.testing.assert_array_equal(got[n], want[n])
+
+
 def linear_training(make_world):
     """The seeds' LinearNet with SGD on 4 devices: model, optimizer, step, a batch."""
     make_world(4)
