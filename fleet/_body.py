@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -170,9 +169,6 @@ class Program:
             )
         trace.record_finite([(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                              [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]], leaves)
-        flags = jnp.stack([f for _, f in trace.finite]) if trace.finite else jnp.zeros((0,), bool)
-        if not _sync.is_varying(flags):
-            flags = jax.lax.pcast(flags, DATA_AXIS, to="varying")
         if probe:
             record.update(finite=[n for n, _ in trace.finite])
             record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
@@ -183,8 +179,7 @@ class Program:
                                                    or isinstance(r, tuple) else x)
                       for x, r in zip(leaves, reduces)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
-            flags = _sync.psum([(~flags).astype(jnp.int32)])[0] == 0
-            chain = _finite.chain_after(flags, chain)
+            chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite]), chain)
             new_state = recorder.select(chain == 0, new_state, original)
         new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
         if plan.check_nan_inf:

@@ -76,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet._sync import is_varying
+from fleet._sync import psum as _psum
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the FiniteFlags with calls in flight
 _REGISTERED: list = []  # the exit report, registered at the first call
@@ -172,6 +173,23 @@ class FiniteFlags:
 
 def _read(chain: jax.Array) -> int:
     return int(np.asarray(chain.addressable_data(0)))
+
+
+def agreed(flags: list) -> jax.Array:
+    """A call's flags (inside the step), each true on every replica or on none.
+    Those that may differ across replicas (an output's, a local gradient's) are
+    summed over them in one psum; the others (reduced gradients) are the same
+    everywhere already. The psum then reads the outputs only, not the gradient
+    reduction, so XLA can merge it with a gradient bucket's all-reduce instead of
+    adding one to the step."""
+    varying = [i for i, f in enumerate(flags) if is_varying(f)]
+    if varying:
+        # (float32, as the gradients: XLA merges only all-reduces of one reduction)
+        bad = _psum([(~jnp.stack([flags[i] for i in varying])).astype(jnp.float32)])[0]
+        flags = list(flags)
+        for k, i in enumerate(varying):
+            flags[i] = bad[k] == 0
+    return jnp.stack(flags) if flags else jnp.zeros((0,), bool)
 
 
 def chain_after(flags: jax.Array, chain_in: jax.Array) -> jax.Array:

@@ -279,6 +279,27 @@ def test_check_nan_inf_still_names_a_call_made_before_the_devices_changed(make_w
         step(model, opt, x, y)
         step.wait()
 
+
+def all_reduces(step, *args) -> int:
+    """The all-reduces in the compiled program of ``step(*args)``, after XLA merged
+    what it could (XLA:CPU merges every independent one of one reduction)."""
+    text = step.lower(*args).compile().as_text()
+    return sum(" all-reduce(" in line or " all-reduce-start(" in line
+               for line in text.splitlines())
+
+
+def test_check_nan_inf_adds_no_all_reduce_to_a_train_step(make_world):
+    """The outputs' flags are agreed in a float32 psum that does not wait for the
+    gradient reduction, and the reduced gradients' flags need none: XLA merges the
+    check's psum into the gradients' all-reduce."""
+    (x, y), = models.batches("linear", 1, 8)
+    counts = []
+    for check in (False, True):
+        model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=check))
+        counts.append(all_reduces(fleet.distributed_step(models.nnx_train_step),
+                                  model, opt, x, y))
+    assert counts[0] >= 1 and counts[1] == counts[0], counts
+
 class Out(nnx.Module):
     def __init__(self, rngs):
         self.layer = nnx.Linear(10, 1, rngs=rngs)
