@@ -57,11 +57,16 @@ def run_both(make_world, changes, step_fn=sgd_step, steps=None):
     return want, got, models.flat_params(reference), models.flat_params(model), step
 
 
-def test_a_repeated_call_takes_the_fast_path(make_world, monkeypatch):
+def count_decisions(monkeypatch) -> list:
     decided = []
     original = _step.DistributedStep._decide
     monkeypatch.setattr(_step.DistributedStep, "_decide",
                         lambda self, *a: decided.append(1) or original(self, *a))
+    return decided
+
+
+def test_a_repeated_call_takes_the_fast_path(make_world, monkeypatch):
+    decided = count_decisions(monkeypatch)
     want, got, ref, params, _ = run_both(make_world, {}, steps=5)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert models.max_diff(params, ref) < 1e-6
@@ -126,13 +131,17 @@ def test_a_sub_module_replaced_is_the_one_used(make_world):
         run_both(make_world, {1: replace})
 
 
+def linear_net(make_world):
+    """The world on 4 devices, a wrapped LinearNet, and its single-device twin."""
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    return fleet.world(), model, models.LinearNet(nnx.Rngs(0))
+
+
 def test_an_array_that_changes_role_is_seen(make_world):
     """The same position gets a sharded batch, then an array replicated on every
     device (state, as a step's own output is), then numpy rows of another dtype."""
-    make_world(4)
-    w = fleet.world()
-    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
-    reference = models.LinearNet(nnx.Rngs(0))
+    w, model, reference = linear_net(make_world)
 
     @fleet.distributed_step
     def mean_out(model, x):
@@ -153,10 +162,7 @@ def test_a_batch_of_another_size_stays_on_the_fast_path(make_world, monkeypatch)
     (they pass as they are)."""
     from fleet import _recall
 
-    decided, placed = [], []
-    original, place = _step.DistributedStep._decide, _recall.global_batch
-    monkeypatch.setattr(_step.DistributedStep, "_decide",
-                        lambda self, *a: decided.append(1) or original(self, *a))
+    decided, placed, place = count_decisions(monkeypatch), [], _recall.global_batch
     monkeypatch.setattr(_recall, "global_batch", lambda *a: placed.append(1) or place(*a))
     make_world(4)
     w = fleet.world()
@@ -174,14 +180,6 @@ def test_a_batch_of_another_size_stays_on_the_fast_path(make_world, monkeypatch)
     assert fleet.check_replicas(model) == []
     assert len(decided) == 1
     assert counts == [0, 0, 0, 2, 0, 0]
-
-
-def count_decisions(monkeypatch) -> list:
-    decided = []
-    original = _step.DistributedStep._decide
-    monkeypatch.setattr(_step.DistributedStep, "_decide",
-                        lambda self, *a: decided.append(1) or original(self, *a))
-    return decided
 
 
 def test_a_linen_train_state_step_is_recalled(make_world, monkeypatch):
@@ -211,10 +209,7 @@ def test_a_dict_batch_is_recalled_and_its_role_is_decided_at_each_call(make_worl
     """A batch given as a dict is recalled; the same dict of arrays replicated on
     every device (state, as a step's own output is) is not split."""
     decided = count_decisions(monkeypatch)
-    make_world(4)
-    w = fleet.world()
-    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
-    reference = models.LinearNet(nnx.Rngs(0))
+    w, model, reference = linear_net(make_world)
 
     @fleet.distributed_step
     def rows_out(model, batch):
