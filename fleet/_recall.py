@@ -118,8 +118,9 @@ class Recall:
             if in_batch:
                 placed[i] = x if same and given else global_batch(i, x, w)
         for i, is_batch, in_batch, structure in self.trees:
-            if (jax.tree_util.tree_structure(args[i]) != structure
-                    or _roles.kind(args[i], is_batch, w.num_replicas) != self.kinds[i]):
+            leaves, now = jax.tree_util.tree_flatten(args[i])
+            if now != structure or _roles.kind(args[i], is_batch, w.num_replicas,
+                                               leaves) != self.kinds[i]:
                 return None
             if in_batch:
                 placed[i] = global_batch(i, args[i], w)

@@ -39,11 +39,6 @@ def _is_batch_like(x: Any) -> bool:
     return False
 
 
-def _holds_arrays(x: Any) -> bool:
-    leaves = jax.tree_util.tree_leaves(x)
-    return bool(leaves) and all(map(isinstance, leaves, repeat(_ARRAY_LEAVES)))
-
-
 _ARRAY_LEAVES = (jax.Array, np.ndarray, int, float, np.generic)  # a pytree of arrays holds these
 
 
@@ -57,8 +52,9 @@ def _replicated_on(x: Any, n: int) -> bool:
     return spec is None or DATA_AXIS not in jax.tree.leaves(tuple(spec))
 
 
-def kind(x: Any, is_batch: bool | None, n: int) -> str:
-    """The role of a step argument: one of NNX, TREE, BATCH, REPL, STATIC."""
+def kind(x: Any, is_batch: bool | None, n: int, leaves: list | None = None) -> str:
+    """The role of a step argument: one of NNX, TREE, BATCH, REPL, STATIC
+    (``leaves``: the argument's pytree leaves, where the caller has them)."""
     if isinstance(x, (jax.Array, np.ndarray)):  # first: the common case, decided cheaply
         if x.ndim == 0:
             return REPL
@@ -71,10 +67,14 @@ def kind(x: Any, is_batch: bool | None, n: int) -> str:
         _is_array(x) and np.ndim(x) == 0
     ):
         return REPL
-    if is_batch or (is_batch is None and _is_batch_like(x) and not all(
-            _replicated_on(v, n) for v in jax.tree.leaves(x))):
+    if is_batch:
         return BATCH
-    return TREE if _holds_arrays(x) else STATIC
+    if leaves is None:
+        leaves = jax.tree_util.tree_leaves(x)
+    if is_batch is None and _is_batch_like(x) and not all(_replicated_on(v, n) for v in leaves):
+        return BATCH
+    # a pytree of arrays (and scalars) is state; anything else is a static value
+    return TREE if leaves and all(map(isinstance, leaves, repeat(_ARRAY_LEAVES))) else STATIC
 
 
 
