@@ -36,6 +36,11 @@ time too.
 ``--calls`` stays under 32: JAX's CPU client runs at most 32 programs in flight
 per device and then waits, which would measure the device.
 
+A Linen ``TrainState`` step (the same MLP in ``flax.linen``, pytree state) is
+then timed the same way in rounds of its own: by hand (``jit(shard_map)``, the
+state donated) and with fleet (its fast path decides the TrainState's role
+from its leaves at every call).
+
 Every column is the median over rounds; each ratio is the ratio of the two
 medians printed beside it.
 
@@ -59,10 +64,22 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _steps import MLP, batch_of, make_fleet, make_plain_jit, make_shard_map, use  # noqa: E402
+from _steps import (  # noqa: E402
+    MLP,
+    batch_of,
+    loss_of,
+    make_fleet,
+    make_plain_jit,
+    make_shard_map,
+    use,
+)
+from flax.training.train_state import TrainState  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fleet  # noqa: E402
 
@@ -93,6 +110,58 @@ def measure(variants: dict) -> tuple[dict, dict, dict]:
             jax.block_until_ready(out)
             done[name].append((time.perf_counter() - start) / args.calls * 1e6)
     return tuple({k: statistics.median(v) for k, v in d.items()} for d in (cpu, wall, done))
+
+
+class LinenMLP(nn.Module):
+    """The tiny MLP in Linen (16 -> 16 -> 10)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(SIZES[2])(nn.relu(nn.Dense(SIZES[1])(x)))
+
+
+def linen_train(state, x, y):
+    loss, grads = jax.value_and_grad(
+        lambda p: loss_of(state.apply_fn({"params": p}, x), y))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def linen_variants(x, y, mesh) -> dict:
+    """A Linen ``TrainState`` step: by hand (``jit(shard_map)``, the state donated)
+    and with fleet (pytree state, never donated), on the batch sharded over ``data``."""
+    n = mesh.devices.size
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+
+    def per_device(state, x, y):
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_of(state.apply_fn({"params": p}, x), y))(state.params)
+        grads = jax.tree.map(lambda g: g / n, grads)  # shard_map's transpose summed them
+        return state.apply_gradients(grads=grads), jax.lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                 out_specs=(P(), P())), donate_argnums=0)
+    module = LinenMLP()
+    hand_state = [jax.device_put(TrainState.create(
+        apply_fn=module.apply, params=module.init(jax.random.key(0), x[:1])["params"], tx=TX),
+        replicated)]
+
+    def hand():
+        hand_state[0], loss = step(hand_state[0], xs, ys)
+        return loss
+
+    wrapped = fleet.distributed_model(LinenMLP())
+    fleet_state = [TrainState.create(
+        apply_fn=wrapped.apply, params=wrapped.init(jax.random.key(0), x[:1])["params"],
+        tx=fleet.distributed_optimizer(TX))]
+    fleet_step = fleet.distributed_step(linen_train)
+
+    def with_fleet():
+        fleet_state[0], loss = fleet_step(fleet_state[0], xs, ys)
+        return loss
+
+    with_fleet.strategy = fleet.DistributedStrategy()
+    return {"hand, Linen": hand, "fleet, Linen": with_fleet}
 
 
 def main() -> None:
@@ -136,6 +205,12 @@ def main() -> None:
     print(f"  (vs checked: against {checked}, jax.jit of the same step whose optax "
           "transformation skips non-finite updates on the device, as check_nan_inf keeps "
           "the state)")
+    linen, _, _ = measure(linen_variants(x, y, mesh))
+    print(f"\na Linen TrainState step (its own {args.rounds} interleaved rounds; host cost "
+          "per call, µs)")
+    print(f"{'hand, Linen':22s} {linen['hand, Linen']:8.1f}")
+    print(f"{'fleet, Linen':22s} {linen['fleet, Linen']:8.1f} "
+          f"{linen['fleet, Linen'] / linen['hand, Linen']:8.2f}")
 
 
 if __name__ == "__main__":
