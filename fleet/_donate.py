@@ -39,11 +39,10 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
         return NONE, [], state
     if not state:  # (no NNX state, a Linen step: nothing to look for in the others)
         return ALL, state, []
-    distinct = set(map(id, state))  # (an id is a state leaf's only if it is one)
-    if len(distinct) == len(state) and distinct.isdisjoint(map(id, _leaves(others))):
-        return ALL, state, []
     ids = list(map(id, state))
-    shared = set(map(id, _leaves(others)))
+    shared = set(map(id, _leaves(others)))  # (an id is a state leaf's only if it is one)
+    if len(set(ids)) == len(ids) and shared.isdisjoint(ids):
+        return ALL, state, []
     counts = Counter(ids)
     layout = tuple(counts[i] == 1 and i not in shared for i in ids)
     donated = [x for x, d in zip(state, layout) if d]

@@ -281,15 +281,8 @@ def replay(fn: Callable, args: tuple, state_at: int) -> Callable[[Any], Any]:
     type than the old leaf is selected at the end instead."""
 
     def run(pred: Any) -> Any:
-        leaves, in_tree = jax.tree.flatten(tuple(args))
-        trees = []
-
-        def flat(*xs):
-            out, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, list(xs))))
-            trees.append(tree)
-            return out
-
-        closed = jax.make_jaxpr(flat)(*leaves)
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        leaves = jax.tree.leaves(args)  # (the jaxpr's inputs, in its order)
         old = jax.tree.leaves(args[state_at])
         n_updates = len(closed.jaxpr.outvars) - len(old)
         made = closed.jaxpr.outvars[n_updates:]
@@ -300,7 +293,7 @@ def replay(fn: Callable, args: tuple, state_at: int) -> Callable[[Any], Any]:
         outs, selected = _evaluate(closed, leaves, at, pred)
         outs[n_updates:] = [x if isinstance(v, core.Var) and v in selected
                             else jnp.where(pred, x, o) for v, x, o in zip(made, outs[n_updates:], old)]
-        return jax.tree.unflatten(trees[0], outs)
+        return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
     return run
 

@@ -238,9 +238,10 @@ class DistributedOptimizer(nnx.Optimizer):
         # sharded leaves as Shard nodes; check_nan_inf replays it (fleet._finite).
         model_state = nnx.state(model, self.wrt, graph=self.graph)
         variables = self._state_variables()
+        layouts = map(_sharding.layout_of, variables)
         state = jax.tree.unflatten(jax.tree.structure(nnx.as_pure(self.opt_state)), [
-            v.get_value() if _sharding.layout_of(v) is None
-            else _sharding.Shard(v.get_value(), _sharding.layout_of(v)) for v in variables])
+            v.get_value() if lay is None else _sharding.Shard(v.get_value(), lay)
+            for v, lay in zip(variables, layouts)])
         written = [*jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable)),
                    *variables, self.step]
         before, step = [v.get_raw_value() for v in written], self.step[...]

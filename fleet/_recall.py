@@ -57,7 +57,7 @@ class Recall:
         self.trees = [(i, self._argnum(i), kinds[i] == _roles.BATCH,
                        jax.tree_util.tree_structure(a))
                       for i, a in enumerate(args)
-                      if kinds[i] in (_roles.TREE, _roles.BATCH) and not _is_array(a)]
+                      if kinds[i] in (_roles.TREE, _roles.BATCH) and not _roles.is_array(a)]
         # No pytree state nor pytree batch: the batch and the replicated values are
         # arrays and scalars (fleet._donate.split_flat).
         self.flat = not self.trees and _roles.TREE not in kinds
@@ -73,7 +73,7 @@ class Recall:
         given = {i for i, placed in zip(self.positions.batch, batch) if placed is args[i]}
         return [(i, self._argnum(i), isinstance(a, jax.Array), _looks(a),
                  self.kinds[i] == _roles.BATCH, i in given)
-                for i, a in enumerate(args) if _is_array(a)]
+                for i, a in enumerate(args) if _roles.is_array(a)]
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, kinds: tuple, batch_argnums: tuple | None,
@@ -128,10 +128,6 @@ class Recall:
         if not looks_same:  # (a numpy batch after a placed one): compare with this call's
             self.arrays = self._arrays(args, batch)
         return batch
-
-
-def _is_array(x: object) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _looks(x: jax.Array | np.ndarray) -> tuple:

@@ -25,12 +25,12 @@ NNX, TREE, BATCH, REPL, STATIC = "nnx", "state", "batch", "replicated", "static"
 REDUCES = ("mean", "sum", "gather", None)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _is_batch_like(x: Any) -> bool:
-    if _is_array(x):
+    if is_array(x):
         return np.ndim(x) > 0
     if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
         return len(x) > 0 and all(_is_batch_like(v) for v in x)
@@ -64,7 +64,7 @@ def kind(x: Any, is_batch: bool | None, n: int, leaves: list | None = None) -> s
     if isinstance(x, nnx.Pytree):
         return NNX
     if isinstance(x, (bool, int, float, complex, np.generic)) or (
-        _is_array(x) and np.ndim(x) == 0
+        is_array(x) and np.ndim(x) == 0
     ):
         return REPL
     if is_batch:

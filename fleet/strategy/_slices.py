@@ -54,20 +54,11 @@ def run(fn: Callable, args: Sequence[Any], sliced: Sequence[Any],
         What ``fn(*args)`` returns, with every whole-tensor ``reduce_sum`` /
         ``vdot`` of a slice replaced by its total.
     """
-    leaves, in_tree = jax.tree.flatten(tuple(args))
     marks = jax.tree.leaves(jax.tree.map(
         lambda m, a: jax.tree.map(lambda _: bool(m), a), tuple(sliced), tuple(args)))
-
-    out_tree = []
-
-    def flat(*xs):
-        out, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, list(xs))))
-        out_tree.append(tree)
-        return out
-
-    closed = jax.make_jaxpr(flat)(*leaves)
-    outs, _ = _eval(closed.jaxpr, closed.consts, leaves, marks, total)
-    return jax.tree.unflatten(out_tree[0], outs)
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    outs, _ = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), marks, total)
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], marks: Sequence[bool],
