@@ -4,8 +4,9 @@
 replica (``jax.shard_map`` over ``data``, ``check_vma=True``) in :meth:`Program.body`,
 and the per-replica outputs are combined outside it (mean, sum, gather), so the
 body's only collectives are the gradient buckets and the buffers' means (and,
-with ``check_nan_inf``, the agreement of the finite flags: the body selects the
-state it leaves, :mod:`fleet._finite`). The first trace of a plan probes the
+with ``check_nan_inf``, the float outputs' sums and the agreement of the other
+finite flags: the body selects the state it leaves, :mod:`fleet._finite`,
+:func:`summed_inside`). The first trace of a plan probes the
 body (a trace that records what it did: the outputs' kinds, the gradient syncs,
 the optimizer calls) and checks the step against the contract
 (``fleet._guards``) before the real trace.
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -106,8 +108,8 @@ class Program:
                     "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
                     "wrt=nnx.Param)) to the step and update with it")
             self.records[plan] = record
-        out_specs = (state_specs,
-                     [P() if r == "replicated" else P(DATA_AXIS) for r in record["out"]])
+        out_specs = (state_specs, [P() if r == "replicated" or s else P(DATA_AXIS)
+                                   for r, s in zip(record["out"], record["summed"])])
         if plan.check_nan_inf:  # the chain: agreed over the replicas
             out_specs = (*out_specs, P())
         self.trace_count += 1
@@ -117,11 +119,15 @@ class Program:
         )
         new_state, out_leaves, *checked = run(*args)
         # Stacked per-replica values are combined here, outside the per-device body,
-        # so the body's only collectives are the gradient buckets and buffer means.
+        # so the body's only collectives are the gradient buckets and buffer means
+        # (and, with check_nan_inf, the sums of summed_inside, divided here as
+        # jnp.mean divides).
+        n = plan.mesh.devices.size
         out_leaves = [
-            x.mean(0) if r == "mean" else x.sum(0) if r == "sum"
+            (jax.lax.div(x, jnp.asarray(n, x.dtype)) if r == "mean" else x) if s
+            else x.mean(0) if r == "mean" else x.sum(0) if r == "sum"
             else _sharding.Shard(x, r[1]) if isinstance(r, tuple) else x
-            for x, r in zip(out_leaves, record["out"])
+            for x, r, s in zip(out_leaves, record["out"], record["summed"])
         ]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
         return new_state, out, (checked[0] if checked else chain)
@@ -167,17 +173,21 @@ class Program:
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
                 "get averaged gradients back from a step"
             )
+        summed = summed_inside(plan, leaves, reduces)
+        if any(summed):  # (their flags are then the same on every replica: no agreement)
+            sums = iter(_sync.psum([x for x, s in zip(leaves, summed) if s]))
+            leaves = [next(sums) if s else x for x, s in zip(leaves, summed)]
         trace.record_finite([(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                              [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]], leaves)
         if probe:
-            record.update(finite=[n for n, _ in trace.finite])
+            record.update(finite=[n for n, _ in trace.finite], summed=summed)
             record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
                           tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
                           shard_grads=len(trace.shard_grads))
             return ()
-        out_leaves = [x if r == "replicated" else (x[None] if r in ("mean", "sum")
-                                                   or isinstance(r, tuple) else x)
-                      for x, r in zip(leaves, reduces)]
+        out_leaves = [x if r == "replicated" or s else (x[None] if r in ("mean", "sum")
+                                                        or isinstance(r, tuple) else x)
+                      for x, r, s in zip(leaves, reduces, summed)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
             chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite]), chain)
             new_state = recorder.select(chain == 0, new_state, original)
@@ -213,3 +223,21 @@ class Program:
             for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
                 leaves[i] = x
         return leaves
+
+
+def summed_inside(plan: Plan, leaves: list, reduces: list) -> list[bool]:
+    """With ``check_nan_inf``, which outputs the body sums over the replicas itself
+    (a psum), instead of returning them stacked for the mean or sum outside it:
+    float32 and float64 ones reduced by ``mean`` or ``sum``. Their finite flags
+    are then taken on the sums, the same on every replica, so they need no psum of
+    their own to be agreed (on XLA:CPU each array of an all-reduce is a rendezvous
+    of every device: one more costs about as much as a small step's compute). A
+    sum is non-finite whenever a replica's value is, and it is what the caller
+    gets. The sum is the one XLA makes outside (one all-reduce over the same
+    values), and the mean divides it as ``jnp.mean`` does: bitwise the same
+    outputs. Other dtypes (16-bit floats, which ``jnp.mean`` sums in float32)
+    keep the stacked path."""
+    if not plan.check_nan_inf:
+        return [False] * len(leaves)
+    return [r in ("mean", "sum") and jnp.result_type(x) in (jnp.float32, jnp.float64)
+            for x, r in zip(leaves, reduces)]

@@ -2,8 +2,10 @@
 the host without waiting for it.
 
 Inside the step (``fleet._body.Program.body``) each call computes one flag per
-checked leaf (the outputs, the reduced gradients), agreed over the replicas,
-and a *chain*, a device int: 0 while this call and every call before it were
+checked leaf (the outputs, the reduced gradients), agreed over the replicas
+(:func:`agreed`: a float output reduced by mean or sum is checked on its sum,
+which the body makes, ``fleet._body.summed_inside``), and a *chain*, a device
+int: 0 while this call and every call before it were
 finite, else 1 + the index of the first non-finite leaf of the first
 non-finite call (:func:`chain_after`). The state the call writes is
 ``where(chain == 0, new, old)``: a non-finite call, and every call after it,
@@ -175,30 +177,36 @@ def _read(chain: jax.Array) -> int:
     return int(np.asarray(chain.addressable_data(0)))
 
 
-def agreed(flags: list) -> jax.Array:
+def agreed(flags: list) -> list:
     """A call's flags (inside the step), each true on every replica or on none.
-    Those that may differ across replicas (an output's, a local gradient's) are
-    summed over them in one psum; the others (reduced gradients) are the same
-    everywhere already. The psum then reads the outputs only, not the gradient
-    reduction, so XLA can merge it with a gradient bucket's all-reduce instead of
-    adding one to the step."""
+    Those that may differ across replicas (a per-example or 16-bit output's, a
+    local gradient's) are summed over them in one psum; the others (reduced
+    gradients, summed outputs) are the same everywhere already. The psum then
+    reads the outputs only, not the gradient reduction, so XLA can merge it with
+    a gradient bucket's all-reduce instead of adding one to the step (it still
+    adds an array to that all-reduce)."""
+    flags = list(flags)
     varying = [i for i, f in enumerate(flags) if is_varying(f)]
     if varying:
         # (float32, as the gradients: XLA merges only all-reduces of one reduction)
         bad = _psum([(~jnp.stack([flags[i] for i in varying])).astype(jnp.float32)])[0]
-        flags = list(flags)
         for k, i in enumerate(varying):
             flags[i] = bad[k] == 0
-    return jnp.stack(flags) if flags else jnp.zeros((0,), bool)
+    return flags
 
 
-def chain_after(flags: jax.Array, chain_in: jax.Array) -> jax.Array:
+def chain_after(flags: Sequence, chain_in: jax.Array) -> jax.Array:
     """The chain a call leaves (inside the step): the one it took if that is not
     0, else 0 if every agreed flag of this call holds, else 1 + the index of its
-    first non-finite leaf."""
-    if flags.shape[0] == 0:
-        return chain_in
-    bad = jnp.where(flags.all(), 0, 1 + jnp.argmin(flags.astype(jnp.int32)))
+    first non-finite leaf.
+
+    Each flag is read once, by a select (not stacked and reduced twice, for
+    ``all`` and ``argmin``): XLA then fuses every leaf's finiteness reduction
+    and the chain into one computation, as it does ``optax.apply_if_finite``'s
+    check, instead of one program step per leaf."""
+    bad = jnp.int32(0)
+    for i in reversed(range(len(flags))):  # (the first non-finite leaf is the last select)
+        bad = jnp.where(flags[i], bad, jnp.int32(i + 1))
     return jnp.where(chain_in > 0, chain_in, bad).astype(jnp.int32)
 
 

@@ -280,25 +280,88 @@ def test_check_nan_inf_still_names_a_call_made_before_the_devices_changed(make_w
         step.wait()
 
 
-def all_reduces(step, *args) -> int:
+def all_reduced(step, *args) -> tuple[int, int]:
     """The all-reduces in the compiled program of ``step(*args)``, after XLA merged
-    what it could (XLA:CPU merges every independent one of one reduction)."""
+    what it could (XLA:CPU merges every independent one of one reduction), and
+    the arrays they reduce (XLA:CPU meets every device once per array)."""
     text = step.lower(*args).compile().as_text()
-    return sum(" all-reduce(" in line or " all-reduce-start(" in line
-               for line in text.splitlines())
+    lines = [line for line in text.splitlines()
+             if " all-reduce(" in line or " all-reduce-start(" in line]
+    arrays = sum(line.split(" all-reduce", 1)[1].split(")", 1)[0].count("%") for line in lines)
+    return len(lines), arrays
 
 
 def test_check_nan_inf_adds_no_all_reduce_to_a_train_step(make_world):
-    """The outputs' flags are agreed in a float32 psum that does not wait for the
-    gradient reduction, and the reduced gradients' flags need none: XLA merges the
-    check's psum into the gradients' all-reduce."""
+    """The reduced gradients' flags need no agreement, and the loss's flag is taken
+    on its sum over the replicas, which the body makes itself (fleet._body.
+    summed_inside) instead of XLA outside it: the compiled train step reduces as
+    many arrays, in as many all-reduces, as without the check."""
     (x, y), = models.batches("linear", 1, 8)
     counts = []
     for check in (False, True):
         model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=check))
-        counts.append(all_reduces(fleet.distributed_step(models.nnx_train_step),
+        counts.append(all_reduced(fleet.distributed_step(models.nnx_train_step),
                                   model, opt, x, y))
-    assert counts[0] >= 1 and counts[1] == counts[0], counts
+    assert counts[0][0] >= 1 and counts[0][1] >= 3 and counts[1] == counts[0], counts
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_check_nan_inf_returns_the_outputs_bitwise_as_without_it(make_world, n):
+    """The outputs the body sums itself (the mean loss, a summed float, a per-example
+    output beside them) come back bitwise as without ``check_nan_inf``, on 3
+    replicas too (the mean then divides by 3)."""
+    (x, y), = models.batches("linear", 1, 6 * n)
+
+    def step_fn(model, optimizer, x, y):
+        def loss_fn(m):
+            pred = m(x)
+            return ((pred - y) ** 2).mean(), pred
+        (loss, pred), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return {"loss": loss, "total": pred.sum(), "pred": pred}
+
+    results = []
+    for check in (False, True):
+        make_world(n, fleet.DistributedStrategy(check_nan_inf=check))
+        model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+        opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+        step = fleet.distributed_step(step_fn, out_reduce={"loss": "mean", "total": "sum",
+                                                           "pred": "gather"})
+        outs = [step(model, opt, x * k, y) for k in (1.0, 0.5)]
+        results.append((jax.tree.leaves(outs), leaves(model, opt)))
+    assert same_bits(*[r[0] for r in results])
+    assert same_bits(*[r[1] for r in results])
+
+
+class Two(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(10, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def finiteness_computations(step, *args) -> int:
+    """How many computations of the compiled program of ``step(*args)`` test
+    finiteness (each fusion is a computation of its own, run as one step)."""
+    text = step.lower(*args).compile().as_text()
+    return sum(" is-finite(" in block for block in text.split("\n\n"))
+
+
+def test_check_nan_inf_tests_the_gradients_in_one_computation(make_world):
+    """Each flag is read once (by the chain's selects), so XLA fuses the finiteness
+    tests of the four reduced gradients and of the summed loss, and the chain,
+    into one computation, as it fuses ``optax.apply_if_finite``'s. Read twice (an
+    ``all`` and an ``argmin`` of the stacked flags), each gradient's test was a
+    computation of its own."""
+    (x, y), = models.batches("linear", 1, 8)
+    make_world(4, fleet.DistributedStrategy(check_nan_inf=True))
+    model = fleet.distributed_model(Two(nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    assert finiteness_computations(step, model, opt, x, y) == 1
+
 
 class Out(nnx.Module):
     def __init__(self, rngs):
