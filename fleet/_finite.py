@@ -38,9 +38,14 @@ reads one only once it is ready, so a step never waits for the device:
   look reads one value back from the device, the newest finished call's
   chain (0: every call up to it was finite; else a binary search over the
   calls' chains finds the first non-finite call, and the chain names its
-  leaf), and a call looks at most every ``POLL_INTERVAL`` (0.1 s: a loop of
-  small steps does not pay one read per step; the calls in between run and
-  leave the state unchanged);
+  leaf). A look costs the host about 0.1 ms (the read, and letting go of the
+  chains it answers for), so calls do not look at every call: a call looks
+  once the calls since the last look took ``1 / LOOK_SHARE`` times as long on
+  the host as that look did (looks then take at most ``LOOK_SHARE``, 1%, of
+  the host's time in calls, in a loop or in bursts of calls), or once the last
+  look is ``LOOK_WITHIN`` (1 s) old. A loop of small steps raises some
+  milliseconds after the non-finite call; the calls in between run and leave
+  the state unchanged;
 * several processes: every process must raise at the same call (the calls are
   collective), so after call ``k+1`` is started, the chain of call ``k`` is
   read, waiting for it: the host runs one step ahead of the device;
@@ -96,7 +101,8 @@ def _report_at_exit() -> None:
             pass
 
 
-POLL_INTERVAL = 0.1  # seconds between two looks at the flags in flight (single process)
+LOOK_SHARE = 0.01  # looks take at most this share of the host's time in calls
+LOOK_WITHIN = 1.0  # seconds: a call looks if the last look is this old (single process)
 
 
 class FiniteFlags:
@@ -105,22 +111,28 @@ class FiniteFlags:
     def __init__(self) -> None:
         self._chain: tuple[Any, jax.Array] | None = None  # (mesh, device int)
         self._pending: deque = deque()  # (call, names, chain), oldest first
-        self._looked = float("-inf")  # when a call last looked at them
+        self._looked = 0.0  # when a call last looked at them (time.perf_counter)
+        self._cost = 0.0  # how long the host took for that look
+        self._began = 0.0  # when the current call began
+        self._in_calls = 0.0  # the host's time in calls since that look
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
 
     def due(self) -> bool:
-        """Whether a call should look at the flags in flight now: there are some,
-        and the last look is ``POLL_INTERVAL`` old."""
-        if not self._pending:
-            return False
-        now = time.monotonic()
-        if now - self._looked < POLL_INTERVAL:
-            return False
-        self._looked = now
-        return True
+        """Called as a call begins: whether it should look at the chains in flight
+        now (there are some, and the calls since the last look took ``1 /
+        LOOK_SHARE`` times that look's time, or it is ``LOOK_WITHIN`` old)."""
+        self._began = now = time.perf_counter()
+        return bool(self._pending) and (self._in_calls * LOOK_SHARE >= self._cost
+                                        or now - self._looked >= LOOK_WITHIN)
+
+    def looked(self) -> None:
+        """A call's look (``check(wait=False)``) ended: its cost is measured."""
+        self._looked = now = time.perf_counter()
+        self._cost, self._in_calls = now - self._began, 0.0
+        self._began = now  # (the look is not counted as time in calls)
 
     def chain(self, mesh: Any) -> jax.Array:
         """The chain the next call takes (a replicated device int)."""
@@ -132,6 +144,7 @@ class FiniteFlags:
 
     def record(self, mesh: Any, call: int, names: list[str], chain: jax.Array) -> None:
         """Call ``call`` was started: its checked leaves' names and the chain it leaves."""
+        self._in_calls += time.perf_counter() - self._began
         self._chain = (mesh, chain)
         if not self._pending:
             if not _REGISTERED:
@@ -146,13 +159,29 @@ class FiniteFlags:
         One read tells about many calls: the newest call's chain is 0 only if it
         and every call before it were finite. Only when it is not are more
         chains read, a binary search for the first call whose chain is not 0."""
+        try:
+            self._check(wait, upto)
+        finally:
+            if not wait:
+                self.looked()
+
+    def _check(self, wait: bool, upto: int | None) -> None:
         pending = self._pending
         last = pending[-1][0] if pending else 0
         newest = len(pending) - 1
         while newest >= 0 and upto is not None and pending[newest][0] > upto:
             newest -= 1
-        while newest >= 0 and not wait and not pending[newest][2].is_ready():
-            newest -= 1  # (calls finish in order: the chain of one is the next's input)
+        if not wait and newest >= 0 and not pending[newest][2].is_ready():
+            # The newest finished call: calls finish in order (the chain of one is
+            # the next's input), so a binary search over them asks few.
+            ready, running = -1, newest  # pending[ready] finished, pending[running] not
+            while running - ready > 1:
+                middle = (ready + running) // 2
+                if pending[middle][2].is_ready():
+                    ready = middle
+                else:
+                    running = middle
+            newest = ready
         if newest < 0:
             return
         bad = _read(pending[newest][2])

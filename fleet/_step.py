@@ -119,7 +119,7 @@ class DistributedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _worker.step_begin()
-        if self._finite.due():  # earlier calls' check_nan_inf flags, if ready: no wait
+        if self._finite.due():  # earlier calls' check_nan_inf chains, if ready: no wait
             self._check_finite(wait=False)
         recall = self._recall
         batch = None if recall is None else recall.match(args, kwargs, self._program.graph)
