@@ -206,3 +206,20 @@ def test_processes_a_worker_starts_stay_out_of_the_job(scenarios):
             assert seen["init"].startswith(
                 f"this process (pid {seen['pid']}) was started by process {rank} of the job "
                 f"(pid {loader['pid']}); only the processes the launcher started join"), seen
+
+
+def test_check_nan_inf_raises_on_every_process_at_the_same_call(scenarios):
+    """A non-finite row on one process only: both processes raise at call 3,
+    naming call 2, and hold the state of the single-device step after call 1."""
+    first = models.batches("linear", 3, 16)[:1]  # (the worker's first of 3 batches)
+    ref_losses, ref_params = models.nnx_reference("linear", first)
+    params = []
+    for rank in (0, 1):
+        message = json.loads((scenarios.dir("finite") / f"message.{rank}.json").read_text())
+        assert message is not None and "after call 2 of the step" in message, (rank, message)
+        assert "call 3, started since, ran and left it unchanged too" in message, message
+        result = dict(np.load(scenarios.dir("finite") / f"result.{rank}.npz"))
+        assert abs(result["losses"][0] - ref_losses[0]) < 1e-5
+        assert models.max_diff({k: result[k] for k in ref_params}, ref_params) < 1e-5
+        params.append(result)
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in ref_params)

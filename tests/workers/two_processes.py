@@ -17,7 +17,8 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
   collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``);
 * ``shapes``: the core contract's step shapes (a), (b) and (e);
 * ``strategy``: amp, recompute, gradient_merge, LAMB, fp16_allreduce and no_sync;
-* ``sharding``: ZeRO stage 1 (NNX, with a checkpoint) and stage 2 (Linen).
+* ``sharding``: ZeRO stage 1 (NNX, with a checkpoint) and stage 2 (Linen);
+* ``finite``: ``check_nan_inf``, a non-finite row on process 1 only.
 """
 
 import json
@@ -40,7 +41,7 @@ from tests.workers import (  # noqa: E402
     strategy_train,
 )
 
-SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding")
+SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding", "finite")
 PROCESSES, LOCAL = 2, 2
 HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
 IO_N, IO_BATCH = 37, 2
@@ -131,6 +132,38 @@ def strategy() -> None:
 
 def sharding() -> None:
     sharding_train.main("result.npz", os.path.abspath("ckpt"))
+
+
+def finite() -> None:
+    """``check_nan_inf``: call 2's only non-finite row is on process 1. Every
+    process raises at call 3 (each reads call 2's chain once call 3 has started),
+    and keeps the state call 1 left."""
+    import optax
+    from flax import nnx
+
+    from tests import models
+
+    fleet.init(is_collective=True, strategy=fleet.DistributedStrategy(check_nan_inf=True))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(
+        nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    rank = fleet.worker_index()
+    rows = np.array_split(np.arange(16), fleet.worker_num())[rank]
+    (x1, y1), (x2, y2), (x3, y3) = models.batches("linear", 3, 16)
+    losses = [float(step(model, optimizer, x1[rows], y1[rows]))]
+    x2 = x2[rows].copy()
+    if rank == 1:
+        x2[0, 0] = np.nan
+    step(model, optimizer, x2, y2[rows])
+    message = None
+    try:
+        step(model, optimizer, x3[rows], y3[rows])
+    except fleet.FleetError as e:
+        message = str(e)
+    np.savez(f"result.{rank}.npz", losses=np.array(losses), **models.flat_params(model))
+    with open(f"message.{rank}.json", "w") as f:
+        json.dump(message, f)
 
 
 def main(out: str) -> None:
