@@ -230,9 +230,9 @@ def chain_after(flags: Sequence, chain_in: jax.Array) -> jax.Array:
     first non-finite leaf.
 
     Each flag is read once, by a select (not stacked and reduced twice, for
-    ``all`` and ``argmin``): XLA then fuses every leaf's finiteness reduction
-    and the chain into one computation, as it does ``optax.apply_if_finite``'s
-    check, instead of one program step per leaf."""
+    ``all`` and ``argmin``): XLA then fuses the leaves' finiteness reductions
+    into the chain's computation, as it does ``optax.apply_if_finite``'s check
+    (XLA:CPU up to six of them), instead of one program step per leaf."""
     bad = jnp.int32(0)
     for i in reversed(range(len(flags))):  # (the first non-finite leaf is the last select)
         bad = jnp.where(flags[i], bad, jnp.int32(i + 1))
