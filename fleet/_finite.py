@@ -123,10 +123,14 @@ class FiniteFlags:
     def due(self) -> bool:
         """Called as a call begins: whether it should look at the chains in flight
         now (there are some, and the calls since the last look took ``1 /
-        LOOK_SHARE`` times that look's time, or it is ``LOOK_WITHIN`` old)."""
+        LOOK_SHARE`` times that look's time, or it is ``LOOK_WITHIN`` old).
+        Never with several processes: a look that found a chain back on one
+        process and not yet on another would raise there one call earlier,
+        and the other process would wait in that call's collectives for it."""
         self._began = now = time.perf_counter()
-        return bool(self._pending) and (self._in_calls * LOOK_SHARE >= self._cost
-                                        or now - self._looked >= LOOK_WITHIN)
+        return (bool(self._pending) and jax.process_count() == 1
+                and (self._in_calls * LOOK_SHARE >= self._cost
+                     or now - self._looked >= LOOK_WITHIN))
 
     def looked(self) -> None:
         """A call's look (``check(wait=False)``) ended: its cost is measured."""

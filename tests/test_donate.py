@@ -241,6 +241,17 @@ def test_check_nan_inf_looks_take_a_small_share_of_the_calls(make_world, monkeyp
     assert time.monotonic() < deadline  # (raised by a call of the loop, not after it)
 
 
+def test_check_nan_inf_does_not_look_early_with_several_processes(monkeypatch):
+    """With several processes only the read one call behind (waiting, at the same
+    call on every process) raises: a look without waiting could find a chain
+    back on one process and not on another, and raise there a call earlier."""
+    flags = _finite.FiniteFlags()
+    flags.record(None, 1, ["x"], jnp.int32(0))
+    assert flags.due()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not flags.due()
+
+
 class CountingNumpy:
     """numpy for fleet._finite, counting its reads of device values (asarray)."""
 
