@@ -43,9 +43,9 @@ reads one only once it is ready, so a step never waits for the device:
   once the calls since the last look took ``1 / LOOK_SHARE`` times as long on
   the host as that look did (looks then take at most ``LOOK_SHARE``, 1%, of
   the host's time in calls, in a loop or in bursts of calls), or once the last
-  look is ``LOOK_WITHIN`` (1 s) old. A loop of small steps raises some
-  milliseconds after the non-finite call; the calls in between run and leave
-  the state unchanged;
+  look is ``LOOK_WITHIN`` (1 s) old. A loop of small steps raises some tens
+  of milliseconds after the non-finite call (of the host's time in calls);
+  the calls in between run and leave the state unchanged;
 * several processes: every process must raise at the same call (the calls are
   collective), so after call ``k+1`` is started, the chain of call ``k`` is
   read, waiting for it: the host runs one step ahead of the device;
