@@ -116,10 +116,6 @@ class FiniteFlags:
         self._began = 0.0  # when the current call began
         self._in_calls = 0.0  # the host's time in calls since that look
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
     def due(self) -> bool:
         """Called as a call begins: whether it should look at the chains in flight
         now (there are some, and the calls since the last look took ``1 /

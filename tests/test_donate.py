@@ -360,15 +360,6 @@ def test_check_nan_inf_returns_the_outputs_bitwise_as_without_it(make_world, n):
     assert same_bits(*[r[1] for r in results])
 
 
-class Two(nnx.Module):
-    def __init__(self, rngs):
-        self.hidden = nnx.Linear(10, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))
-
-
 def finiteness_computations(step, *args) -> int:
     """How many computations of the compiled program of ``step(*args)`` test
     finiteness (each fusion is a computation of its own, run as one step)."""
@@ -383,9 +374,7 @@ def test_check_nan_inf_tests_the_gradients_in_one_computation(make_world):
     ``all`` and an ``argmin`` of the stacked flags), each gradient's test was a
     computation of its own."""
     (x, y), = models.batches("linear", 1, 8)
-    make_world(4, fleet.DistributedStrategy(check_nan_inf=True))
-    model = fleet.distributed_model(Two(nnx.Rngs(0)))
-    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param))
+    model, opt = train_setup(make_world, fleet.DistributedStrategy(check_nan_inf=True))
     step = fleet.distributed_step(models.nnx_train_step)
     assert finiteness_computations(step, model, opt, x, y) == 1
 
