@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _finite, _guards, _roles, _sync
+from fleet import _finite, _guards, _random, _roles, _sync
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -137,6 +137,8 @@ class Program:
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
             trees = tree_rows(trees)
+        keys = _random.Keys(_random.rows_of(batch))  # each replica draws its rows' bits
+        state, trees, repl = keys.enter(state), keys.enter(trees), keys.enter(repl)
         original = state
         if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
             state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x
@@ -156,7 +158,7 @@ class Program:
                     replicas=plan.mesh.devices.size)
         recorder = _finite.Recorder() if plan.check_nan_inf else None
         with _sync.tracing(trace), _finite.recording(recorder):
-            out = self.fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:])))
+            out = keys.leave(self.fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
                 raise FleetError(
@@ -191,7 +193,7 @@ class Program:
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
             chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite]), chain)
             new_state = recorder.select(chain == 0, new_state, original)
-        new_state = [x[None] if pr else x for x, pr in zip(new_state, per_replica)]
+        new_state = [x[None] if pr else x for x, pr in zip(keys.leave(new_state), per_replica)]
         if plan.check_nan_inf:
             return new_state, out_leaves, chain
         return new_state, out_leaves

@@ -24,6 +24,9 @@ need                               private symbol
 :func:`is_differentiated`          ``jax._src.interpreters.ad`` ``JVPTracer`` and
                                    ``LinearizeTracer``: is a read inside
                                    ``jax.grad``?
+:func:`threefry`                  ``jax.extend.random.threefry_prng_impl``'s fields
+                                   (``seed``, ``split``, ``fold_in``, ``random_bits``):
+                                   the parts of fleet's row-offset PRNG (``_random``)
 :func:`register_before_exit`       ``threading._register_atexit``: runs when the main
                                    thread ends, before ``concurrent.futures`` stops
                                    taking work (an orbax save would die)
@@ -59,6 +62,7 @@ from jax._src.interpreters import ad
 from jax._src.lib import _jax
 from jax.extend import backend as jax_backend
 from jax.extend import core as extend_core
+from jax.extend import random as _extend_random  # noqa: F401 (jax.extend.random, below)
 
 from fleet._errors import FleetUnsupportedError
 
@@ -106,6 +110,14 @@ def bind_equation(eqn: Any, invals: Sequence) -> Any:
     ``get_bind_params``."""
     with eqn.ctx.manager:
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def threefry() -> Any:
+    """JAX's threefry PRNG implementation (``jax.extend.random.threefry_prng_impl``)
+    with its parts as attributes: ``key_shape``, ``seed``, ``split``, ``fold_in``,
+    ``random_bits`` (undocumented fields of the public object), which
+    ``fleet._random`` reuses for its row-offset implementation."""
+    return jax.extend.random.threefry_prng_impl
 
 
 def register_before_exit(fn: Callable[[], None]) -> None:
@@ -209,6 +221,13 @@ def check() -> None:
     if "ctx" not in getattr(extend_core.JaxprEqn, "__dataclass_fields__", vars(
             extend_core.JaxprEqn)) or not hasattr(jax_core.JaxprEqnContext, "manager"):
         missing.append("jax.extend.core.JaxprEqn.ctx.manager")
+    fry = getattr(jax.extend.random, "threefry_prng_impl", None)
+    if getattr(fry, "key_shape", None) != (2,) or not all(
+            callable(getattr(fry, f, None)) for f in ("seed", "split", "fold_in", "random_bits")):
+        missing.append("jax.extend.random.threefry_prng_impl's key_shape, seed, split, "
+                       "fold_in, random_bits")
+    if not callable(getattr(jax.extend.random, "define_prng_impl", None)):
+        missing.append("jax.extend.random.define_prng_impl")
     if not callable(getattr(threading, "_register_atexit", None)):
         missing.append("threading._register_atexit")
     probe = nnx.Param(np.zeros(()))  # numpy: importing fleet computes nothing
