@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -77,6 +78,9 @@ class Program:
                 mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
             )
             jaxpr = jax.make_jaxpr(probe)(*args)
+            n = plan.mesh.devices.size
+            _random.check_draws(jaxpr, frozenset(
+                np.shape(x)[0] // n for x in jax.tree.leaves(batch) if np.ndim(x)))
             if _guards.foreign_psums(jaxpr):
                 summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed

@@ -48,6 +48,7 @@ need                               private symbol
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -118,6 +119,32 @@ def threefry() -> Any:
     ``random_bits`` (undocumented fields of the public object), which
     ``fleet._random`` reuses for its row-offset implementation."""
     return jax.extend.random.threefry_prng_impl
+
+
+def user_line(eqn: Any) -> str | None:
+    """``file:line`` of the innermost frame outside jax, flax, optax, fleet and the
+    standard library that made a traced equation (``eqn.source_info.traceback``,
+    undocumented), or None."""
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    for frame in getattr(traceback, "frames", None) or ():
+        if not frame.file_name.startswith(_library_dirs()):
+            return f"{frame.file_name}:{frame.line_num}"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    import os
+    import sysconfig
+
+    import flax
+    import optax
+
+    import fleet
+
+    dirs = [os.path.dirname(m.__file__) + os.sep for m in (jax, flax, optax, fleet, _jax)]
+    dirs += [sysconfig.get_paths()["stdlib"] + os.sep, "<"]
+    return tuple(dirs)
 
 
 def register_before_exit(fn: Callable[[], None]) -> None:

@@ -57,6 +57,13 @@ def global_batch(position: int, value: Any, w: World) -> Any:
             )
         if not shape or shape[0] % replicas:
             what = "process-local" if is_local else "global"
+            if shape == (2,) and getattr(x, "dtype", None) == np.uint32:
+                raise FleetConfigError(
+                    f"argument {position} is a uint32 array of shape (2,), a raw PRNG key "
+                    "(jax.random.PRNGKey), which the step would take as batch rows: pass a "
+                    "typed key instead, jax.random.key(seed) (or jax.random.wrap_key_data("
+                    "raw_key)); each replica then draws its own rows of the single-device "
+                    "draw")
             raise FleetConfigError(
                 f"argument {position} is split over replicas along its leading axis, but "
                 f"its {what} shape {shape} has a leading axis that is not "

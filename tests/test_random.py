@@ -256,3 +256,37 @@ def test_the_counters_are_the_global_indices(shape, offset):
     np.testing.assert_array_equal(got, want)
     mult = _random._mul(jnp.uint32(0xFFFFFFFF), 0xFFFF_FFFF_FFFF, ())
     assert (int(mult[0]) << 32 | int(mult[1])) == (0xFFFFFFFF * 0xFFFF_FFFF_FFFF) % 2**64
+
+
+def test_a_raw_key_argument_is_refused_naming_the_typed_key(make_world):
+    def step(key, x):
+        return x * jax.random.bernoulli(key, 0.5, x.shape)
+
+    x = np.ones((BATCH, 3), np.float32)
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"raw PRNG key .*jax.random.key\(seed\)"):
+        fleet.distributed_step(step)(jax.random.PRNGKey(0), x)
+    # as pytree state (batch_argnums), its per-example draw is refused, naming the line
+    with pytest.raises(fleet.FleetError, match=r"bernoulli of shape \(8, 3\) \(.*test_random.py:"
+                       r"\d+\) per example .*jax.random.key\(seed\) instead of"):
+        fleet.distributed_step(step, batch_argnums=(1,))(jax.random.PRNGKey(0), x)
+
+
+def test_a_key_made_inside_the_step_is_refused(make_world):
+    def step(x):
+        return x * jax.random.bernoulli(jax.random.key(0), 0.5, x.shape)
+
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"key made inside the step"):
+        fleet.distributed_step(step)(np.ones((BATCH, 3), np.float32))
+
+
+def test_a_per_example_draw_needs_partitionable_threefry(make_world):
+    def step(key, x):
+        return x * jax.random.bernoulli(key, 0.5, x.shape)
+
+    make_world(4)
+    with jax.threefry_partitionable(False):
+        with pytest.raises(fleet.FleetError, match="jax_threefry_partitionable is off"):
+            fleet.distributed_step(step, batch_argnums=(1,))(
+                jax.random.key(0), np.ones((BATCH, 3), np.float32))

@@ -223,3 +223,26 @@ def test_check_nan_inf_raises_on_every_process_at_the_same_call(scenarios):
         assert models.max_diff({k: result[k] for k in ref_params}, ref_params) < 1e-5
         params.append(result)
     assert all(np.array_equal(params[0][k], params[1][k]) for k in ref_params)
+
+
+def test_dropout_across_two_processes_equals_one_device(scenarios):
+    """2 processes x 2 devices draw what 1 process x 4 devices draws: each replica
+    its rows of the single-device mask (tests/test_random.py's NNX script)."""
+    import optax
+    from flax import nnx
+
+    from tests.test_random import DropNet, data, leaves, nnx_run, nnx_step
+
+    model = DropNet(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref_losses = nnx_run(nnx.jit(nnx_step), model, optimizer, data())
+    ref = leaves(nnx.state((model, optimizer)))
+    got = [dict(np.load(scenarios.dir("random") / f"result.{rank}.npz")) for rank in (0, 1)]
+    assert int(got[0]["replicas"]) == 4
+    for result in got:
+        np.testing.assert_allclose(result["losses"], ref_losses, rtol=2e-6, atol=2e-6)
+        diff = max(float(np.max(np.abs(result[f"leaf{i}"].astype(np.float64) - x)))
+                   for i, x in enumerate(ref))
+        print(f"state max diff from one device: {diff:.2e}")
+        assert diff < 1e-5
+    assert all(np.array_equal(got[0][f"leaf{i}"], got[1][f"leaf{i}"]) for i in range(len(ref)))

@@ -18,7 +18,9 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
 * ``shapes``: the core contract's step shapes (a), (b) and (e);
 * ``strategy``: amp, recompute, gradient_merge, LAMB, fp16_allreduce and no_sync;
 * ``sharding``: ZeRO stage 1 (NNX, with a checkpoint) and stage 2 (Linen);
-* ``finite``: ``check_nan_inf``, a non-finite row on process 1 only.
+* ``finite``: ``check_nan_inf``, a non-finite row on process 1 only;
+* ``random``: NNX dropout (``tests/test_random.py``): each replica draws its rows
+  of the single-device mask, whatever process it is on.
 """
 
 import json
@@ -41,7 +43,8 @@ from tests.workers import (  # noqa: E402
     strategy_train,
 )
 
-SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding", "finite")
+SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding", "finite",
+             "random")
 PROCESSES, LOCAL = 2, 2
 HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
 IO_N, IO_BATCH = 37, 2
@@ -164,6 +167,29 @@ def finite() -> None:
     np.savez(f"result.{rank}.npz", losses=np.array(losses), **models.flat_params(model))
     with open(f"message.{rank}.json", "w") as f:
         json.dump(message, f)
+
+
+def random() -> None:
+    """tests/test_random.py's NNX dropout script, each process passing its rows."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from tests.test_random import DropNet, data, leaves, nnx_step
+
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(DropNet(nnx.Rngs(0, dropout=1)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    step = fleet.distributed_step(nnx_step)
+    rank = fleet.worker_index()
+    losses = []
+    for x, y in data():
+        rows = np.array_split(np.arange(len(x)), fleet.worker_num())[rank]
+        losses.append(float(step(model, optimizer, x[rows], y[rows])))
+    state = leaves(nnx.state((model, optimizer)))
+    assert fleet.check_replicas(nnx.state((model, optimizer))) == []
+    np.savez(f"result.{rank}.npz", losses=np.array(losses), replicas=jax.device_count(),
+             **{f"leaf{i}": x for i, x in enumerate(state)})
 
 
 def main(out: str) -> None:
