@@ -16,7 +16,6 @@ from flax import linen, nnx
 import fleet
 from fleet import _world
 from fleet.hapi import Model, callbacks, metric
-from fleet.hapi._steps import replica_rngs
 from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
 
 TOL = 1e-5
@@ -210,34 +209,35 @@ def test_model_initialises_fleet_on_every_local_device(train_set):
         _world._WORLD = None
 
 
-# -- dropout: independent masks on each replica ---------------------------------------------
+# -- dropout: each replica draws its rows of the single-device mask -------------------------
 
-def test_dropout_masks_differ_across_replicas_and_rng_state_stays_replicated(make_world):
-    make_world(2)
+class DropNet(Net):
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
 
-    class Drop(nnx.Module):
-        def __init__(self):
-            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
+    def __call__(self, x):
+        return self.linear2(self.dropout(nnx.relu(self.linear1(x))))
 
-    net = fleet.distributed_model(Drop())
-    key_before = np.asarray(jax.random.key_data(net.dropout.rngs.key.get_value()))
 
-    @fleet.distributed_step
-    def masks(net, x, keys):  # keys: a string, so static
-        if keys == "per replica":
-            with replica_rngs(net):
-                return net.dropout(x)
-        return net.dropout(x)
-
-    x = np.ones((4, 256), np.float32)  # rows 0-1 on replica 0, rows 2-3 on replica 1
-    same = np.asarray(masks(net, x, "shared"))
-    assert np.array_equal(same[:2], same[2:])  # the problem: one mask for both replicas
-    out = np.asarray(masks(net, x, "per replica"))
-    assert not np.array_equal(out[:2], out[2:])
-    assert set(np.unique(out)) == {0.0, 2.0}
-    key = net.dropout.rngs.key.get_value()
-    assert np.array_equal(np.asarray(jax.random.key_data(key)), key_before)
-    assert key.sharding.is_fully_replicated and int(net.dropout.rngs.count.get_value()) == 2
+def test_fit_with_dropout_equals_one_device_and_rng_state_stays_replicated(make_world, train_set):
+    """Spec since issue 33: masks are the single-device masks (global batch 16; fit's
+    batch_size is per replica, as in Paddle. Before, each replica
+    folded its index into the key: independent masks, a per-replica reference)."""
+    x, y = train_set
+    trained = {}
+    for n in (1, 4):
+        make_world(n)
+        model = prepared(DropNet(nnx.Rngs(0, dropout=1)))
+        model.fit(TensorDataset([x, y]), batch_size=16 // n, epochs=1, shuffle=False, verbose=0)
+        trained[n] = (flat_params(model.network), model.network.dropout.rngs)
+    diff = max(float(np.max(np.abs(trained[1][0][k] - trained[4][0][k]))) for k in trained[1][0])
+    print(f"1 against 4 replicas: parameters max diff {diff:.2e}")
+    assert diff < 1e-5
+    rngs = trained[4][1]
+    key = rngs.key.get_value()
+    assert key.sharding.is_fully_replicated and fleet.check_replicas(key) == []
+    assert int(rngs.count.get_value()) == int(trained[1][1].count.get_value()) == -(-len(x) // 16)
 
 
 # -- metrics ------------------------------------------------------------------------------

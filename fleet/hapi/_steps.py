@@ -7,10 +7,8 @@ averages the gradients (through the distributed optimizer), averages the
 scalar loss over the replicas, and gathers the per-example arrays (metric rows,
 per-example losses, predictions) in global batch order.
 
-Dropout: every replica starts from the same replicated PRNG state, so without
-care every replica would draw the same mask for its rows. The train step folds
-the replica index into each ``nnx.RngKey`` for the duration of the forward pass
-and puts the shared key back after, so masks are independent across replicas
+Dropout: each replica draws its own rows of the mask the single-device step
+draws on the global batch (``fleet._random``), so training equals one device's,
 and the RNG state stays identical (replicated) everywhere.
 """
 
@@ -27,24 +25,6 @@ from flax import nnx
 from fleet._errors import FleetConfigError
 from fleet._step import DistributedStep, distributed_step
 from fleet._world import DATA_AXIS
-
-
-@contextlib.contextmanager
-def replica_rngs(module: nnx.Module) -> Iterator[None]:
-    """Inside a distributed step: each replica's RNG keys differ while the block runs."""
-    keys = [var for _, var in nnx.to_flat_state(nnx.state(module, nnx.RngKey))]
-    if not keys:
-        yield
-        return
-    shared = [var.get_value() for var in keys]
-    index = jax.lax.axis_index(DATA_AXIS)
-    for var, key in zip(keys, shared):
-        var.set_value(jax.random.fold_in(key, index))
-    try:
-        yield
-    finally:
-        for var, key in zip(keys, shared):
-            var.set_value(key)
 
 
 def batch_rows(outputs: Any) -> int:
@@ -114,8 +94,7 @@ def make_train_step(loss_fn: Callable, metrics: Sequence[Any]) -> DistributedSte
             loss = mean_loss(loss_fn(outputs, *labels))
             return loss * scale, (loss, outputs)
 
-        with replica_rngs(network):
-            (_, (loss, outputs)), grads = nnx.value_and_grad(objective, has_aux=True)(network)
+        (_, (loss, outputs)), grads = nnx.value_and_grad(objective, has_aux=True)(network)
         optimizer.update(network, grads)
         return loss, metric_rows(metrics, outputs, labels)
 
