@@ -1,15 +1,20 @@
 """The same-rows rule (``fleet._rows``), in one process: which batches every
 process may pass identically, and which are refused. The job itself (two real
-processes that pass the whole batch) is ``same_rows`` in
-``tests/test_two_processes.py``."""
+processes that pass the whole batch and catch the error) is ``same_rows`` in
+``tests/test_two_processes.py``; the slow tier adds a script that does not
+catch it."""
 
+import textwrap
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from fleet import FleetError, _rows
+from tests import jobs
+from tests.tiers import slow
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((16, 10)).astype(np.float32)
@@ -105,3 +110,38 @@ def test_a_cifar_sized_batch_costs_milliseconds():
     print(f"fingerprint of a 256 x 32 x 32 x 3 float32 batch ({x.nbytes / 1e6:.1f} MB): "
           f"{seconds * 1e3:.2f} ms")
     assert seconds < 0.05
+
+
+UNCAUGHT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import optax
+    from flax import nnx
+    import fleet
+    from tests import models
+
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param)
+    step = fleet.distributed_step(models.nnx_train_step)
+    (x, y), = models.batches("linear", 1, 16)
+    step(model, optimizer, x, y)  # the whole batch on every process
+    print("the step ran", flush=True)
+""")
+
+
+@slow
+def test_an_uncaught_refusal_ends_the_job_with_the_error_on_every_process(tmp_path):
+    """The four steps as written for one card, under fleetrun: each process's log
+    ends in the same-rows FleetError (not a lost key-value store), and the job
+    ends within seconds."""
+    script = tmp_path / "train.py"
+    script.write_text(UNCAUGHT.format(root=str(Path(__file__).resolve().parents[1])))
+    job = jobs.two_processes(tmp_path, script, timeout=120, ok=False)
+    print(f"an uncaught same-rows refusal: the job ended in {job.seconds:.1f} s")
+    assert job.returncode != 0 and job.seconds < 60
+    for rank in (0, 1):
+        log = job.log(rank)
+        assert "the step ran" not in log
+        assert "FleetError: every process passed the same batch rows" in log, log[-3000:]
+        assert "FleetTimeoutError" not in log
