@@ -5,7 +5,8 @@
 * :func:`check_on_one_device`: the step traced once as the single-device step
   on the global shapes, so its shape errors are raised with those shapes;
 * :func:`agree_program` / :func:`agree_replicated`: the processes compare what
-  they traced and the scalars they pass, through a bounded key-value exchange.
+  they traced and the scalars they pass, through a bounded key-value exchange
+  (the first also carries each process's batch fingerprint: ``fleet._rows``).
 
 ``strategy.check_nan_inf`` is ``fleet._finite``.
 """
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fleet import _sync
+from fleet import _rows, _sync
 from fleet._agree import agree
 from fleet._errors import FleetError
 from fleet._roles import REPL, TREE
@@ -213,8 +214,11 @@ def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:
     return values
 
 
-def agree_program(fn: Any, kinds: tuple, no_sync: bool, batch: list, state: list, w: Any) -> None:
-    """The cross-process program guard (see the module docstring)."""
+def agree_program(fn: Any, kinds: tuple, no_sync: bool, batch: list, state: list,
+                  w: Any) -> list:
+    """The cross-process program guard (see the module docstring). Returns every
+    process's :func:`fleet._rows.fingerprint` of its batch rows, exchanged in the
+    same message, in rank order."""
     fields = {
         "step function": getattr(fn, "__qualname__", repr(fn)),
         "argument kinds": list(kinds),
@@ -226,17 +230,19 @@ def agree_program(fn: Any, kinds: tuple, no_sync: bool, batch: list, state: list
         "no_sync": no_sync,
         "replicas": w.num_replicas,
     }
-    mine = json.dumps(fields, sort_keys=True, default=str)
-    everyone = agree(f"step/{fields['step function']}", mine)
+    mine = json.loads(json.dumps(fields, sort_keys=True, default=str))
+    message = json.dumps({"program": mine, "rows": _rows.fingerprint(batch)})
+    everyone = [json.loads(text) for text in agree(f"step/{fields['step function']}", message)]
     rank = jax.process_index()
-    for other, text in enumerate(everyone):
-        if text == mine:
+    for other, theirs in enumerate(everyone):
+        theirs = theirs["program"]
+        if theirs == mine:
             continue
-        theirs = json.loads(text)
-        field = next(k for k in fields if json.loads(mine)[k] != theirs.get(k))
+        field = next(k for k in fields if mine[k] != theirs.get(k))
         raise FleetError(
             f"the processes compiled different steps: rank {rank} and rank {other} differ "
-            f"in {field!r} (rank {rank}: {json.loads(mine)[field]}, rank {other}: "
+            f"in {field!r} (rank {rank}: {mine[field]}, rank {other}: "
             f"{theirs.get(field)}). Every process must run the same step with the same "
             "strategy and batch shapes"
         )
+    return [e["rows"] for e in everyone]

@@ -63,7 +63,9 @@ included: its error is raised at a later call or at :meth:`DistributedStep.wait`
 The step compiles once per input shape (and once more for the steps under
 ``no_sync``). In a multi-process job, before a newly compiled step runs, the
 processes compare what they traced (shapes, strategy, buckets) and a mismatch
-raises on every process, naming the ranks and the field.
+raises on every process, naming the ranks and the field; processes that all
+passed the same batch rows (each passed its whole batch) raise too, naming the
+fix (``fleet._rows``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ from fleet._placement import global_batch
 from fleet._placement import placed as place_on_mesh
 from fleet._recall import Recall
 from fleet._replicas import check_replicas
+from fleet._rows import SameRows
 from fleet._world import DATA_AXIS, world
 from fleet.strategy import _sharding
 
@@ -110,6 +113,7 @@ class DistributedStep:
         self._program = Program(fn, out_reduce)
         self._last_plan: Plan | None = None
         self._agreed: set = set()
+        self._rows = SameRows(getattr(fn, "__qualname__", repr(fn)))  # (fleet._rows)
         self._calls = 0
         self._last_repl: Any = None
         self._merge = MergePosition()
@@ -263,17 +267,21 @@ class DistributedStep:
         """The arguments of the compiled program: the NNX state, the pytree
         state, the batch (placed, unless given), the replicated scalars. In a
         multi-process job, every process agrees first on a new program and on
-        changed scalars."""
+        changed scalars, and checks that they did not all pass the same rows."""
         w = world()
         at = at or _roles.Positions(kinds)
         repl = list(at.repl(values))
         if jax.process_count() > 1:
             given = [values[i] for i in at.batch]
             shapes = (plan, tuple(np.shape(x) for x in jax.tree.leaves(given)))
+            call = self._calls + 1
             if shapes not in self._agreed:
-                _guards.agree_program(self._fn, kinds, plan.no_sync, given,
-                                      self._program.graph.read(), w)
+                prints = _guards.agree_program(self._fn, kinds, plan.no_sync, given,
+                                               self._program.graph.read(), w)
+                self._rows.check(shapes, prints, at.batch, call)
                 self._agreed.add(shapes)
+            elif self._rows.due(shapes):  # the first calls passed constant rows
+                self._rows.recheck(shapes, given, at.batch, call)
             self._last_repl = _guards.agree_replicated(self._fn, kinds, repl, self._last_repl)
         if batch is None:
             batch = [global_batch(i, values[i], w) for i in at.batch]

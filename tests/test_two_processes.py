@@ -225,6 +225,41 @@ def test_check_nan_inf_raises_on_every_process_at_the_same_call(scenarios):
     assert all(np.array_equal(params[0][k], params[1][k]) for k in ref_params)
 
 
+def test_processes_that_all_pass_the_same_rows_are_refused_at_the_first_call(scenarios):
+    """Both processes pass the whole batch (the four steps as written for one
+    card): each raises at call 1, quickly, naming the fix; the refused call left
+    the state alone, and call 2 with each process's own rows (the message's
+    ``x[jax.process_index()::jax.process_count()]``) equals the single-device step
+    on the global batch. After a constant warm-up batch (let through), the whole
+    batch is refused at the next call."""
+    ref_losses, ref_params = models.nnx_reference("linear", models.batches("linear", 1, 16))
+    params = []
+    for rank in range(worker.PROCESSES):
+        out = json.loads((scenarios.dir("same_rows") / f"result.{rank}.json").read_text())
+        whole = out["whole"]
+        assert whole.get("error") == "FleetError", (rank, whole)
+        for part in ("every process passed the same batch rows", "call 1,",
+                     "16 rows, identical on all 2 processes",
+                     "x[jax.process_index()::jax.process_count()]",
+                     "DistributedBatchSampler", "global jax.Array"):
+            assert part in whole["message"], (rank, part, whole["message"])
+        assert whole["seconds"] < 20, whole  # no wait for a timeout
+        assert abs(out["own"]["loss"] - ref_losses[0]) < 1e-5, out["own"]
+        got = dict(np.load(scenarios.dir("same_rows") / f"result.{rank}.npz"))
+        d = models.max_diff(got, ref_params)
+        print(f"same_rows, rank {rank}: own rows after the refused call, "
+              f"|params - single device| = {d:.2e}, |loss| = "
+              f"{abs(out['own']['loss'] - ref_losses[0]):.2e}")
+        assert d < 1e-5
+        params.append(got)
+        assert "loss" in out["warmup"], out["warmup"]
+        after = out["after_warmup"]
+        assert after.get("error") == "FleetError", (rank, after)
+        assert "every process passed the same batch rows" in after["message"]
+        assert "call 2," in after["message"], after["message"]
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
+
+
 def test_dropout_across_two_processes_equals_one_device(scenarios):
     """2 processes x 2 devices draw what 1 process x 4 devices draws: each replica
     its rows of the single-device mask (tests/test_random.py's NNX script)."""

@@ -19,6 +19,10 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
 * ``strategy``: amp, recompute, gradient_merge, LAMB, fp16_allreduce and no_sync;
 * ``sharding``: ZeRO stage 1 (NNX, with a checkpoint) and stage 2 (Linen);
 * ``finite``: ``check_nan_inf``, a non-finite row on process 1 only;
+* ``same_rows``: both processes pass the whole batch (the four steps as written
+  for one card): refused on every process at the first call; then each passes
+  its own rows. A constant warm-up batch is let through, the whole batch after
+  it is not;
 * ``random``: NNX dropout (``tests/test_random.py``): each replica draws its rows
   of the single-device mask, whatever process it is on.
 """
@@ -44,7 +48,7 @@ from tests.workers import (  # noqa: E402
 )
 
 SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding", "finite",
-             "random")
+             "same_rows", "random")
 PROCESSES, LOCAL = 2, 2
 HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
 IO_N, IO_BATCH = 37, 2
@@ -167,6 +171,52 @@ def finite() -> None:
     np.savez(f"result.{rank}.npz", losses=np.array(losses), **models.flat_params(model))
     with open(f"message.{rank}.json", "w") as f:
         json.dump(message, f)
+
+
+def same_rows() -> None:
+    """Call 1 passes the whole global batch on both processes: every process
+    raises (before anything runs), and call 2, with each process's own rows (the
+    fix the message names), trains what one device trains on the global batch. A
+    second step's warm-up call passes zeros on both processes (let through: a
+    constant batch), and its next call the whole batch (refused, at call 2)."""
+    import time
+
+    import jax
+    import optax
+    from flax import nnx
+
+    from tests import models
+
+    fleet.init(is_collective=True)
+    rank = fleet.worker_index()
+    (x, y), = models.batches("linear", 1, 16)
+
+    def attempt(step, *args):
+        start = time.monotonic()
+        try:
+            return {"loss": float(step(*args))}
+        except fleet.FleetError as e:
+            return {"error": type(e).__name__, "message": str(e),
+                    "seconds": time.monotonic() - start}
+
+    def train():
+        model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+        optimizer = fleet.distributed_optimizer(
+            nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param))
+        return fleet.distributed_step(models.nnx_train_step), model, optimizer
+
+    step, model, optimizer = train()
+    out = {"whole": attempt(step, model, optimizer, x, y)}
+    mine = slice(jax.process_index(), None, jax.process_count())  # the message's fix
+    out["own"] = attempt(step, model, optimizer, x[mine], y[mine])
+    np.savez(f"result.{rank}.npz", **models.flat_params(model))
+
+    step, model, optimizer = train()
+    zeros = (np.zeros_like(x), np.zeros_like(y))
+    out["warmup"] = attempt(step, model, optimizer, *zeros)
+    out["after_warmup"] = attempt(step, model, optimizer, x, y)
+    with open(f"result.{rank}.json", "w") as f:
+        json.dump(out, f)
 
 
 def random() -> None:
