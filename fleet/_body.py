@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _finite, _guards, _random, _roles, _sync
+from fleet import _finite, _guards, _metrics, _random, _roles, _sync
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -141,7 +141,8 @@ class Program:
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
             trees = tree_rows(trees)
-        keys = _random.Keys(_random.rows_of(batch))  # each replica draws its rows' bits
+        rows = _random.rows_of(batch)
+        keys = _random.Keys(rows)  # each replica draws its rows' bits
         state, trees, repl = keys.enter(state), keys.enter(trees), keys.enter(repl)
         original = state
         if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
@@ -162,7 +163,9 @@ class Program:
                     replicas=plan.mesh.devices.size)
         recorder = _finite.Recorder() if plan.check_nan_inf else None
         with _sync.tracing(trace), _finite.recording(recorder):
-            out = keys.leave(self.fn(*values[:n_pos], **dict(zip(plan.kw_names, values[n_pos:]))))
+            with _metrics.global_updates(objs, rows):  # metrics update on the global batch
+                out = keys.leave(self.fn(*values[:n_pos],
+                                         **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
                 raise FleetError(

@@ -193,7 +193,8 @@ _MIXED_TYPES: dict[tuple[type, type], type] = {}
 
 
 def set_class(obj: Any, cls: type) -> None:
-    """Makes ``obj`` an instance of ``cls``, a subclass of its own class, in place.
+    """Makes ``obj`` an instance of ``cls``, a subclass of its own class (or back a
+    base class it had), in place.
 
     The one place where fleet changes the class of an object it did not create
     (``isinstance`` of the old class still holds):
@@ -205,13 +206,16 @@ def set_class(obj: Any, cls: type) -> None:
       ``DataParallel`` view and any optimizer built on it share, so their type
       changes where they are;
     * a sharded optimizer's state variables become ``Sharded…`` (:func:`add_mixin`);
+    * a metric inside a step's trace becomes ``Global…`` (``fleet/_metrics.py``), and
+      its class is put back (a base class of its own) before the graph is split;
     * a recomputed sub-module becomes ``Recompute…`` (``fleet/strategy/_recompute.py``):
       Python calls a module through its type, and a wrapper module would change
       the state's paths.
     """
-    if not issubclass(cls, type(obj)):
-        raise TypeError(f"{cls.__name__} is not a subclass of {type(obj).__name__}")
-    obj.__class__ = cls
+    if not (issubclass(cls, type(obj)) or cls in type(obj).__mro__):
+        raise TypeError(f"{cls.__name__} is neither a subclass nor a base class of "
+                        f"{type(obj).__name__}")
+    object.__setattr__(obj, "__class__", cls)  # (not through an NNX object's bookkeeping)
 
 
 def add_mixin(variable: nnx.Variable, mixin: type, prefix: str) -> None:

@@ -1,0 +1,162 @@
+"""Stateful metrics updated inside a step (issue 33, item 2): Flax's NNX MNIST
+tutorial updates ``nnx.MultiMetric(accuracy=Accuracy(), loss=Average('loss'))``
+in its ``train_step``. On N devices the metrics' state -- totals, counts,
+Welford's mean and m2 -- must end each step as on one device, not only their
+``compute()`` ratio, and the same on every replica."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import tiers
+
+DEVICES = tiers.devices(1, 2, 4, 8)
+STEPS, BATCH = 3, 32
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(6, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def loss_fn(model, batch):
+    logits = model(batch["image"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, logits
+
+
+def train_step(model, optimizer, metrics, batch):
+    """Flax's NNX MNIST tutorial's train_step, as it is written there."""
+    grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+    (loss, logits), grads = grad_fn(model, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def batches(steps=STEPS, batch=BATCH):
+    rng = np.random.default_rng(0)
+    return [{"image": rng.normal(size=(batch, 6)).astype(np.float32),
+             "label": rng.integers(0, 4, batch).astype(np.int32)} for _ in range(steps)]
+
+
+def tutorial(step_of, wrap=lambda m, o: (m, o)):
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2, 0.9), wrt=nnx.Param)
+    model, optimizer = wrap(model, optimizer)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                              loss=nnx.metrics.Average("loss"))
+    step = step_of(train_step)
+    history = []
+    for b in batches():
+        step(model, optimizer, metrics, b)
+        history.append(jax.tree.map(np.asarray, nnx.state(metrics)))
+    return model, metrics, history
+
+
+def metric_state(metrics) -> dict:
+    return {".".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(metrics))}
+
+
+@pytest.mark.parametrize("n", DEVICES)
+def test_the_mnist_tutorial_metrics_equal_one_device(make_world, n):
+    _, ref, ref_history = tutorial(nnx.jit)
+    make_world(n)
+    _, got, history = tutorial(fleet.distributed_step, lambda m, o: (
+        fleet.distributed_model(m), fleet.distributed_optimizer(o)))
+    want, have = metric_state(ref), metric_state(got)
+    print(f"n={n}: {have} vs {want}")
+    assert set(want) == set(have)
+    for k in want:  # counts exactly, totals within float rounding
+        np.testing.assert_allclose(have[k], want[k], rtol=1e-6, err_msg=k)
+    assert have["accuracy.count"] == STEPS * BATCH and have["loss.count"] == STEPS
+    assert float(have["accuracy.total"]).is_integer()  # a count of correct rows
+    for a, b in zip(jax.tree.leaves(history), jax.tree.leaves(ref_history)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)  # after every step
+    for k, v in got.compute().items():
+        np.testing.assert_allclose(v, ref.compute()[k], rtol=1e-6)
+    assert fleet.check_replicas(nnx.state(got)) == []
+
+
+def welford_step(model, welford, x):
+    welford.update(values=model(x)[:, 0])
+
+
+@pytest.mark.parametrize("n", tiers.devices(1, 4))
+def test_welford_equals_one_device(make_world, n):
+    """The variance is not a sum: each update must see the global batch."""
+    xs = [np.random.default_rng(i).normal(size=(BATCH, 6)).astype(np.float32) for i in range(3)]
+
+    def run(step_of, wrap=lambda m: m):
+        model, welford = wrap(MLP(nnx.Rngs(0))), nnx.metrics.Welford("values")
+        step = step_of(welford_step)
+        for x in xs:
+            step(model, welford, x)
+        return welford
+
+    ref = run(nnx.jit)
+    make_world(n)
+    got = run(fleet.distributed_step, fleet.distributed_model)
+    want, have = metric_state(ref), metric_state(got)
+    print(f"n={n}: {have} vs {want}")
+    for k in want:
+        np.testing.assert_allclose(have[k], want[k], rtol=1e-5, err_msg=k)
+    stats, ref_stats = got.compute(), ref.compute()
+    np.testing.assert_allclose(stats.standard_deviation, ref_stats.standard_deviation, rtol=1e-5)
+    np.testing.assert_allclose(stats.standard_error_of_mean, ref_stats.standard_error_of_mean,
+                               rtol=1e-5)
+
+
+class Masked(nnx.metrics.Metric):
+    """A metric of one's own through the public Metric API: a masked sum and its count."""
+
+    def __init__(self):
+        self.total = nnx.metrics.MetricState(np.float32(0))
+        self.count = nnx.metrics.MetricState(np.int32(0))
+
+    def reset(self):
+        self.total[...], self.count[...] = np.float32(0), np.int32(0)
+
+    def update(self, values, mask):
+        self.total[...] += (values * mask).sum()
+        self.count[...] += mask.sum().astype(np.int32)
+
+    def compute(self):
+        return self.total[...] / self.count[...]
+
+
+def test_a_metric_subclass_with_positional_arguments_equals_one_device(make_world):
+    x = np.random.default_rng(3).normal(size=(BATCH, 6)).astype(np.float32)
+    mask = (np.arange(BATCH) % 3 == 0)
+
+    def step(model, metric, x, mask):
+        metric.update(model(x)[:, 1], mask)
+
+    ref = Masked()
+    nnx.jit(step)(MLP(nnx.Rngs(0)), ref, x, mask)
+    make_world(4)
+    got = Masked()
+    fleet.distributed_step(step)(fleet.distributed_model(MLP(nnx.Rngs(0))), got, x, mask)
+    assert int(got.count[...]) == int(ref.count[...]) == mask.sum()
+    np.testing.assert_allclose(float(got.total[...]), float(ref.total[...]), rtol=1e-6)
+
+
+def test_a_metric_given_a_per_replica_array_that_is_not_per_example_is_refused(make_world):
+    def step(model, metric, x):
+        metric.update(values=model(x).sum(0))  # (4,) per replica: a sum over its rows
+
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"updates metric Average with a value of shape "
+                       r"\(4,\) per replica"):
+        fleet.distributed_step(step)(fleet.distributed_model(MLP(nnx.Rngs(0))),
+                                     nnx.metrics.Average("values"),
+                                     np.ones((BATCH, 6), np.float32))
