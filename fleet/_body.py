@@ -206,7 +206,8 @@ class Program:
         return new_state, out_leaves
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
-        """The NNX state the step leaves: buffers averaged, anything else varying refused."""
+        """The NNX state the step leaves: batch-norm statistics averaged, anything
+        else varying refused."""
         variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
         leaves = [v.get_raw_value() for v in variables]
         # Under no_sync the wrapped parameters entered as varying; unchanged, they
@@ -221,8 +222,14 @@ class Program:
                     " Under no_sync the gradients are local: update with a "
                     "fleet.distributed_optimizer, which does not step inside no_sync."
                     if plan.no_sync else
-                    " Compute its gradient through a wrapped model (fleet.distributed_model), "
-                    "or do not write values computed from the batch into it."
+                    " Compute its gradient through a wrapped model (fleet.distributed_model)."
+                    if isinstance(variables[i], nnx.Param) else
+                    " fleet averages only batch-norm statistics (nnx.BatchStat); it cannot "
+                    "tell whether this value is a mean over the replica's rows or a sum. "
+                    "Combine it yourself in the step, as on one device: "
+                    "fleet.all_reduce(value, 'avg') for a mean, fleet.all_reduce(value, "
+                    "'sum') for a sum; or keep counts and totals in an nnx.metrics metric, "
+                    "which fleet updates with the global batch."
                 )
                 raise FleetError(
                     f"{self.graph.names[i]} would hold different values on different "

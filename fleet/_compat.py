@@ -50,12 +50,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sysconfig
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax._src import core as jax_core
 from jax._src import distributed, xla_bridge
@@ -134,17 +138,9 @@ def user_line(eqn: Any) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _library_dirs() -> tuple[str, ...]:
-    import os
-    import sysconfig
-
-    import flax
-    import optax
-
-    import fleet
-
-    dirs = [os.path.dirname(m.__file__) + os.sep for m in (jax, flax, optax, fleet, _jax)]
-    dirs += [sysconfig.get_paths()["stdlib"] + os.sep, "<"]
-    return tuple(dirs)
+    here = os.path.dirname(os.path.abspath(__file__))  # fleet itself
+    dirs = [os.path.dirname(m.__file__) for m in (jax, flax, optax, _jax)] + [here]
+    return tuple(d + os.sep for d in dirs) + (sysconfig.get_paths()["stdlib"] + os.sep, "<")
 
 
 def register_before_exit(fn: Callable[[], None]) -> None:

@@ -233,10 +233,13 @@ def _ids(values: Any) -> tuple:
 
 
 def is_buffer(v: nnx.Variable) -> bool:
-    """Model state that is neither a parameter nor optimizer state (batch-norm
-    statistics): each replica updates it from its own rows."""
-    return not isinstance(v, (nnx.Param, OptState)) and jnp.issubdtype(
-        jnp.result_type(v.get_raw_value()), jnp.inexact)
+    """Batch-norm statistics (``nnx.BatchStat``, floating-point): each replica
+    updates them from its own rows (``sync_batch_norm=False``), and the step
+    averages them over the replicas, the one state fleet averages. Any other
+    variable set from per-replica values may be a sum as well as a mean: the
+    step refuses it (``fleet._body``)."""
+    return isinstance(v, nnx.BatchStat) and not isinstance(v, (nnx.Param, OptState)) and (
+        jnp.issubdtype(jnp.result_type(v.get_raw_value()), jnp.inexact))
 
 
 def tree_layout(tree_shards: tuple, sharded: Any, other: Any) -> list:

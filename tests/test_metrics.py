@@ -160,3 +160,33 @@ def test_a_metric_given_a_per_replica_array_that_is_not_per_example_is_refused(m
         fleet.distributed_step(step)(fleet.distributed_model(MLP(nnx.Rngs(0))),
                                      nnx.metrics.Average("values"),
                                      np.ones((BATCH, 6), np.float32))
+
+
+class Running(nnx.Module):
+    def __init__(self):
+        self.loss = nnx.Variable(np.float32(0))
+
+
+@pytest.mark.parametrize("n", tiers.devices(1, 4))
+def test_other_state_set_from_per_replica_values_is_refused_not_averaged(make_world, n):
+    """One rule for state that is neither a metric nor batch-norm statistics: fleet
+    cannot tell a mean from a sum, so it refuses (before, it averaged: a sum came
+    out N times too small), and fleet.all_reduce is what to write."""
+
+    def silent(running, x):
+        running.loss[...] = 0.9 * running.loss[...] + 0.1 * x.sum()
+
+    def explicit(running, x):
+        running.loss[...] = 0.9 * running.loss[...] + 0.1 * fleet.all_reduce(x.sum(), "sum")
+
+    x = np.arange(BATCH * 2, dtype=np.float32).reshape(BATCH, 2)
+    ref = Running()
+    nnx.jit(silent)(ref, x)
+    make_world(n)
+    if n > 1:
+        with pytest.raises(fleet.FleetError, match=r"variable 'loss' would hold different values"
+                           r".*fleet.all_reduce\(value, 'sum'\) for a sum"):
+            fleet.distributed_step(silent)(Running(), x)
+    got = Running()
+    fleet.distributed_step(explicit)(got, x)
+    assert float(got.loss[...]) == float(ref.loss[...]) == 0.1 * x.sum()
