@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _finite, _guards, _roles, _sync
+from fleet import _finite, _guards, _roles, _sync, _trace_errors
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -76,7 +76,18 @@ class Program:
                 functools.partial(self.body, plan, record=record, probe=True),
                 mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
             )
-            jaxpr = jax.make_jaxpr(probe)(*args)
+            try:
+                jaxpr = jax.make_jaxpr(probe)(*args)
+            except FleetError:
+                raise
+            except Exception as e:
+                untyped = jax.shard_map(
+                    functools.partial(self.body, plan, record={}, probe=True),
+                    mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=False)
+                typing = _trace_errors.typing_failure(e, lambda: jax.make_jaxpr(untyped)(*args))
+                if typing is None:
+                    raise
+                raise typing from None
             if _guards.foreign_psums(jaxpr):
                 summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
