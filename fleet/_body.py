@@ -72,22 +72,7 @@ class Program:
             _guards.check_on_one_device(
                 functools.partial(self.body, plan, record={}, probe=True), plan.mesh, args, specs)
             record = {}
-            probe = jax.shard_map(
-                functools.partial(self.body, plan, record=record, probe=True),
-                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
-            )
-            try:
-                jaxpr = jax.make_jaxpr(probe)(*args)
-            except FleetError:
-                raise
-            except Exception as e:
-                untyped = jax.shard_map(
-                    functools.partial(self.body, plan, record={}, probe=True),
-                    mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=False)
-                typing = _trace_errors.typing_failure(e, lambda: jax.make_jaxpr(untyped)(*args))
-                if typing is None:
-                    raise
-                raise typing from None
+            jaxpr = self.probe(plan, record, args, specs)
             if _guards.foreign_psums(jaxpr):
                 summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
@@ -142,6 +127,25 @@ class Program:
         ]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
         return new_state, out, (checked[0] if checked else chain)
+
+    def probe(self, plan: Plan, record: dict, args: tuple, specs: tuple) -> Any:
+        """The jaxpr of the body's probe (``record`` filled). A trace that fails on
+        JAX's replica typing alone (it traces untyped) raises the error
+        :func:`fleet._trace_errors.typing_failure` makes of it."""
+        def traced(check_vma: bool, into: dict) -> Any:
+            return jax.make_jaxpr(jax.shard_map(
+                functools.partial(self.body, plan, record=into, probe=True),
+                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=check_vma))(*args)
+
+        try:
+            return traced(True, record)
+        except FleetError:
+            raise
+        except Exception as e:
+            typing = _trace_errors.typing_failure(e, lambda: traced(False, {}))
+            if typing is None:
+                raise
+            raise typing from None
 
     def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe):
         per_replica = self.graph.per_replica

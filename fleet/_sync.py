@@ -255,8 +255,9 @@ class SyncedRead:
 
     Outside a step, or where the value is not being differentiated (the
     optimizer's update, a hand-written SGD), a read returns the value itself.
-    Under differentiation it returns the bucket-synced value that the model's
-    ``__call__`` prepared, or syncs this one leaf.
+    Inside the model's ``__call__`` the raw value is the bucket-synced one
+    already (:func:`bucketed_call`: varying, returned as it is); elsewhere under
+    differentiation a read syncs this one leaf.
     """
 
     __slots__ = ()
