@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _finite, _guards, _metrics, _random, _roles, _sync
+from fleet import _finite, _guards, _metrics, _random, _roles, _sync, _trace_errors
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -73,11 +73,7 @@ class Program:
             _guards.check_on_one_device(
                 functools.partial(self.body, plan, record={}, probe=True), plan.mesh, args, specs)
             record = {}
-            probe = jax.shard_map(
-                functools.partial(self.body, plan, record=record, probe=True),
-                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=True,
-            )
-            jaxpr = jax.make_jaxpr(probe)(*args)
+            jaxpr = self.probe(plan, record, args, specs)
             n = plan.mesh.devices.size
             _random.check_draws(jaxpr, frozenset(
                 np.shape(x)[0] // n for x in jax.tree.leaves(batch) if np.ndim(x)))
@@ -135,6 +131,25 @@ class Program:
         ]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
         return new_state, out, (checked[0] if checked else chain)
+
+    def probe(self, plan: Plan, record: dict, args: tuple, specs: tuple) -> Any:
+        """The jaxpr of the body's probe (``record`` filled). A trace that fails on
+        JAX's replica typing alone (it traces untyped) raises the error
+        :func:`fleet._trace_errors.typing_failure` makes of it."""
+        def traced(check_vma: bool, into: dict) -> Any:
+            return jax.make_jaxpr(jax.shard_map(
+                functools.partial(self.body, plan, record=into, probe=True),
+                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=check_vma))(*args)
+
+        try:
+            return traced(True, record)
+        except FleetError:
+            raise
+        except Exception as e:
+            typing = _trace_errors.typing_failure(e, lambda: traced(False, {}))
+            if typing is None:
+                raise
+            raise typing from None
 
     def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe):
         per_replica = self.graph.per_replica

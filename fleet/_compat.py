@@ -38,6 +38,13 @@ need                               private symbol
 :func:`add_mixin`                  not create changes class (a parameter's synced
                                    read, a sharded optimizer state, a recomputed
                                    sub-module)
+:func:`unfiltered_tracebacks`     ``jax._src.config.traceback_filtering`` as a
+                                   context manager (this thread only): a failed trace
+                                   re-run for its diagnosis keeps JAX's frames
+:func:`collective_calls`           no private symbol, an implementation detail: the
+                                   frames of JAX's public collectives
+                                   (``jax.lax.psum`` ...) in a traceback, and the
+                                   ``axis_name`` argument each holds
 :func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
 :func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
                                    plain array variable's value without
@@ -61,6 +68,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax._src import config as jax_config
 from jax._src import core as jax_core
 from jax._src import distributed, xla_bridge
 from jax._src.interpreters import ad
@@ -141,6 +149,41 @@ def _library_dirs() -> tuple[str, ...]:
     here = os.path.dirname(os.path.abspath(__file__))  # fleet itself
     dirs = [os.path.dirname(m.__file__) for m in (jax, flax, optax, _jax)] + [here]
     return tuple(d + os.sep for d in dirs) + (sysconfig.get_paths()["stdlib"] + os.sep, "<")
+def unfiltered_tracebacks() -> Any:
+    """A context manager (this thread only) under which an exception raised by a
+    trace keeps JAX's own frames in its traceback (``JAX_TRACEBACK_FILTERING=off``
+    for one call): :func:`collective_calls` reads them."""
+    return jax_config.traceback_filtering("off")
+
+
+#: JAX's public collectives over a named axis, each with an ``axis_name`` parameter.
+COLLECTIVES = ("psum", "pmean", "pmax", "pmin", "all_gather", "axis_index", "axis_size",
+               "ppermute", "pshuffle", "psum_scatter", "all_to_all", "pbroadcast", "pcast")
+
+
+def _collective_codes() -> dict:
+    return {inspect.unwrap(getattr(jax.lax, n)).__code__: n for n in COLLECTIVES
+            if callable(getattr(jax.lax, n, None))}
+
+
+def collective_calls(tb: Any) -> list[tuple[str, Any, Any]]:
+    """``(name, axis_name, caller)`` for each call of a public ``jax.lax``
+    collective in the traceback ``tb`` (an unfiltered one: :func:`unfiltered_tracebacks`),
+    outermost first: the collective's name, the ``axis_name`` its frame holds
+    (what its caller passed) and the caller's frame summary (file, line)."""
+    import traceback
+
+    codes = _collective_codes()
+    frames = list(traceback.walk_tb(tb))
+    out = []
+    for i, (frame, _) in enumerate(frames):
+        name = codes.get(frame.f_code)
+        if name is not None and i > 0 and frames[i - 1][0].f_code not in codes:
+            caller, line = frames[i - 1]
+            summary = traceback.FrameSummary(caller.f_code.co_filename, line,
+                                             caller.f_code.co_name)
+            out.append((name, frame.f_locals.get("axis_name"), summary))
+    return out
 
 
 def register_before_exit(fn: Callable[[], None]) -> None:
@@ -255,6 +298,13 @@ def check() -> None:
                        "fold_in, random_bits")
     if not callable(getattr(jax.extend.random, "define_prng_impl", None)):
         missing.append("jax.extend.random.define_prng_impl")
+    if not hasattr(getattr(jax_config, "traceback_filtering", None), "__call__"):
+        missing.append("jax._src.config.traceback_filtering")
+    for name in COLLECTIVES:
+        fn = getattr(jax.lax, name, None)
+        if not callable(fn) or not hasattr(inspect.unwrap(fn), "__code__") or (
+                "axis_name" not in inspect.signature(fn).parameters):
+            missing.append(f"jax.lax.{name}(axis_name=)")
     if not callable(getattr(threading, "_register_atexit", None)):
         missing.append("threading._register_atexit")
     probe = nnx.Param(np.zeros(()))  # numpy: importing fleet computes nothing

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fleet import _rows, _sync
+from fleet import _rows, _sync, _trace_errors
 from fleet._agree import agree
 from fleet._errors import FleetError
 from fleet._roles import REPL, TREE
@@ -138,32 +138,33 @@ def check_closures(fn: Any) -> None:
 def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:
     """Traces the step once as the single-device step would run it (the global
     shapes, one device), so every shape error it would raise is raised here,
-    with single-device shapes, rather than slipping through per-replica shapes."""
+    with single-device shapes, rather than slipping through per-replica shapes.
+
+    The replay is untyped (``check_vma=False``): on one device every value is the
+    same on every replica, so JAX's replica typing is not the single-device
+    step's and a failure of it is not blamed on one device (it is the per-replica
+    trace's to explain: :func:`fleet._trace_errors.typing_failure`). A
+    collective over an axis other than ``data`` is refused naming the axis and
+    the user's line (:func:`fleet._trace_errors.unbound_collective`)."""
     one = jax.sharding.Mesh(np.array(list(mesh.devices.flat)[:1]), (DATA_AXIS,))
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
                            args)
-    body = jax.shard_map(body, mesh=one, in_specs=specs, out_specs=(), check_vma=True)
+    body = jax.shard_map(body, mesh=one, in_specs=specs, out_specs=(), check_vma=False)
     try:
         jax.eval_shape(body, *structs)
     except FleetError:
         raise
-    except AssertionError as e:  # JAX's own, for a collective over an unknown axis
-        said = str(e).splitlines()[0] if str(e) else "(no message)"
-        raise FleetError(
-            f"tracing the step raised AssertionError: {said}. "
-            "If it comes from JAX, a common cause is a collective over an axis other "
-            f"than fleet's {DATA_AXIS!r} (jax.lax.pmean(x, axis_name='batch') kept from a "
-            "jax.pmap script): fleet already averages the loss, the metrics and the "
-            "gradients over the replicas, so remove it; to combine a value of your own, "
-            f"use fleet.all_reduce (or name the axis fleet.DATA_AXIS, {DATA_AXIS!r})"
-        ) from e
-    except (TypeError, ValueError) as e:
+    except Exception as e:
+        unbound = _trace_errors.unbound_collective(lambda: jax.eval_shape(body, *structs))
+        if unbound is not None:
+            raise unbound from None
+        if not isinstance(e, (TypeError, ValueError)):
+            raise
         shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(args[2])]
         raise FleetError(
             f"the step fails as a single-device step on the global batch (batch shapes "
-            f"{shapes}), so it is refused here too: {type(e).__name__}: "
-            f"{str(e).splitlines()[0]}"
-        ) from e
+            f"{shapes}), so it is refused here too: {type(e).__name__}: {e}"
+        ).with_traceback(_trace_errors.user_traceback(e.__traceback__)) from None
 
 
 def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) -> list[str]:

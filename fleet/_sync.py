@@ -65,7 +65,6 @@ class SyncTrace:
 
     num_replicas: int
     no_sync: bool = False
-    synced: dict = dataclasses.field(default_factory=dict)  # id(variable) -> synced value
     accum_in: dict = dataclasses.field(default_factory=dict)  # key -> accumulated local grad
     accum_out: dict = dataclasses.field(default_factory=dict)  # key -> what the step leaves
     wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced in this trace
@@ -256,8 +255,9 @@ class SyncedRead:
 
     Outside a step, or where the value is not being differentiated (the
     optimizer's update, a hand-written SGD), a read returns the value itself.
-    Under differentiation it returns the bucket-synced value that the model's
-    ``__call__`` prepared, or syncs this one leaf.
+    Inside the model's ``__call__`` the raw value is the bucket-synced one
+    already (:func:`bucketed_call`: varying, returned as it is); elsewhere under
+    differentiation a read syncs this one leaf.
     """
 
     __slots__ = ()
@@ -267,12 +267,8 @@ class SyncedRead:
         if trace is not None:
             raw = self.get_raw_value()
             if is_differentiated(raw) and not is_varying(raw):
-                synced = trace.synced.get(id(self))
-                if synced is not None and synced[0] is raw:
-                    value = synced[1]
-                else:
-                    spec = self.get_metadata("fleet_sync")
-                    value = sync_leaves([spec.key], [raw], spec.buckets)[0]
+                spec = self.get_metadata("fleet_sync")
+                value = sync_leaves([spec.key], [raw], spec.buckets)[0]
                 return value if isinstance(index, Missing) or index is ... else value[index]
         return super().get_value(index=index)
 
@@ -304,7 +300,14 @@ def make_synced(variable: Any, spec: SyncSpec) -> None:
 @contextlib.contextmanager
 def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
     """Around a wrapped NNX model's ``__call__``: syncs every differentiated
-    parameter at once, in buckets, for the reads inside the call."""
+    parameter at once, in buckets, and lets the parameters hold their synced
+    values as raw values for the call (restored after). So every read inside
+    the call sees the synced value, also where a transformation inside the
+    model reads the raw values itself: ``nnx.scan`` over stacked layers,
+    ``nnx.vmap``, ``nnx.remat``, ``nnx.jit`` extract the state outside their
+    body, and a parameter that entered them unsynced would be read inside as an
+    invariant value that JAX casts to varying, whose transpose *sums* the
+    gradient over the replicas (tests/test_scan.py)."""
     trace = current()
     if trace is None:
         yield
@@ -312,16 +315,14 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
     keys = list(variables)
     raw = [variables[k].get_raw_value() for k in keys]
     synced = sync_leaves(keys, raw, buckets)
-    added = []
-    for k, r, s in zip(keys, raw, synced):
-        if s is not r and id(variables[k]) not in trace.synced:
-            trace.synced[id(variables[k])] = (r, s)
-            added.append(id(variables[k]))
+    changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
+    for v, _, s in changed:
+        v.set_raw_value(s)
     try:
         yield
     finally:
-        for i in added:
-            trace.synced.pop(i, None)
+        for v, r, _ in changed:
+            v.set_raw_value(r)
 
 
 def accumulate(grads: Any) -> None:

@@ -32,6 +32,7 @@ PACKAGE = Path(_compat.__file__).parent
     (ad, "LinearizeTracer", "jax._src.interpreters.ad.LinearizeTracer"),
     (threading, "_register_atexit", "threading._register_atexit"),
     (extend_core.Primitive, "get_bind_params", "jax.extend.core.Primitive.get_bind_params"),
+    (jax.lax, "pmean", "jax.lax.pmean(axis_name=)"),
 ])
 def test_a_missing_symbol_fails_loudly(monkeypatch, owner, name, symbol):
     monkeypatch.delattr(owner, name)

@@ -218,8 +218,8 @@ PARTLY_CONVERTED = {  # what is left of the original -> what the first call says
         "batch", {}, r"the Linen BatchNorm 'BatchNorm_0' has axis_name='batch', which is "
                      r"not an axis of fleet's step .*axis_name=fleet\.DATA_AXIS"),
     "lax.pmean over 'batch'": (
-        fleet.DATA_AXIS, {}, r"a collective over an axis other than fleet's 'data' \(jax\.lax"
-                             r"\.pmean\(x, axis_name='batch'\) kept from a jax\.pmap script\)"),
+        fleet.DATA_AXIS, {}, r"a collective over an axis other than fleet's 'data': jax\.lax"
+                             r"\.pmean\(\.\.\., axis_name='batch'\) at .*test_flax_imagenet\.py"),
     "L2 penalty from params in the loss": (
         fleet.DATA_AXIS, {"axis_name": None},
         r"differentiates .*Conv_0.*kernel.* through a read outside the wrapped model's call.*"
