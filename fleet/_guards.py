@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from fleet import _sync
 from fleet._agree import agree
@@ -134,16 +135,25 @@ def check_closures(fn: Any) -> None:
                 "split with the batch; shapes inside the step are the replica's)")
 
 
-def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:
+def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: int = 1) -> Any:
     """Traces the step once as the single-device step would run it (the global
     shapes, one device), so every shape error it would raise is raised here,
-    with single-device shapes, rather than slipping through per-replica shapes."""
+    with single-device shapes, rather than slipping through per-replica shapes.
+    Returns the trace (its body returns the probe's outputs: fleet._outputs
+    reads it); ``rows`` multiplies the batch's rows (the global batch's, once more)."""
     one = jax.sharding.Mesh(np.array(list(mesh.devices.flat)[:1]), (DATA_AXIS,))
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                           args)
-    body = jax.shard_map(body, mesh=one, in_specs=specs, out_specs=(), check_vma=True)
+
+    def struct(x: Any, scale: int = 1) -> Any:
+        aval = jax.typeof(x)  # (weak types kept: a Python scalar traces as the probe's)
+        shape = (aval.shape[0] * scale, *aval.shape[1:]) if aval.shape else ()
+        return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
+
+    structs = [jax.tree.map(struct, a) for a in args]
+    structs[2] = jax.tree.map(lambda x: struct(x, rows), args[2])  # the batch
+    body = jax.shard_map(body, mesh=one, in_specs=specs, out_specs=P(DATA_AXIS),
+                         check_vma=True)
     try:
-        jax.eval_shape(body, *structs)
+        return jax.make_jaxpr(body)(*structs)
     except FleetError:
         raise
     except AssertionError as e:  # JAX's own, for a collective over an unknown axis
