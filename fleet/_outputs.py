@@ -134,7 +134,6 @@ class _Walk:
         self.memo: dict = {}
         self.same_memo: dict = {}
         self.why = "its computation"
-        self.origin: tuple | None = None  # the last reduction's operand (var, scope)
 
     def _fail(self, why: str) -> None:
         self.why = why
@@ -260,7 +259,6 @@ class _Walk:
             if grown != [0] or 0 not in axes or xb.aval.shape[0] != self.scale * xa.aval.shape[0]:
                 return self._fail(f"a {name} over an axis other than the batch rows, or over "
                                   "several axes that grow with the batch")
-            self.origin = (xa, sa)
             return ("k", _REDUCTIONS[name])
         inner = self.kind(xa, sa, xb, sb, depth + 1)
         if inner is None:
@@ -345,43 +343,42 @@ def _is_sync(eqn: Any) -> bool:
 
 
 def _differentiable(body: Any) -> set:
-    """Ids of the variables that are float functions of the wrapped model's synced
-    parameters (the outputs of fleet's sync calls, :func:`_is_sync`) in the
+    """Ids of the body's variables that are float functions of the wrapped model's
+    synced parameters (the outputs of fleet's sync calls, :func:`_is_sync`) in the
     forward pass: the dependence ends at fleet's collectives, so values computed
-    from the updated parameters (through the averaged gradients) are not in it."""
-    tainted: set = set()
+    from the updated parameters (through the averaged gradients) are not in it.
+    (An inner jaxpr can be shared by several calls: each call is walked with its
+    own set.)"""
 
     def inexact(v):
         return np.issubdtype(v.aval.dtype, np.inexact)
 
-    def walk(jaxpr: Any) -> None:
-        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    def walk(jaxpr: Any, seeds: set) -> set:
+        tainted = set(seeds)
         for eqn in jaxpr.eqns:
             if _is_sync(eqn):
                 tainted.update(id(v) for v in eqn.outvars)
                 continue
             if eqn.params.get("name") in FLEET_CALLS:  # the synced gradients: not the forward
                 continue
-            hit = any(not isinstance(v, Literal) and id(v) in tainted for v in eqn.invars)
-            subs = [p for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", p), "eqns")]
-            for sub in subs:
-                inner = getattr(sub, "jaxpr", sub)
-                if len(inner.invars) == len(eqn.invars):
-                    tainted.update(id(s) for s, v in zip(inner.invars, eqn.invars)
-                                   if not isinstance(v, Literal) and id(v) in tainted)
-                elif hit:
-                    tainted.update(id(s) for s in inner.invars)
-                walk(inner)
+            hit = [not isinstance(v, Literal) and id(v) in tainted for v in eqn.invars]
+            subs = [getattr(p, "jaxpr", p) for p in eqn.params.values()
+                    if hasattr(getattr(p, "jaxpr", p), "eqns")]
+            for inner in subs:
+                aligned = len(inner.invars) == len(eqn.invars)
+                inside = walk(inner, {id(s) for s, h in zip(inner.invars, hit) if h}
+                              if aligned else ({id(s) for s in inner.invars} if any(hit)
+                                               else set()))
                 if len(inner.outvars) == len(eqn.outvars):
                     tainted.update(id(o) for o, s in zip(eqn.outvars, inner.outvars)
-                                   if id(s) in tainted and inexact(o))
-                elif any(id(s) in tainted for s in inner.outvars):
+                                   if id(s) in inside and inexact(o))
+                elif any(id(s) in inside for s in inner.outvars):
                     tainted.update(id(o) for o in eqn.outvars if inexact(o))
-            if hit and not subs:
+            if any(hit) and not subs:
                 tainted.update(id(o) for o in eqn.outvars if inexact(o))
+        return tainted
 
-    walk(body)
-    return tainted
+    return walk(getattr(body, "jaxpr", body), set())
 
 
 def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
@@ -414,7 +411,7 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
             raise FleetError(_CANNOT.format(name=name, dtype=dtype, why=why))
         if got[1] == SUM and wrapped and np.issubdtype(dtype, np.inexact):
             tainted = _differentiable(body) if tainted is None else tainted
-            if walk.origin is not None and id(walk.origin[0]) in tainted:
+            if id(a) in tainted:
                 raise FleetError(_SUMMED_LOSS.format(name=name, n=replicas))
         out.append(got[1])
     return out
