@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _finite, _guards, _metrics, _random, _roles, _sync, _trace_errors
+from fleet import _finite, _guards, _metrics, _outputs, _random, _roles, _sync, _trace_errors
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -70,10 +70,11 @@ class Program:
         if record is None:
             strategy = world().strategy
             _guards.check_closures(self.fn)
-            _guards.check_on_one_device(
-                functools.partial(self.body, plan, record={}, probe=True), plan.mesh, args, specs)
+            probe_body = functools.partial(self.body, plan, record={}, probe=True)
+            reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
             record = {}
             jaxpr = self.probe(plan, record, args, specs)
+            self.resolve_scalars(plan, record, jaxpr, reference, probe_body, args, specs)
             n = plan.mesh.devices.size
             _random.check_draws(jaxpr, frozenset(
                 np.shape(x)[0] // n for x in jax.tree.leaves(batch) if np.ndim(x)))
@@ -125,8 +126,8 @@ class Program:
         n = plan.mesh.devices.size
         out_leaves = [
             (jax.lax.div(x, jnp.asarray(n, x.dtype)) if r == "mean" else x) if s
-            else x.mean(0) if r == "mean" else x.sum(0) if r == "sum"
-            else _sharding.Shard(x, r[1]) if isinstance(r, tuple) else x
+            else _sharding.Shard(x, r[1]) if isinstance(r, tuple)
+            else _COMBINE[r](x) if r in _COMBINE else x
             for x, r, s in zip(out_leaves, record["out"], record["summed"])
         ]
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
@@ -139,7 +140,8 @@ class Program:
         def traced(check_vma: bool, into: dict) -> Any:
             return jax.make_jaxpr(jax.shard_map(
                 functools.partial(self.body, plan, record=into, probe=True),
-                mesh=plan.mesh, in_specs=specs, out_specs=(), check_vma=check_vma))(*args)
+                mesh=plan.mesh, in_specs=specs, out_specs=P(DATA_AXIS),
+                check_vma=check_vma))(*args)  # (the body returns the undeclared scalars)
 
         try:
             return traced(True, record)
@@ -197,19 +199,23 @@ class Program:
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
                 "get averaged gradients back from a step"
             )
+        names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
+                 [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]]
+        if probe:  # returns the undeclared varying scalars, for fleet._outputs
+            trace.record_finite(names, leaves)
+            record.update(finite=[n for n, _ in trace.finite], names=names,
+                          dtypes=[jnp.result_type(x) for x in leaves])
+            record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
+                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
+                          shard_grads=len(trace.shard_grads))
+            return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR]
+        reduces = record["out"]  # (the probe's, each scalar's combination decided)
         summed = summed_inside(plan, leaves, reduces)
         if any(summed):  # (their flags are then the same on every replica: no agreement)
             sums = iter(_sync.psum([x for x, s in zip(leaves, summed) if s]))
             leaves = [next(sums) if s else x for x, s in zip(leaves, summed)]
-        trace.record_finite([(f"output {dotted(p)}" if dotted(p) else "the output") for p in
-                             [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]], leaves)
-        if probe:
-            record.update(finite=[n for n, _ in trace.finite], summed=summed)
-            record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
-                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
-                          shard_grads=len(trace.shard_grads))
-            return ()
-        out_leaves = [x if r == "replicated" or s else (x[None] if r in ("mean", "sum")
+        trace.record_finite(names, leaves)
+        out_leaves = [x if r == "replicated" or s else (x[None] if r in _COMBINE
                                                         or isinstance(r, tuple) else x)
                       for x, r, s in zip(leaves, reduces, summed)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
@@ -219,6 +225,26 @@ class Program:
         if plan.check_nan_inf:
             return new_state, out_leaves, chain
         return new_state, out_leaves
+
+    def resolve_scalars(self, plan: Plan, record: dict, jaxpr: Any, reference: Any,
+                        probe_body: Callable, args: tuple, specs: tuple) -> None:
+        """Decides how each undeclared varying scalar output combines (the probe's
+        :data:`fleet._roles.SCALAR`: fleet._outputs reads it from the probe's trace
+        and the single-device ``reference``), then which outputs the body sums."""
+        at = [i for i, r in enumerate(record["out"]) if r == _roles.SCALAR]
+        replicas = plan.mesh.devices.size
+        if at and replicas == 1:  # one replica: a second trace with twice the rows
+            try:
+                reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs,
+                                                        rows=2)
+            except FleetError:  # (a step written for one batch size: any rule is exact)
+                reference = None
+        kinds = _outputs.scalar_reduces(
+            jaxpr, reference, max(replicas, 2), [record["names"][i] for i in at],
+            [record["dtypes"][i] for i in at], replicas, bool(record["wrapped_syncs"]))
+        for i, k in zip(at, kinds):
+            record["out"][i] = k
+        record["summed"] = summed_inside(plan, record["dtypes"], record["out"])
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: batch-norm statistics averaged, anything
@@ -256,6 +282,11 @@ class Program:
         return leaves
 
 
+#: The combination over the replicas of each output returned stacked.
+_COMBINE = {"mean": lambda x: x.mean(0), "sum": lambda x: x.sum(0),
+            "max": lambda x: x.max(0), "min": lambda x: x.min(0)}
+
+
 def summed_inside(plan: Plan, leaves: list, reduces: list) -> list[bool]:
     """With ``check_nan_inf``, which outputs the body sums over the replicas itself
     (a psum), instead of returning them stacked for the mean or sum outside it:
@@ -267,7 +298,8 @@ def summed_inside(plan: Plan, leaves: list, reduces: list) -> list[bool]:
     gets. The sum is the one XLA makes outside (one all-reduce over the same
     values), and the mean divides it as ``jnp.mean`` does: bitwise the same
     outputs. Other dtypes (16-bit floats, which ``jnp.mean`` sums in float32)
-    keep the stacked path."""
+    keep the stacked path, and so do ``max`` and ``min`` outputs. ``leaves``:
+    the outputs or their dtypes."""
     if not plan.check_nan_inf:
         return [False] * len(leaves)
     return [r in ("mean", "sum") and jnp.result_type(x) in (jnp.float32, jnp.float64)

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from fleet import _rows, _sync, _trace_errors
 from fleet._agree import agree
@@ -135,29 +136,47 @@ def check_closures(fn: Any) -> None:
                 "split with the batch; shapes inside the step are the replica's)")
 
 
-def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple) -> None:
+def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: int = 1) -> Any:
     """Traces the step once as the single-device step would run it (the global
     shapes, one device), so every shape error it would raise is raised here,
     with single-device shapes, rather than slipping through per-replica shapes.
+    Returns the trace (its body returns the probe's outputs: fleet._outputs
+    reads it); ``rows`` multiplies the batch's rows (the global batch's, once more).
 
-    The replay is untyped (``check_vma=False``): on one device every value is the
-    same on every replica, so JAX's replica typing is not the single-device
-    step's and a failure of it is not blamed on one device (it is the per-replica
-    trace's to explain: :func:`fleet._trace_errors.typing_failure`). A
+    A failure of JAX's replica typing alone (the trace fails typed and succeeds
+    untyped, ``check_vma=False``) is not blamed on one device, where every value
+    is the same on every replica: the replay then returns ``None``, and the
+    per-replica trace explains it (:func:`fleet._trace_errors.typing_failure`). A
     collective over an axis other than ``data`` is refused naming the axis and
     the user's line (:func:`fleet._trace_errors.unbound_collective`)."""
     one = jax.sharding.Mesh(np.array(list(mesh.devices.flat)[:1]), (DATA_AXIS,))
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                           args)
-    body = jax.shard_map(body, mesh=one, in_specs=specs, out_specs=(), check_vma=False)
+
+    def struct(x: Any, scale: int = 1) -> Any:
+        aval = jax.typeof(x)  # (weak types kept: a Python scalar traces as the probe's)
+        shape = (aval.shape[0] * scale, *aval.shape[1:]) if aval.shape else ()
+        return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
+
+    structs = [jax.tree.map(struct, a) for a in args]
+    structs[2] = jax.tree.map(lambda x: struct(x, rows), args[2])  # the batch
+
+    def traced(check_vma: bool) -> Any:
+        return jax.make_jaxpr(jax.shard_map(body, mesh=one, in_specs=specs,
+                                            out_specs=P(DATA_AXIS), check_vma=check_vma))(*structs)
+
     try:
-        jax.eval_shape(body, *structs)
+        return traced(True)
     except FleetError:
         raise
     except Exception as e:
-        unbound = _trace_errors.unbound_collective(lambda: jax.eval_shape(body, *structs))
+        unbound = _trace_errors.unbound_collective(lambda: traced(False))
         if unbound is not None:
             raise unbound from None
+        try:
+            traced(False)
+        except Exception:
+            pass
+        else:
+            return None  # replica typing only: the per-replica trace explains it
         if not isinstance(e, (TypeError, ValueError)):
             raise
         shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(args[2])]

@@ -22,7 +22,10 @@ from fleet._world import DATA_AXIS
 from fleet.strategy._sharding import is_shard
 
 NNX, TREE, BATCH, REPL, STATIC = "nnx", "state", "batch", "replicated", "static"
-REDUCES = ("mean", "sum", "gather", None)
+REDUCES = ("mean", "sum", "max", "min", "gather", None)
+#: An undeclared scalar that differs across replicas: the probe's trace decides
+#: its combination (fleet._outputs) before the real trace.
+SCALAR = "scalar"
 
 
 def is_array(x: Any) -> bool:
@@ -103,7 +106,9 @@ def _picker(indices: list[int]) -> Callable[[Sequence], tuple]:
 
 def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[str], Any]:
     """Each output leaf and how it comes back (see fleet._step): ``replicated``,
-    ``mean``, ``sum`` or ``gather``; raises for what fleet cannot combine."""
+    ``mean``, ``sum``, ``max``, ``min``, ``gather``, or :data:`SCALAR` (an
+    undeclared scalar that differs across replicas: fleet._outputs decides);
+    raises for what fleet cannot combine."""
     rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
     declared = _declared_reduces(out, out_reduce)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
@@ -125,7 +130,7 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
             reduce = "replicated"
         elif reduce is None:
             if x.ndim == 0:
-                reduce = "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "sum"
+                reduce = SCALAR
             elif x.shape[0] in rows:
                 reduce = "gather"
             else:
@@ -134,11 +139,11 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
                     "and is neither a scalar nor per example (leading axis = the "
                     f"replica's {sorted(rows)} batch rows), so fleet cannot combine it on "
                     "its own. Declare it: fleet.distributed_step(fn, out_reduce=...) "
-                    "with 'mean', 'sum' or 'gather' at its position"
+                    "with 'mean', 'sum', 'max', 'min' or 'gather' at its position"
                 )
         elif reduce == "gather" and x.ndim == 0:
             raise FleetConfigError(f"out_reduce asks to gather output {name}, a scalar; "
-                                   "use 'mean' or 'sum'")
+                                   "use 'mean', 'sum', 'max' or 'min'")
         leaves.append(x)
         reduces.append(reduce)
     return leaves, reduces, treedef

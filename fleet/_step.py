@@ -40,15 +40,19 @@ Outputs, leaf by leaf:
 
 * a value that is the same on every replica (invariant: a new ``TrainState``,
   new parameters, averaged gradients) comes back as it is;
-* a value that differs across replicas is combined: a floating-point scalar by
-  its mean over replicas (the global-batch value, when it is a per-example
-  mean such as a loss or an accuracy), an integer or boolean scalar by its sum
-  (a count), and an array whose leading axis is the replica's batch rows is
-  per example, gathered in global batch order;
+* a scalar that differs across replicas is combined by the reduction over the
+  batch rows that made it, read from the traced step (:mod:`fleet._outputs`):
+  a mean (``.mean()``, an accuracy) by the mean over replicas, a sum (a count,
+  also cast to float) by the sum, ``jnp.max`` / ``jnp.min`` by the max / min; a
+  scalar with no such combination (a standard deviation, a ratio of sums) is
+  refused, and so is a returned loss summed over the batch (its averaged
+  gradients would be N times smaller); an array whose leading axis is the
+  replica's batch rows is per example, gathered in global batch order;
 * anything else raises, unless declared: ``distributed_step(fn,
   out_reduce=...)`` takes a pytree prefix of the output with ``"mean"``,
-  ``"sum"``, ``"gather"`` or ``None`` (the rule above) at each position, e.g.
-  ``out_reduce=(None, "sum")`` for ``return loss, float_count``.
+  ``"sum"``, ``"max"``, ``"min"``, ``"gather"`` or ``None`` (the rule above) at
+  each position, e.g. ``out_reduce=(None, "max")`` for ``return loss, jnp.std(x)``
+  to combine the replicas' values by their max.
 
 Buffers a step changes from its replica's rows (batch-norm statistics) are
 averaged over the replicas, so replicated state stays equal everywhere.
@@ -375,7 +379,7 @@ def distributed_step(
         fn: the step, written as for one device.
         batch_argnums: positions of the batch arguments (default: inferred).
         out_reduce: how to combine outputs that differ across replicas: ``"mean"``,
-            ``"sum"``, ``"gather"`` or ``None`` (the default rule), as one string
+            ``"sum"``, ``"max"``, ``"min"``, ``"gather"`` or ``None`` (the default rule), as one string
             or a pytree prefix of the output.
         donate: give the NNX objects' old state (parameters, optimizer state,
             buffers) to XLA, which writes the new state into its buffers, as

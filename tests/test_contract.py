@@ -275,13 +275,15 @@ def test_outputs(make_world, n):
     assert fleet.check_replicas(model) == []
 
 
-def test_float_sum_without_a_declaration_is_the_mean(make_world):
-    """The documented default: a float scalar comes back as the mean over replicas."""
+def test_float_sum_without_a_declaration_is_the_sum(make_world):
+    """A float count needs no declaration: fleet reads from the traced step that it
+    is a sum over the batch rows (fleet._outputs; it was the mean of the replicas'
+    counts, 2.0, before issue 33)."""
     make_world(4)
     x = np.ones((8, 10), np.float32)
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     count = fleet.distributed_step(lambda m, x: (m(x) < 1e9).sum().astype(jnp.float32))(model, x)
-    assert float(count) == 2.0  # each replica counted its 2 rows
+    assert float(count) == 8.0  # the 4 replicas' 2 rows each
     declared = fleet.distributed_step(lambda m, x: (m(x) < 1e9).sum().astype(jnp.float32),
                                       out_reduce="sum")(model, x)
     assert float(declared) == 8.0
