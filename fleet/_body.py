@@ -24,7 +24,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet import _finite, _guards, _metrics, _outputs, _random, _roles, _sync, _trace_errors
+from fleet import (
+    _finite,
+    _guards,
+    _metrics,
+    _outputs,
+    _random,
+    _random_guards,
+    _roles,
+    _sync,
+    _trace_errors,
+)
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
@@ -74,10 +84,8 @@ class Program:
             reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
             record = {}
             jaxpr = self.probe(plan, record, args, specs)
+            check_randomness(plan, jaxpr, reference, batch, record["marked"])
             self.resolve_scalars(plan, record, jaxpr, reference, probe_body, args, specs)
-            n = plan.mesh.devices.size
-            _random.check_draws(jaxpr, frozenset(
-                np.shape(x)[0] // n for x in jax.tree.leaves(batch) if np.ndim(x)))
             if _guards.foreign_psums(jaxpr):
                 summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
@@ -202,6 +210,12 @@ class Program:
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                  [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]]
         if probe:  # returns the undeclared varying scalars, for fleet._outputs
+            marked = [(n, x) for n, x in zip(self.graph.names, new_state)] + [
+                (n, x) for n, x, r in zip(names, leaves, reduces) if r == "replicated"]
+            marked = [(n, x) for n, x in marked if not _sync.is_varying(x)]
+            for _, x in marked:  # (for fleet._random.check_typing)
+                _random_guards.fleet_mark(x)
+            record["marked"] = [n for n, _ in marked]
             trace.record_finite(names, leaves)
             record.update(finite=[n for n, _ in trace.finite], names=names,
                           dtypes=[jnp.result_type(x) for x in leaves])
@@ -280,6 +294,15 @@ class Program:
             for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
                 leaves[i] = x
         return leaves
+
+
+def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:
+    """The probe's draws that fleet cannot make exact, refused (fleet._random_guards)."""
+    n = plan.mesh.devices.size
+    rows = frozenset(np.shape(x)[0] // n for x in jax.tree.leaves(batch) if np.ndim(x))
+    _random_guards.check_draws(jaxpr, rows, reference if n > 1 else None,
+                               frozenset(r * n for r in rows))
+    _random_guards.check_typing(jaxpr, rows, marked)
 
 
 #: The combination over the replicas of each output returned stacked.

@@ -298,7 +298,7 @@ def check() -> None:
                        "fold_in, random_bits")
     if not callable(getattr(jax.extend.random, "define_prng_impl", None)):
         missing.append("jax.extend.random.define_prng_impl")
-    if not hasattr(getattr(jax_config, "traceback_filtering", None), "__call__"):
+    if not callable(getattr(jax_config, "traceback_filtering", None)):
         missing.append("jax._src.config.traceback_filtering")
     for name in COLLECTIVES:
         fn = getattr(jax.lax, name, None)

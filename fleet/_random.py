@@ -28,15 +28,12 @@ the local draw, plus one 64-bit add per element.
 
 A draw is *per example* when its leading axis has as many entries as a batch
 argument's rows on this replica. What cannot be made exact is refused, naming
-the draw (:func:`check_draws`):
-
-* a per-example draw from a key fleet did not re-type (a raw ``uint32[2]`` key
-  from ``jax.random.PRNGKey``, a key made or closed over in the step), or with
-  ``jax_threefry_partitionable`` off: every replica would draw the first rows'
-  mask;
-* a draw that is not per example but whose leading axis happens to equal the
-  replica's rows (on one device it has that shape too): fleet could not tell it
-  from a per-example draw.
+the draw (``fleet._random_guards``): a per-example draw from a key fleet did
+not re-type (a raw ``uint32[2]`` key from ``jax.random.PRNGKey``, a key made or
+closed over in the step) or with ``jax_threefry_partitionable`` off; a draw
+that is not per example whose leading axis happens to equal the replica's rows;
+a value made of a per-example draw alone that leaves the step typed the same on
+every replica.
 
 A draw's bits are exact; what the step does with them must be row-wise, as
 everything in a data-parallel step must be: a random permutation of the batch
@@ -46,7 +43,7 @@ rows (mixup's shuffle) permutes each replica's rows among themselves.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -56,7 +53,6 @@ from flax import nnx
 from jax.extend import random as jex_random
 
 from fleet import _compat
-from fleet._errors import FleetError
 from fleet._world import DATA_AXIS
 
 _IMPLS: dict[frozenset, Any] = {}
@@ -204,70 +200,3 @@ def key_dtype(impl: Any) -> Any:
 def threefry_dtype() -> Any:
     return key_dtype(_compat.threefry())
 
-
-_RAW_KEY = (
-    "the step draws {what} per example (its leading axis, {rows}, is this replica's batch "
-    "rows) from a key fleet cannot give each replica's rows: {why}. Every replica would draw "
-    "the first rows' bits. Make the key a typed threefry key held by the step's state or "
-    "passed to it: jax.random.key(seed) instead of jax.random.PRNGKey(seed) (or "
-    "jax.random.wrap_key_data(raw_key) before the call), an nnx.Rngs stream, or a key in "
-    "the TrainState")
-_NOT_PARTITIONABLE = (
-    "the step draws {what} per example, and jax_threefry_partitionable is off: fleet gives "
-    "each replica its rows of the single-device draw only with partitionable threefry "
-    "(JAX's default since 0.5). Remove jax.config.update('jax_threefry_partitionable', False)")
-_AMBIGUOUS = (
-    "the step draws {what}, whose leading axis ({rows}) is not the batch on one device but "
-    "equals this replica's batch rows: inside the step fleet could not tell it from a draw "
-    "per example. Use a global batch size whose per-replica rows differ from that axis, or "
-    "give the draw another leading axis (draw shape[::-1] and transpose)")
-
-
-def check_draws(jaxpr: Any, rows: frozenset, one_device: Any = None) -> None:
-    """Refuses the draws of a traced step that fleet cannot make exact (see the
-    module docstring): ``jaxpr`` is the per-replica program, ``rows`` the
-    replica's batch row counts, ``one_device`` (optional) the program traced as
-    the single-device step on the global batch."""
-    if not rows:
-        return
-    ours = key_dtype(row_impl(rows))
-    for eqn, top in _draws(jaxpr):
-        shape, key = eqn.params["shape"], eqn.invars[0].aval
-        if not (shape and shape[0] in rows) or DATA_AXIS in key.manual_axis_type.varying:
-            continue  # not per example, or from per-example keys (a batch of keys)
-        what = _describe(top, shape)
-        if key.dtype != ours:
-            why = ("a threefry key made inside the step: a raw uint32 key "
-                   "(jax.random.PRNGKey) that jax.random wraps, jax.random.key(...) "
-                   "called in the step, or a key the step closes over"
-                   if key.dtype == threefry_dtype() else f"a key of type {key.dtype}")
-            raise FleetError(_RAW_KEY.format(what=what, rows=shape[0], why=why))
-        if not jax.config.jax_threefry_partitionable:
-            raise FleetError(_NOT_PARTITIONABLE.format(what=what))
-    if one_device is not None:
-        for eqn, top in _draws(one_device):
-            shape = eqn.params["shape"]
-            if shape and shape[0] in rows:
-                raise FleetError(_AMBIGUOUS.format(what=_describe(top, shape), rows=shape[0]))
-
-
-def _draws(jaxpr: Any, top: Any = None) -> Iterable[tuple[Any, Any]]:
-    """Each ``random_bits`` equation of ``jaxpr``, with the equation of the step's
-    own body that holds it (its source is the user's line)."""
-    from jax.extend.core import jaxprs_in_params
-
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        holder = top
-        if holder is None and eqn.primitive.name != "shard_map":
-            holder = eqn
-        if eqn.primitive.name == "random_bits":
-            yield eqn, holder or eqn
-        for sub in jaxprs_in_params(eqn.params):
-            yield from _draws(sub, holder)
-
-
-def _describe(eqn: Any, shape: tuple) -> str:
-    name = eqn.params.get("name") if eqn.primitive.name in ("pjit", "jit") else None
-    what = f"jax.random.{name.lstrip('_')}" if name else "random bits"
-    where = _compat.user_line(eqn)
-    return f"{what} of shape {tuple(shape)}" + (f" ({where})" if where else "")

@@ -290,3 +290,39 @@ def test_a_per_example_draw_needs_partitionable_threefry(make_world):
         with pytest.raises(fleet.FleetError, match="jax_threefry_partitionable is off"):
             fleet.distributed_step(step, batch_argnums=(1,))(
                 jax.random.key(0), np.ones((BATCH, 3), np.float32))
+
+
+def test_a_value_from_a_per_example_draw_alone_is_refused_where_its_type_would_lie(make_world):
+    """A mask returned without touching the batch would be typed the same on every
+    replica, though each replica drew its own rows: refused, naming the output.
+    Through the batch (mask * x) it is per example, and gathered."""
+
+    def bare(key, x):
+        return jax.random.bernoulli(key, 0.5, x.shape).sum()
+
+    def through(key, x):
+        return (jax.random.bernoulli(key, 0.5, x.shape) * x).sum()
+
+    x = np.ones((BATCH, 3), np.float32)
+    key = jax.random.key(4)
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"the output comes from a random draw per "
+                       r"example alone"):
+        fleet.distributed_step(bare, batch_argnums=(1,))(key, x)
+    got = fleet.distributed_step(through, batch_argnums=(1,))(key, x)
+    assert float(got) == float(jax.jit(through)(key, x))
+
+
+def test_a_draw_whose_leading_axis_only_happens_to_equal_the_rows_is_refused(make_world):
+    """A draw that is not per example (its shape is fixed) but whose leading axis
+    equals the replica's rows: fleet could not tell it from a per-example draw."""
+
+    def step(key, x):
+        noise = jax.random.normal(key, (8, x.shape[1]))  # 8 = BATCH / 4, by chance
+        return (x[:8] + noise).mean()
+
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"normal of shape \(8, 3\).*not the batch on "
+                       r"one device but equals this replica's batch rows"):
+        fleet.distributed_step(step, batch_argnums=(1,))(jax.random.key(0),
+                                                           np.ones((BATCH, 3), np.float32))

@@ -14,8 +14,7 @@ and the RNG state stays identical (replicated) everywhere.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +23,6 @@ from flax import nnx
 
 from fleet._errors import FleetConfigError
 from fleet._step import DistributedStep, distributed_step
-from fleet._world import DATA_AXIS
 
 
 def batch_rows(outputs: Any) -> int:
