@@ -326,3 +326,45 @@ def test_a_draw_whose_leading_axis_only_happens_to_equal_the_rows_is_refused(mak
                        r"one device but equals this replica's batch rows"):
         fleet.distributed_step(step, batch_argnums=(1,))(jax.random.key(0),
                                                            np.ones((BATCH, 3), np.float32))
+
+
+class CallRngs(nnx.Module):
+    """Dropout drawing from an ``nnx.Rngs`` passed at the call (Flax 0.12's
+    ``Dropout(rate)(x, rngs=rngs)``), the Rngs a step argument."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(6, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.4)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x, rngs):
+        return self.l2(self.drop(nnx.relu(self.l1(x)), rngs=rngs))
+
+
+def rngs_arg_step(model, optimizer, rngs, x, y):
+    def loss_fn(m, rngs):
+        return optax.softmax_cross_entropy_with_integer_labels(m(x, rngs), y).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model, rngs)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("n", tiers.devices(1, 4))
+def test_an_rngs_argument_equals_one_device(make_world, n):
+    def run(step, wrap=lambda m: m):
+        model = wrap(CallRngs(nnx.Rngs(0)))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        rngs = nnx.Rngs(dropout=9)
+        losses = [float(step(model, optimizer, rngs, x, y)) for x, y in data()]
+        return losses, nnx.state(model, nnx.Param), rngs
+
+    ref, ref_params, ref_rngs = run(nnx.jit(rngs_arg_step))
+    make_world(n)
+    got, params, rngs = run(fleet.distributed_step(rngs_arg_step), fleet.distributed_model)
+    diff = max_diff(ref_params, params)
+    print(f"n={n}: losses {got} vs {ref}; parameters max diff {diff:.2e}")
+    np.testing.assert_allclose(got, ref, rtol=TOL, atol=TOL)
+    assert diff < 1e-5
+    assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == STEPS
+    assert fleet.check_replicas(nnx.state(rngs)) == []
