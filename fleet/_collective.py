@@ -10,6 +10,8 @@ not is named after at most ``FLEET_AGREE_TIMEOUT`` seconds (60).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,22 +40,56 @@ def all_reduce(x: Any, op: str = "sum") -> Any:
     if op not in _OPS:
         raise FleetConfigError(f"all_reduce op={op!r} is not one of {_OPS}")
     if _in_step():
-        if op == "prod":
-            return jax.tree.map(
-                lambda v: jnp.prod(jax.lax.all_gather(v, DATA_AXIS), axis=0), x
-            )
-        if op in ("sum", "avg"):
-            leaves, treedef = jax.tree_util.tree_flatten(x)
-            out = _sync.psum(leaves)
-            if op == "avg":
-                out = [v / jax.lax.axis_size(DATA_AXIS) for v in out]
-            return jax.tree_util.tree_unflatten(treedef, out)
-        fn = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op]
-        return fn(x, DATA_AXIS)
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        plain = functools.partial(_reduce_in_step, op=op)
+        if any(_sync.is_varying(v) and jnp.issubdtype(jnp.result_type(v), jnp.inexact)
+               for v in leaves):
+            return jax.tree_util.tree_unflatten(treedef, _global_adjoint(plain, leaves))
+        return jax.tree_util.tree_unflatten(treedef, plain(leaves))
     if jax.process_count() == 1:
         return x
     reduce = {"sum": np.sum, "max": np.max, "min": np.min, "avg": np.mean, "prod": np.prod}[op]
     return jax.tree.map(lambda v: reduce(v, axis=0), _process_allgather(x))
+
+
+def _reduce_in_step(leaves: list, op: str) -> list:
+    if op == "prod":
+        return [jnp.prod(jax.lax.all_gather(v, DATA_AXIS), axis=0) for v in leaves]
+    if op in ("sum", "avg"):
+        out = _sync.psum(leaves)
+        return [v / jax.lax.axis_size(DATA_AXIS) for v in out] if op == "avg" else out
+    fn = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op]
+    return [fn(v, DATA_AXIS) for v in leaves]
+
+
+def _global_adjoint(plain: Callable, leaves: list) -> list:
+    """``plain(leaves)`` (a reduction over the replicas) with the backward pass of
+    the *global* computation, the one the single-device step differentiates.
+
+    fleet averages a wrapped model's gradients over the replicas: each replica's
+    cotangent stands for its share of the global gradient, times N. JAX's own
+    transpose of a reduction gives each replica its own share only (the
+    cotangent, pvary'd, divided by N for a mean): a gradient through
+    ``all_reduce(loss, 'avg')`` would come out N times too small. Here each
+    replica gets the cotangent of every replica's use of the reduced value (a
+    psum of the cotangent; a cotangent the same on every replica is that times
+    N), then the reduction's own transpose: with fleet's average, the global
+    gradient."""
+    @jax.custom_vjp
+    def reduce(leaves):
+        return plain(leaves)
+
+    def fwd(leaves):
+        return plain(leaves), leaves
+
+    def bwd(leaves, cts):
+        n = jax.lax.axis_size(DATA_AXIS)
+        cts = [_sync.psum([ct])[0] if _sync.is_varying(ct) else ct * jnp.asarray(n, ct.dtype)
+               for ct in cts]
+        return jax.vjp(plain, leaves)[1](cts)
+
+    reduce.defvjp(fwd, bwd)
+    return reduce(leaves)
 
 
 def broadcast(x: Any, src: int = 0) -> Any:

@@ -37,8 +37,8 @@ Sources (the text read for this file, 2026-11):
 from __future__ import annotations
 
 import functools as ft
+from collections.abc import Sequence
 from functools import partial
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -565,7 +565,7 @@ def reduce_on_plateau(on):
         train_step, batch_argnums=(3,))
     rng = np.random.default_rng(0)
     returned = []
-    for epoch in range(2):
+    for _epoch in range(2):
         for _ in range(2):
             batch = (rng.random((16, 8, 8, 1), dtype=np.float32),
                      rng.integers(0, 10, 16).astype(np.int32))
@@ -682,14 +682,16 @@ def test_recurrent_dropout_as_the_guide_writes_it(make_world, n):
     compare(make_world, n, "randomness recurrent dropout", recurrent_dropout(rnn_forward))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "The cookbook's loss sums over the batch (jnp.sum): accepted with no error, and the "
-    "fleet step trains another model (the README's one assumption is a mean loss): on 4 "
-    "devices the returned loss is the mean of the replicas' sums, 1/4 of one device's, "
-    "and the gradient 1/4 of it. A silent divergence, documented but not detected"))
 @pytest.mark.parametrize("n", tiers.devices(2, 4))
 def test_cookbook_sum_loss(make_world, n):
-    compare(make_world, n, "cookbook sum loss", cookbook_sum_loss)
+    """The cookbook's loss sums over the batch (jnp.sum): before issue 33's outputs
+    work it was accepted and trained another model (the returned loss 1/4 of one
+    device's, the gradient too); the step returns it, so it is now refused,
+    naming it and saying to use a mean."""
+    make_world(n)
+    with pytest.raises(fleet.FleetError, match=r"is a sum over the batch rows of a value "
+                       r"computed from the wrapped model's parameters.*Use a mean"):
+        cookbook_sum_loss(Fleet)
 
 
 def lbfgs_all_reduced_train_step(model, optimizer, x, y):
@@ -705,34 +707,41 @@ def lbfgs_all_reduced_train_step(model, optimizer, x, y):
     return loss
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Accepted and silently different: L-BFGS with fleet.all_reduce(value, 'avg') in "
-    "value_fn ends 0.16 off in the parameters, num_linesearch_steps differ, on 4 devices. "
-    "Cause: the gradient of fleet.all_reduce(loss, 'avg') with respect to a wrapped "
-    "model's parameters is 1/N of one device's (measured 0.25 on 4: "
-    "test_the_gradient_of_an_all_reduced_loss): pmean's transpose already divides each "
-    "replica's cotangent by N, and the parameters' sync identity averages again"))
 @pytest.mark.parametrize("n", [4])
 def test_cookbook_lbfgs_with_an_all_reduced_value_fn(make_world, n, monkeypatch):
+    """L-BFGS with its line search's value made global by fleet.all_reduce. Before
+    the all_reduce gradient fix (test_the_gradient_of_an_all_reduced_loss) it was
+    accepted and ended 0.16 off in the parameters, silently. Now the parameters
+    equal one device's within TOL; L-BFGS's memory (differences of gradients and
+    of parameters, divided by each other) amplifies float reordering: measured
+    1.6e-05 on 4 devices, held to 1e-4."""
     ref = cookbook("lbfgs")(OneDevice)  # the page's step: fleet.all_reduce is the identity there
     make_world(n)
     monkeypatch.setitem(globals(), "lbfgs_train_step", lbfgs_all_reduced_train_step)
     got = cookbook("lbfgs")(Fleet)
-    assert_same(f"cookbook lbfgs, value_fn all-reduced, on {n}", ref, got)
+    for part in ref:
+        d, exact = distance(flat(ref[part]), flat(got[part]))
+        print(f"cookbook lbfgs, value_fn all-reduced, on {n}: {part}: {d:.2e}")
+        assert not exact and d < (1e-4 if part == "optimizer" else TOL), part
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the gradient of fleet.all_reduce(loss, 'avg') through a wrapped model is 1/N of "
-    "the single-device gradient (0.25 on 4 devices), with no error"))
-@pytest.mark.parametrize("n", [4])
-def test_the_gradient_of_an_all_reduced_loss(make_world, n):
+@pytest.mark.parametrize("n", tiers.devices(1, 4))
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_the_gradient_of_an_all_reduced_loss(make_world, n, op):
+    """Found by the L-BFGS script: the gradient through fleet.all_reduce was 1/N of
+    the global computation's (0.25 on 4, silently). fleet.all_reduce now has the
+    global computation's backward pass (fleet/_collective.py). The global value of
+    'avg' is the single-device loss; of 'sum', n times it (n replicas' means)."""
     def grads_of(model, x, y):
-        return nnx.grad(lambda m: fleet.all_reduce(loss_fn(m, x, y), "avg"))(model)
+        return nnx.grad(lambda m: fleet.all_reduce(loss_fn(m, x, y), op))(model)
+
+    def global_grads(model, x, y):
+        return nnx.grad(lambda m: (n if op == "sum" else 1) * loss_fn(m, x, y))(model)
 
     x, y = cookbook_data(nnx.Rngs(0))
-    ref = nnx.jit(grads_of)(make_model(nnx.Rngs(1)), x, y)
+    ref = nnx.jit(global_grads)(make_model(nnx.Rngs(1)), x, y)
     make_world(n)
     got = fleet.distributed_step(grads_of)(fleet.distributed_model(make_model(nnx.Rngs(1))), x, y)
     d, _ = distance(flat(ref), flat(got))
-    print(f"grad of an all-reduced loss on {n}: max |fleet - one device| = {d:.2e}")
-    assert d < TOL
+    print(f"grad of an all-reduced ({op}) loss on {n}: max |fleet - one device| = {d:.2e}")
+    assert d < TOL * n
