@@ -15,7 +15,7 @@ from flax import nnx
 import fleet
 from tests import tiers
 
-DEVICES = tiers.devices(1, 2, 4, 8)
+DEVICES = tiers.replicas(1, 2, 4, 8)
 STEPS, BATCH = 3, 32
 
 
@@ -91,7 +91,7 @@ def welford_step(model, welford, x):
     welford.update(values=model(x)[:, 0])
 
 
-@pytest.mark.parametrize("n", tiers.devices(1, 4))
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_welford_equals_one_device(make_world, n):
     """The variance is not a sum: each update must see the global batch."""
     xs = [np.random.default_rng(i).normal(size=(BATCH, 6)).astype(np.float32) for i in range(3)]
@@ -167,7 +167,7 @@ class Running(nnx.Module):
         self.loss = nnx.Variable(np.float32(0))
 
 
-@pytest.mark.parametrize("n", tiers.devices(1, 4))
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_other_state_set_from_per_replica_values_is_refused_not_averaged(make_world, n):
     """One rule for state that is neither a metric nor batch-norm statistics: fleet
     cannot tell a mean from a sum, so it refuses (before, it averaged: a sum came

@@ -26,7 +26,7 @@ import fleet
 from fleet import _random
 from tests import tiers
 
-DEVICES = tiers.devices(1, 2, 4, 8)
+DEVICES = tiers.replicas(1, 2, 4, 8)
 STEPS, BATCH = 4, 32
 TOL = 2e-6
 
@@ -186,7 +186,7 @@ def key_arg_step(model, optimizer, x, y, key):
     return loss
 
 
-@pytest.mark.parametrize("n", tiers.devices(1, 4))
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_key_argument_equals_one_device(make_world, n):
     batches = data()
     keys = [jax.random.fold_in(jax.random.key(7), i) for i in range(STEPS)]
@@ -350,7 +350,7 @@ def rngs_arg_step(model, optimizer, rngs, x, y):
     return loss
 
 
-@pytest.mark.parametrize("n", tiers.devices(1, 4))
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_an_rngs_argument_equals_one_device(make_world, n):
     def run(step, wrap=lambda m: m):
         model = wrap(CallRngs(nnx.Rngs(0)))

@@ -31,7 +31,7 @@ from flax.training.train_state import TrainState
 import fleet
 from tests import models, tiers
 
-DEVICES = tiers.devices(1, 2, 4, 8)
+DEVICES = tiers.replicas(1, 2, 4, 8)
 STEPS, BATCH, K, LAYERS, TOL = 3, 16, 2, 3, 1e-5
 HERE = re.escape(__file__)
 

@@ -1,7 +1,8 @@
 """The suite's two tiers (README, "Tests").
 
 ``python -m pytest -q`` runs the default tier: every package, every table on 1
-and 4 devices, the one fleetrun job of tests/test_two_processes.py, the
+and 4 devices (the tables of what fleet does across replicas only -- randomness,
+metrics, outputs, loops -- on 4: :func:`replicas`), the one fleetrun job of tests/test_two_processes.py, the
 checkpoint integrity checks and the examples' short runs. ``python -m pytest -q
 -m slow`` runs the rest: the other device counts, the multi-process fault cases
 and watchdog waits, the examples' full runs, and long tests whose property a
@@ -24,6 +25,14 @@ DEFAULT_DEVICES = (1, 4)
 def devices(*counts: int) -> list:
     """A table's device counts: those outside :data:`DEFAULT_DEVICES` are slow."""
     return [n if n in DEFAULT_DEVICES else pytest.param(n, marks=slow) for n in counts]
+
+
+def replicas(*counts: int) -> list:
+    """A table's device counts for what fleet does across replicas only (a
+    replica's rows of a draw, a metric's global update, a combination of the
+    replicas' outputs: identities on one replica): 4 in the default tier, the
+    others (1 included) slow."""
+    return [n if n == 4 else pytest.param(n, marks=slow) for n in counts]
 
 
 def stages() -> list:
