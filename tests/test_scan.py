@@ -132,13 +132,17 @@ ACCUM = {
 }
 
 
+def matches_one_device(make_world, n, label, run):
+    data = models.batches("linear", STEPS, BATCH)
+    ref = run(data, False)
+    make_world(n)
+    assert_same(f"{label} on {n}", run(data, True), ref)
+
+
 @pytest.mark.parametrize("n", DEVICES)
 @pytest.mark.parametrize("case", list(ACCUM))
 def test_gradient_accumulation_with_scan_matches_one_device(make_world, n, case):
-    data = models.batches("linear", STEPS, BATCH)
-    ref = ACCUM[case](data, False)
-    make_world(n)
-    assert_same(f"accumulation ({case}) on {n}", ACCUM[case](data, True), ref)
+    matches_one_device(make_world, n, f"accumulation ({case})", ACCUM[case])
 
 
 @pytest.mark.parametrize("n", tiers.devices(1, 4))
@@ -224,10 +228,7 @@ LAYER_SCANS = {
 @pytest.mark.parametrize("n", DEVICES)
 @pytest.mark.parametrize("case", list(LAYER_SCANS))
 def test_scan_over_layers_matches_one_device(make_world, n, case):
-    data = models.batches("linear", STEPS, BATCH)
-    ref = LAYER_SCANS[case](data, False)
-    make_world(n)
-    assert_same(f"scan over layers ({case}) on {n}", LAYER_SCANS[case](data, True), ref)
+    matches_one_device(make_world, n, f"scan over layers ({case})", LAYER_SCANS[case])
 
 
 # -- a collective over another axis name ----------------------------------------------
