@@ -458,7 +458,11 @@ class RNNCell(nnx.Module):
 
 def rnn_forward(cell: RNNCell, x: jax.Array):
     h = cell.initial_state(batch_size=x.shape[0])
+    return unroll_cell(cell, h, x)
 
+
+def unroll_cell(cell: RNNCell, h, x):
+    """The guide's unrolled scan (the rest of its ``rnn_forward``)."""
     # Broadcast the 'recurrent_dropout' PRNG state to have the same mask on every step.
     state_axes = nnx.StateAxes({'recurrent_dropout': None, ...: nnx.Carry})
 
@@ -475,16 +479,7 @@ def rnn_forward_per_replica(cell: RNNCell, x: jax.Array):
     """rnn_forward with the README's one edit for a loop carry: the hidden state
     starts per replica, ``jnp.zeros_like(x, shape=...)`` (the same zeros on one
     device) instead of ``cell.initial_state``'s ``jnp.zeros``."""
-    h = jnp.zeros_like(x, shape=(x.shape[0], cell.dout))
-    state_axes = nnx.StateAxes({'recurrent_dropout': None, ...: nnx.Carry})
-
-    @nnx.scan(in_axes=(state_axes, nnx.Carry, 1), out_axes=(nnx.Carry, 1))
-    def unroll(cell: RNNCell, h, x) -> tuple[jax.Array, jax.Array]:
-        h, y = cell(h, x)
-        return h, y
-
-    h, y = unroll(cell, h, x)
-    return y
+    return unroll_cell(cell, jnp.zeros_like(x, shape=(x.shape[0], cell.dout)), x)
 
 
 def rnn_train_step(cell, optimizer, x, target, forward=rnn_forward):
