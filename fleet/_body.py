@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.training.optimizer import OptState
 from jax.sharding import PartitionSpec as P
 
 from fleet import (
@@ -210,19 +211,7 @@ class Program:
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                  [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]]
         if probe:  # returns the undeclared varying scalars, for fleet._outputs
-            marked = [(n, x) for n, x in zip(self.graph.names, new_state)] + [
-                (n, x) for n, x, r in zip(names, leaves, reduces) if r == "replicated"]
-            marked = [(n, x) for n, x in marked if not _sync.is_varying(x)]
-            for _, x in marked:  # (for fleet._random.check_typing)
-                _random_guards.fleet_mark(x)
-            record["marked"] = [n for n, _ in marked]
-            trace.record_finite(names, leaves)
-            record.update(finite=[n for n, _ in trace.finite], names=names,
-                          dtypes=[jnp.result_type(x) for x in leaves])
-            record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
-                          tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
-                          shard_grads=len(trace.shard_grads))
-            return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR]
+            return self.probe_record(record, trace, new_state, names, leaves, reduces, treedef)
         reduces = record["out"]  # (the probe's, each scalar's combination decided)
         summed = summed_inside(plan, leaves, reduces)
         if any(summed):  # (their flags are then the same on every replica: no agreement)
@@ -239,6 +228,33 @@ class Program:
         if plan.check_nan_inf:
             return new_state, out_leaves, chain
         return new_state, out_leaves
+
+    def probe_record(self, record: dict, trace: Any, new_state: list, names: list,
+                     leaves: list, reduces: list, treedef: Any) -> list:
+        """The probe's record of what the step did, and what its body returns: the
+        undeclared varying scalars (for fleet._outputs), then the state that is
+        neither parameters nor optimizer state (for fleet._outputs.check_counted).
+        The values left typed the same on every replica pass through
+        fleet._random_guards.fleet_mark."""
+        marked = [(n, x) for n, x in zip(self.graph.names, new_state)] + [
+            (n, x) for n, x, r in zip(names, leaves, reduces) if r == "replicated"]
+        marked = [(n, x) for n, x in marked if not _sync.is_varying(x)]
+        for _, x in marked:
+            _random_guards.fleet_mark(x)
+        record["marked"] = [n for n, _ in marked]
+        trace.record_finite(names, leaves)
+        record.update(finite=[n for n, _ in trace.finite], names=names,
+                      dtypes=[jnp.result_type(x) for x in leaves])
+        record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
+                      tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
+                      shard_grads=len(trace.shard_grads))
+        record["counted"] = [
+            i for i, (v, x) in enumerate(zip(self.graph.variables, new_state))
+            if not isinstance(v, (nnx.Param, OptState)) and not self.graph.per_replica[i]
+            and not _random.is_key(x) and not _sync.is_varying(x)]
+        return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
+            jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]
+            for i in record["counted"]]
 
     def resolve_scalars(self, plan: Plan, record: dict, jaxpr: Any, reference: Any,
                         probe_body: Callable, args: tuple, specs: tuple) -> None:
@@ -258,6 +274,9 @@ class Program:
             [record["dtypes"][i] for i in at], replicas, bool(record["wrapped_syncs"]))
         for i, k in zip(at, kinds):
             record["out"][i] = k
+        if replicas > 1:  # (on one replica its rows are the global batch's)
+            _outputs.check_counted(jaxpr, reference, len(at),
+                                   [self.graph.names[i] for i in record["counted"]])
         record["summed"] = summed_inside(plan, record["dtypes"], record["out"])
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:

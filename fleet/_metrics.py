@@ -65,7 +65,7 @@ def _global(x: Any, rows: frozenset, metric: str) -> Any:
         return x
     if x.ndim == 0:
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            return _sync.psum([x])[0] / jax.lax.axis_size(DATA_AXIS)
+            return _sync.fleet_pmean(x)[0]
         return _sync.psum([x])[0]
     if x.shape[0] in rows:
         return gather_rows(x)

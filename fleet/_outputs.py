@@ -161,3 +161,28 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
                 raise FleetError(_SUMMED_LOSS.format(name=name, n=replicas))
         out.append(got[1])
     return out
+
+
+_COUNTED = (
+    "{name} leaves the step the same on every replica, but it is computed from the "
+    "batch's shape (x.shape[0] inside the step is the replica's rows, not the global "
+    "batch's): each replica would count its own rows, unlike one device. Count with "
+    "fleet.all_reduce(x.shape[0]) (the global rows), or keep counts in an nnx.metrics "
+    "metric, which fleet updates with the global batch")
+
+
+def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> None:
+    """Refuses state the step leaves the same on every replica whose value is
+    computed otherwise for other batch sizes (a count of the replica's rows):
+    ``jaxpr``'s body returns those leaves from position ``first`` on, and so does
+    ``reference`` (the step on one device with the global batch); values from
+    fleet's reductions over the replicas count as the same global value."""
+    if reference is None or not names:
+        return
+    body, ref = shard_body(jaxpr), shard_body(reference)
+    sa, sb = Scope(body), Scope(ref)
+    walk = Walk(1)
+    walk.global_calls = (*FLEET_CALLS, "fleet_gather")
+    for name, a, b in zip(names, body.outvars[first:], ref.outvars[first:]):
+        if not walk.same(a, sa, b, sb):
+            raise FleetError(_COUNTED.format(name=name))

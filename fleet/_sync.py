@@ -134,7 +134,8 @@ def no_sync() -> Iterator[None]:
 
 #: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
 #: knows every other psum in a step is not fleet's (see fleet._step).
-FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_scatter", "fleet_gather", "fleet_batch_norm")
+FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_pmean", "fleet_scatter", "fleet_gather",
+               "fleet_batch_norm")
 
 
 @jax.jit
@@ -145,6 +146,13 @@ def fleet_psum(*leaves: Any) -> list:
 
 def psum(leaves: list) -> list:
     return list(fleet_psum(*leaves))
+
+
+@jax.jit
+def fleet_pmean(*leaves: Any) -> list:
+    """The mean over the replicas, as one call marked as fleet's (its result is the
+    global value: fleet._outputs.check_counted)."""
+    return [s / jax.lax.axis_size(DATA_AXIS) for s in jax.lax.psum(list(leaves), DATA_AXIS)]
 
 
 @functools.partial(jax.jit, static_argnames="wire")

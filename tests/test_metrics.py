@@ -190,3 +190,33 @@ def test_other_state_set_from_per_replica_values_is_refused_not_averaged(make_wo
     got = Running()
     fleet.distributed_step(explicit)(got, x)
     assert float(got.loss[...]) == float(ref.loss[...]) == 0.1 * x.sum()
+
+
+class Seen(nnx.Module):
+    def __init__(self):
+        self.rows = nnx.Variable(np.int32(0))
+
+
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
+def test_state_counted_from_the_batch_shape_is_refused(make_world, n):
+    """A count written from x.shape[0] is the same on every replica, and each
+    replica's is its own rows: refused on several replicas (it was the replica's
+    count, silently); counted with fleet.all_reduce it is the global count."""
+
+    def silent(seen, x):
+        seen.rows[...] += x.shape[0]
+
+    def explicit(seen, x):
+        seen.rows[...] += fleet.all_reduce(x.shape[0])
+
+    x = np.ones((BATCH, 2), np.float32)
+    make_world(n)
+    if n > 1:
+        with pytest.raises(fleet.FleetError, match=r"variable 'rows' leaves the step the same "
+                           r"on every replica, but it is computed from the batch's shape"):
+            fleet.distributed_step(silent)(Seen(), x)
+    got = Seen()
+    step = fleet.distributed_step(explicit)
+    step(got, x)
+    step(got, x)
+    assert int(got.rows[...]) == 2 * BATCH
