@@ -29,6 +29,7 @@ from fleet import (
     _finite,
     _guards,
     _metrics,
+    _model,
     _outputs,
     _random,
     _random_guards,
@@ -82,7 +83,7 @@ class Program:
             strategy = world().strategy
             _guards.check_closures(self.fn)
             probe_body = functools.partial(self.body, plan, record={}, probe=True)
-            reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
+            reference = self.replay(probe_body, plan, args, specs)
             record = {}
             jaxpr = self.probe(plan, record, args, specs)
             check_randomness(plan, jaxpr, reference, batch, record["marked"])
@@ -229,6 +230,15 @@ class Program:
             return new_state, out_leaves, chain
         return new_state, out_leaves
 
+    def replay(self, probe_body: Callable, plan: Plan, args: tuple, specs: tuple) -> Any:
+        """The step traced as the single-device step (fleet._guards.check_on_one_device);
+        its error says so when the step holds a copy of the model made before the
+        wrapping."""
+        try:
+            return _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
+        except FleetError as e:
+            raise _with_copies_hint(e, self.graph.objs) from e.__cause__
+
     def probe_record(self, record: dict, trace: Any, new_state: list, names: list,
                      leaves: list, reduces: list, treedef: Any) -> list:
         """The probe's record of what the step did, and what its body returns: the
@@ -313,6 +323,20 @@ class Program:
             for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
                 leaves[i] = x
         return leaves
+
+
+def _with_copies_hint(error: FleetError, objs: tuple) -> FleetError:
+    """``error``, with a hint when the step holds a copy of a wrapped model made
+    before the wrapping (``fleet._model.copies_made_before_wrapping``)."""
+    copies = _model.copies_made_before_wrapping(objs)
+    if not copies:
+        return error
+    hint = (f". The step holds both the wrapped {copies[0]} and a plain {copies[0]}: a copy "
+            "made before fleet.distributed_model wrapped it (an EMA, a teacher)? Their "
+            "pytree structures differ (DataParallel[...] is the wrapped model's class), so "
+            "a jax.tree.map over both fails. Make the copy from the wrapped model: wrap "
+            "first, then build what copies it")
+    return type(error)(str(error) + hint).with_traceback(error.__traceback__)
 
 
 def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:

@@ -61,6 +61,17 @@ def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketC
 _SUBCLASSES: dict[type, type] = {}
 
 
+def copies_made_before_wrapping(objs: tuple) -> list[str]:
+    """The classes of which the NNX objects ``objs`` hold both a wrapped model
+    (``DataParallel[C]``) and a plain ``C``: a copy of the model made before it
+    was wrapped (an EMA, a teacher). Their pytree structures differ, so a
+    ``jax.tree.map`` over both fails inside the step, not on one device."""
+    wrapped = {base for base, sub in _SUBCLASSES.items()}
+    seen = {type(node) for _, node in nnx.iter_graph(objs)}
+    return sorted(c.__name__ for c in wrapped & seen
+                  if _SUBCLASSES[c] in seen)
+
+
 def _install_hooks(module: nnx.Module, buckets: BucketConfig) -> None:
     """Makes every parameter read through fleet's gradient sync (see fleet._sync)."""
     for key, var in module_variables(module).items():
