@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import PartitionSpec as P
@@ -40,7 +39,7 @@ from fleet import (
 from fleet._errors import FleetError
 from fleet._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet._optimizer import enter_trace, leave_accumulators
-from fleet._tree import dotted
+from fleet._tree import dotted, is_key
 from fleet._world import DATA_AXIS, world
 from fleet.strategy import _sharding
 
@@ -168,7 +167,7 @@ class Program:
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
             trees = tree_rows(trees)
-        rows = _random.rows_of(batch)
+        rows = _roles.rows_of(batch)
         keys = _random.Keys(rows)  # each replica draws its rows' bits
         state, trees, repl = keys.enter(state), keys.enter(trees), keys.enter(repl)
         original = state
@@ -261,7 +260,7 @@ class Program:
         record["counted"] = [
             i for i, (v, x) in enumerate(zip(self.graph.variables, new_state))
             if not isinstance(v, (nnx.Param, OptState)) and not self.graph.per_replica[i]
-            and not _random.is_key(x) and not _sync.is_varying(x)]
+            and not is_key(x) and not _sync.is_varying(x)]
         return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
             jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]
             for i in record["counted"]]
@@ -342,7 +341,7 @@ def _with_copies_hint(error: FleetError, objs: tuple) -> FleetError:
 def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:
     """The probe's draws that fleet cannot make exact, refused (fleet._random_guards)."""
     n = plan.mesh.devices.size
-    rows = frozenset(np.shape(x)[0] // n for x in jax.tree.leaves(batch) if np.ndim(x))
+    rows = frozenset(r // n for r in _roles.rows_of(batch))
     _random_guards.check_draws(jaxpr, rows, reference if n > 1 else None,
                                frozenset(r * n for r in rows))
     _random_guards.check_typing(jaxpr, rows, marked)

@@ -55,9 +55,10 @@ def all_reduce(x: Any, op: str = "sum") -> Any:
 def _reduce_in_step(leaves: list, op: str) -> list:
     if op == "prod":
         return [jnp.prod(jax.lax.all_gather(v, DATA_AXIS), axis=0) for v in leaves]
-    if op in ("sum", "avg"):
-        out = _sync.psum(leaves)
-        return [v / jax.lax.axis_size(DATA_AXIS) for v in out] if op == "avg" else out
+    if op == "avg":
+        return _sync.fleet_pmean(*leaves)
+    if op == "sum":
+        return _sync.psum(leaves)
     fn = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op]
     return [fn(v, DATA_AXIS) for v in leaves]
 

@@ -68,7 +68,7 @@ def _global(x: Any, rows: frozenset, metric: str) -> Any:
             return _sync.fleet_pmean(x)[0]
         return _sync.psum([x])[0]
     if x.shape[0] in rows:
-        return gather_rows(x)
+        return fleet_gather(x)
     raise FleetError(
         f"the step updates metric {metric} with a value of shape {x.shape} per replica that "
         "differs across replicas and is neither per example (leading axis = the replica's "
@@ -81,10 +81,6 @@ def _global(x: Any, rows: frozenset, metric: str) -> Any:
 def fleet_gather(x: jax.Array) -> jax.Array:
     """The replicas' rows of ``x`` in global batch order, the same on every replica."""
     return jax.lax.all_gather(x, DATA_AXIS, axis=0, tiled=True, to="invarying")
-
-
-def gather_rows(x: jax.Array) -> jax.Array:
-    return fleet_gather(x)
 
 
 @contextlib.contextmanager

@@ -66,10 +66,8 @@ def copies_made_before_wrapping(objs: tuple) -> list[str]:
     (``DataParallel[C]``) and a plain ``C``: a copy of the model made before it
     was wrapped (an EMA, a teacher). Their pytree structures differ, so a
     ``jax.tree.map`` over both fails inside the step, not on one device."""
-    wrapped = {base for base, sub in _SUBCLASSES.items()}
     seen = {type(node) for _, node in nnx.iter_graph(objs)}
-    return sorted(c.__name__ for c in wrapped & seen
-                  if _SUBCLASSES[c] in seen)
+    return sorted(c.__name__ for c in seen & set(_SUBCLASSES) if _SUBCLASSES[c] in seen)
 
 
 def _install_hooks(module: nnx.Module, buckets: BucketConfig) -> None:

@@ -43,23 +43,18 @@ rows (mixup's shuffle) permutes each replica's rows among themselves.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.extend import random as jex_random
 
 from fleet import _compat
+from fleet._tree import is_key
 from fleet._world import DATA_AXIS
 
 _IMPLS: dict[frozenset, Any] = {}
-
-
-def is_key(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
 
 
 def row_impl(rows: frozenset) -> Any:
@@ -140,11 +135,6 @@ def _mul(x: jax.Array, c: int, shape: tuple) -> tuple[jax.Array, jax.Array]:
 def _add(a: tuple, b: tuple) -> tuple[jax.Array, jax.Array]:
     lo = a[1] + b[1]
     return a[0] + b[0] + (lo < a[1]).astype(jnp.uint32), lo
-
-
-def rows_of(batch: Sequence) -> frozenset:
-    """The row counts of the batch arguments (as the body sees them)."""
-    return frozenset(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
 
 
 class Keys:

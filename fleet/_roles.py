@@ -104,12 +104,18 @@ def _picker(indices: list[int]) -> Callable[[Sequence], tuple]:
     return operator.itemgetter(*indices)
 
 
+def rows_of(batch: Sequence) -> frozenset:
+    """The row counts of the batch arguments' leaves (as the body sees them: the
+    replica's rows inside a step)."""
+    return frozenset(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
+
+
 def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[str], Any]:
     """Each output leaf and how it comes back (see fleet._step): ``replicated``,
     ``mean``, ``sum``, ``max``, ``min``, ``gather``, or :data:`SCALAR` (an
     undeclared scalar that differs across replicas: fleet._outputs decides);
     raises for what fleet cannot combine."""
-    rows = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+    rows = rows_of(batch)
     declared = _declared_reduces(out, out_reduce)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
         out, is_leaf=lambda x: isinstance(x, nnx.Pytree) or is_shard(x))
