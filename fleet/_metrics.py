@@ -20,8 +20,10 @@ own ``update``:
   (``jax.lax.all_gather`` typed invariant: one all-gather of the metric's
   inputs per update);
 * a floating-point scalar that differs per replica (a mean loss) becomes its
-  mean over the replicas, the global-batch value, as a step's scalar output
-  does; an integer or boolean one its sum;
+  mean over the replicas, the global-batch value of a mean; an integer or
+  boolean one its sum. (Unlike a step's outputs, whose reduction fleet reads
+  from the traced step, a metric's scalar is taken as a mean at the update: a
+  float *sum* passed to a metric is not told apart. Pass per-example values.)
 * a value the same on every replica is used as it is.
 
 The update then runs on the same global values on every replica: the metric's
