@@ -248,6 +248,8 @@ class Program:
         marked = [(n, x) for n, x in zip(self.graph.names, new_state)] + [
             (n, x) for n, x, r in zip(names, leaves, reduces) if r == "replicated"]
         marked = [(n, x) for n, x in marked if not _sync.is_varying(x)]
+        _outputs.fleet_declared(*[x for x, r in zip(leaves, reduces)
+                                  if r not in (_roles.SCALAR, "replicated")])
         for _, x in marked:
             _random_guards.fleet_mark(x)
         record["marked"] = [n for n, _ in marked]
@@ -283,6 +285,8 @@ class Program:
             [record["dtypes"][i] for i in at], replicas, bool(record["wrapped_syncs"]))
         for i, k in zip(at, kinds):
             record["out"][i] = k
+        if replicas > 1 and record["wrapped_syncs"]:
+            _outputs.check_summed_loss(jaxpr, reference, replicas)
         if replicas > 1:  # (on one replica its rows are the global batch's)
             _outputs.check_counted(jaxpr, reference, len(at),
                                    [self.graph.names[i] for i in record["counted"]])

@@ -36,19 +36,26 @@ operand's leading axis, and only it, grows with the rows.
 which is the single-device gradient when the differentiated value is a mean over
 the rows. A *sum* output that is a differentiable function of the wrapped
 model's synced parameters (its reduced operand depends on them through float
-ops) is refused as a summed loss. Not caught: a summed loss the step does not
-return (``nnx.grad`` alone), or one returned under an explicit ``out_reduce``.
+ops) is refused as a summed loss. So is one the step differentiates and does
+not return (``nnx.grad`` alone, ``has_aux``): :func:`check_summed_loss`
+classifies every float scalar of the forward pass that nothing in the step uses
+-- the value ``jax.grad`` differentiated -- the same way, and refuses a sum,
+naming its line. Not caught: a summed loss returned under an explicit
+``out_reduce`` (the declaration is trusted), and one in micro-batches of one row
+per replica (the two traces differ in structure there).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from fleet import _compat
 from fleet._errors import FleetError
-from fleet._outputs_walk import MEAN, SUM, Scope, Walk
+from fleet._outputs_walk import CALLS, MEAN, SUM, Scope, Walk, is_varying_var
 from fleet._sync import FLEET_CALLS
 
 _CANNOT = (
@@ -89,15 +96,18 @@ def _is_sync(eqn: Any) -> bool:
 
 
 def _differentiable(body: Any) -> set:
-    """Ids of the body's variables that are float functions of the wrapped model's
-    synced parameters (the outputs of fleet's sync calls, :func:`_is_sync`) in the
-    forward pass: the dependence ends at fleet's collectives, so values computed
-    from the updated parameters (through the averaged gradients) are not in it.
+    """Ids of the variables, in the body and the jaxprs it calls, that are float
+    functions of the wrapped model's synced parameters (the outputs of fleet's sync
+    calls, :func:`_is_sync`) in the forward pass: the dependence ends at fleet's
+    collectives, so values computed from the updated parameters (through the
+    averaged gradients) are not in it.
     (An inner jaxpr can be shared by several calls: each call is walked with its
     own set.)"""
 
     def inexact(v):
         return np.issubdtype(v.aval.dtype, np.inexact)
+
+    everywhere: set = set()  # (the inner jaxprs' too: fleet._outputs.check_summed_loss)
 
     def walk(jaxpr: Any, seeds: set) -> set:
         tainted = set(seeds)
@@ -122,9 +132,11 @@ def _differentiable(body: Any) -> set:
                     tainted.update(id(o) for o in eqn.outvars if inexact(o))
             if any(hit) and not subs:
                 tainted.update(id(o) for o in eqn.outvars if inexact(o))
+        everywhere.update(tainted)
         return tainted
 
-    return walk(getattr(body, "jaxpr", body), set())
+    walk(getattr(body, "jaxpr", body), set())
+    return everywhere
 
 
 def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
@@ -161,6 +173,74 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
                 raise FleetError(_SUMMED_LOSS.format(name=name, n=replicas))
         out.append(got[1])
     return out
+
+
+_UNUSED_SUM = (
+    "the value computed at {where} is differentiated (nothing else in the step uses it) "
+    "and is a sum over the batch rows of a value computed from the wrapped model's "
+    "parameters: a loss summed over the batch (`((pred - y) ** 2).sum()`)? fleet "
+    "averages the wrapped model's gradients over the {n} replicas, which is the "
+    "single-device gradient of a loss that is a mean over the batch; a summed loss "
+    "would train with gradients {n} times smaller than on one device. Use a mean: "
+    "`.mean()`, or divide the sum by the replica's row count (x.shape[0] inside the step)")
+
+
+@jax.jit
+def fleet_declared(*leaves: Any) -> tuple:
+    """The identity, as a call the probe makes on the outputs declared by
+    ``out_reduce``: the declaration is the user's, so such an output is used, never
+    taken for a differentiated loss (:func:`check_summed_loss`)."""
+    return leaves
+
+
+def _unused_scalars(jaxpr: Any, ref: Any, sa: Scope, sb: Scope) -> list:
+    """Pairs ``(a, sa, b, sb, eqn)``: each float scalar, varying, that an equation
+    of ``jaxpr`` makes and nothing uses (not an equation's input, not an output),
+    beside its place in ``ref``; into calls and ``scan`` bodies too. A part where
+    the two traces differ in structure is left out."""
+    jaxpr, ref = getattr(jaxpr, "jaxpr", jaxpr), getattr(ref, "jaxpr", ref)
+    if len(jaxpr.eqns) != len(ref.eqns):
+        return []
+    used = {id(v) for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
+    used.update(id(v) for v in jaxpr.outvars if not isinstance(v, Literal))
+    found = []
+    for ea, eb in zip(jaxpr.eqns, ref.eqns):
+        if ea.primitive != eb.primitive or len(ea.outvars) != len(eb.outvars):
+            continue
+        if ea.params.get("name") in (*FLEET_CALLS, "fleet_declared"):
+            continue
+        for a, b in zip(ea.outvars, eb.outvars):
+            if (id(a) not in used and a.aval.shape == () and is_varying_var(a)
+                    and np.issubdtype(a.aval.dtype, np.inexact)):
+                found.append((a, sa, b, sb, ea))
+        if ea.primitive.name == "scan":
+            inner = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
+            found += _unused_scalars(ea.params["jaxpr"], eb.params["jaxpr"], *inner)
+        elif ea.primitive.name in CALLS:
+            ga, gb = sa.inner(ea), sb.inner(eb)
+            if ga is not None and gb is not None:
+                found += _unused_scalars(ga[1], gb[1], ga[0], gb[0])
+    return found
+
+
+def check_summed_loss(jaxpr: Any, reference: Any, replicas: int) -> None:
+    """Refuses a loss the step differentiates without using it otherwise, when it is
+    a sum over the batch rows of a value computed from the wrapped model's synced
+    parameters (see the module docstring). ``reference``: the same step on one
+    device with the global batch (``replicas`` times the rows), or None."""
+    if reference is None or replicas == 1:
+        return
+    body, ref = shard_body(jaxpr), shard_body(reference)
+    sa, sb = Scope(body), Scope(ref)
+    tainted = None
+    for a, sa_, b, sb_, eqn in _unused_scalars(body, ref, sa, sb):
+        walk = Walk(replicas)
+        if walk.kind(a, sa_, b, sb_) != ("k", SUM):
+            continue
+        tainted = _differentiable(body) if tainted is None else tainted
+        if id(a) in tainted:
+            where = _compat.user_line(eqn) or "a line of the step"
+            raise FleetError(_UNUSED_SUM.format(where=where, n=replicas))
 
 
 _COUNTED = (

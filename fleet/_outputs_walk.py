@@ -16,7 +16,7 @@ from fleet._world import DATA_AXIS
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
 #: Calls whose inner jaxpr's inputs and outputs are the call's own, in order.
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
+CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 _SAME = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
          "expand_dims", "reduce_precision")
@@ -48,7 +48,7 @@ class Scope:
 
     def inner(self, eqn: Any) -> tuple | None:
         """The scope of a call's jaxpr, when its inputs and outputs are the call's."""
-        if eqn.primitive.name not in _CALLS:
+        if eqn.primitive.name not in CALLS:
             return None
         key = id(eqn)
         if key not in self.subs:
@@ -102,7 +102,7 @@ class Walk:
         if eqn is None:
             return None
         name = eqn.primitive.name
-        if name in _CALLS:
+        if name in CALLS:
             got = s.inner(eqn)
             if got is None:
                 return None
@@ -190,7 +190,7 @@ class Walk:
         name = ea.primitive.name
         if name == "scan":
             return self._scan(ea, sa, eb, sb, ea.outvars.index(a), depth)
-        if name in _CALLS:
+        if name in CALLS:
             ga, gb = sa.inner(ea), sb.inner(eb)
             if ga is None or gb is None:
                 return self._fail(f"a {name} fleet cannot look into")

@@ -3,7 +3,8 @@
 Each undeclared scalar a step returns that differs across replicas is read from
 the traced step (fleet._outputs): a mean, a sum, a max or a min over the batch
 rows comes back as on one device; a standard deviation or a ratio is refused,
-and so is a loss summed over the batch (its gradients would be N times smaller).
+and so is a loss summed over the batch (its gradients would be N times smaller),
+returned or only differentiated.
 Every case is compared with the single-device step (nnx.jit / jax.jit on the
 global batch), parameters included, and fleet.check_replicas is empty after it.
 """
@@ -260,3 +261,72 @@ def test_summed_aux_metric_is_refused(make_world, n):
         _linen_run(n, step, make_world)
     got, ref, d_params = _linen_run(n, step, make_world, out_reduce=(None, None, "sum"))
     _assert_close(f"declared aux sum on {n}", got, ref, d_params)
+
+
+def _ce_sum(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
+
+
+def _grad_only(model, optimizer, x, y):
+    optimizer.update(model, nnx.grad(lambda m: _ce_sum(m(x), y))(model))
+
+
+def _aux_only(state, x, y):
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, x)
+        return _ce_sum(logits, y), logits
+
+    grads, logits = jax.grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), jnp.argmax(logits, -1)
+
+
+def _jitted_loss(model, optimizer, x, y):
+    loss_of = jax.jit(_ce_sum)
+    optimizer.update(model, nnx.grad(lambda m: loss_of(m(x), y))(model))
+
+
+def _micro_batches(model, optimizer, x, y):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro(grads, xy):
+        g = jax.grad(lambda p: _ce_sum(nnx.merge(graphdef, p, rest)(xy[0]), xy[1]))(params)
+        return jax.tree.map(jnp.add, grads, g), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, _ = jax.lax.scan(micro, zeros, (x.reshape(2, -1, *x.shape[1:]), y.reshape(2, -1)))
+    optimizer.update(model, grads)
+
+
+#: name -> (api, step, out_reduce): a summed loss the step differentiates and does
+#: not return as an undeclared output
+UNRETURNED = {
+    "nnx.grad alone": ("nnx", _grad_only, None),
+    "has_aux, the aux returned": ("linen", _aux_only, None),
+    "the loss under jax.jit": ("nnx", _jitted_loss, None),
+    "nnx.grad in a lax.scan over micro-batches": ("nnx", _micro_batches, None),
+}
+
+
+@pytest.mark.parametrize("n", DEVICES)
+@pytest.mark.parametrize("name", list(UNRETURNED))
+def test_summed_loss_not_returned_is_refused(make_world, request, n, name):
+    """A summed loss the step differentiates but does not return would train with
+    gradients N times smaller, silently: refused on several replicas, naming the
+    line that computes it; on one replica it is the single-device step (nothing to
+    refuse). Not caught (strict xfail): micro-batches
+    of one row per replica, where the replica's trace and the one-device trace
+    differ in structure (JAX reshapes a one-row reduction away)."""
+    api, step, out_reduce = UNRETURNED[name]
+    run = RUNS[api][1]
+    if step is _micro_batches and BATCH // n // 2 == 1:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="one-row micro-batches"))
+    if n == 1:
+        got, ref, d_params = run(n, step, make_world, out_reduce=out_reduce)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert d_params < TOL
+        return
+    match = (r"the value computed at .*test_outputs\.py:\d+ is differentiated .* a sum "
+             rf"over the batch rows .*gradients {n} times smaller.*Use a mean")
+    with pytest.raises(fleet.FleetError, match=match):
+        run(n, step, make_world, out_reduce=out_reduce)
