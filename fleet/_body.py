@@ -87,6 +87,7 @@ class Program:
             jaxpr = self.probe(plan, record, args, specs)
             check_randomness(plan, jaxpr, reference, batch, record["marked"])
             self.resolve_scalars(plan, record, jaxpr, reference, probe_body, args, specs)
+            self.resolve_metrics(plan, record, jaxpr, reference, probe_body, args, specs)
             if _guards.foreign_psums(jaxpr):
                 summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
@@ -189,7 +190,7 @@ class Program:
                     replicas=plan.mesh.devices.size)
         recorder = _finite.Recorder() if plan.check_nan_inf else None
         with _sync.tracing(trace), _finite.recording(recorder):
-            with _metrics.global_updates(objs, rows):  # metrics update on the global batch
+            with _metrics.global_updates(objs, rows, record, probe):  # on the global batch
                 out = keys.leave(self.fn(*values[:n_pos],
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
@@ -291,6 +292,22 @@ class Program:
             _outputs.check_counted(jaxpr, reference, len(at),
                                    [self.graph.names[i] for i in record["counted"]])
         record["summed"] = summed_inside(plan, record["dtypes"], record["out"])
+
+    def resolve_metrics(self, plan: Plan, record: dict, jaxpr: Any, reference: Any,
+                        probe_body: Callable, args: tuple, specs: tuple) -> None:
+        """Decides how each varying scalar a metric's update got combines over the
+        replicas (fleet._metrics), as resolve_scalars does for the outputs."""
+        labels = record.get("metric_labels", [])
+        replicas = plan.mesh.devices.size
+        if labels and replicas == 1:  # one replica: a second trace with twice the rows
+            try:
+                reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs,
+                                                        rows=2)
+            except FleetError:  # (a step written for one batch size: any rule is exact)
+                reference = None
+        record["metric_scalars"] = _outputs.metric_reduces(
+            jaxpr, reference, max(replicas, 2),
+            [_metrics.mark_name(k) for k in range(len(labels))], labels)
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: batch-norm statistics averaged, anything

@@ -51,7 +51,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import Literal
+from jax.extend.core import Literal, jaxprs_in_params
 
 from fleet import _compat
 from fleet._errors import FleetError
@@ -269,3 +269,77 @@ def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> N
     for name, a, b in zip(names, body.outvars[first:], ref.outvars[first:]):
         if not walk.same(a, sa, b, sb):
             raise FleetError(_COUNTED.format(name=name))
+
+
+_METRIC = (
+    "the step updates metric {label} with a {dtype}scalar that differs across replicas "
+    "and is not a mean, a sum, a maximum or a minimum over the batch rows ({why}), so no "
+    "combination of the replicas' values gives the value the metric gets on one device. "
+    "Pass per-example values (leading axis = the replica's rows: per-example losses, "
+    "errors, a mask), which fleet gathers from every replica in batch order, or combine "
+    "the parts over the replicas yourself before the update: fleet.all_reduce(value, "
+    "'sum') for a sum, 'avg' for a mean, 'max' or 'min' (e.g. a standard deviation from "
+    "the all-reduced sums of x and x ** 2)")
+
+
+def _marked_calls(jaxpr: Any, names: set) -> dict:
+    """The calls named in ``names`` in a traced step's body, at any depth: name ->
+    (equation, its scope). Inside a call whose jaxpr is the call's own (a ``jit``)
+    the walk can follow values out; inside another (a ``scan``'s body) it cannot."""
+    found: dict = {}
+
+    def visit(scope: Scope, inner: Any) -> None:
+        for eqn in inner.eqns:
+            if eqn.params.get("name") in names:
+                found.setdefault(eqn.params["name"], (eqn, scope))
+                continue
+            sub = scope.inner(eqn)
+            if sub is not None:
+                visit(*sub)
+                continue
+            for other in jaxprs_in_params(eqn.params):
+                visit(Scope(other), getattr(other, "jaxpr", other))
+
+    body = shard_body(jaxpr)
+    visit(Scope(body), getattr(body, "jaxpr", body))
+    return found
+
+
+def metric_reduces(jaxpr: Any, reference: Any, scale: int, calls: list[str],
+                   labels: list[str]) -> list[str]:
+    """How each varying scalar a metric's update got combines over the replicas
+    (fleet._metrics): ``mean``, ``sum``, ``max`` or ``min``, read as for a scalar
+    output (the module docstring) from its operand in ``calls[k]``, the probe's
+    k-th marked call, and the same call in ``reference`` (``scale`` times the
+    rows, one device), or None (any combination is the value: float mean,
+    else sum). Raises a FleetError naming the metric, ``labels[k]``, for a
+    scalar it cannot combine."""
+    if not calls:
+        return []
+    mine = _marked_calls(jaxpr, set(calls))
+    theirs = _marked_calls(reference, set(calls)) if reference is not None else {}
+    out = []
+    for call, label in zip(calls, labels):
+        if call not in mine:
+            raise FleetError(_METRIC.format(label=label, dtype="", why=(
+                "fleet cannot follow it in the traced step")))
+        ea, sa = mine[call]
+        a = ea.invars[0]
+        dtype = f"{a.aval.dtype} "
+        if reference is None:
+            out.append(MEAN if np.issubdtype(a.aval.dtype, np.inexact) else SUM)
+            continue
+        if call not in theirs:
+            raise FleetError(_METRIC.format(label=label, dtype=dtype, why=(
+                "the step updates its metrics otherwise for other batch sizes")))
+        eb, sb = theirs[call]
+        walk = Walk(scale)
+        got = walk.kind(a, sa, eb.invars[0], sb)
+        if got is None or got[0] != "k":
+            why = walk.why if got is None else "a count of rows, not a value from them"
+            raise FleetError(_METRIC.format(label=label, dtype=dtype, why=why))
+        if got[1] == MEAN and not np.issubdtype(a.aval.dtype, np.inexact):
+            raise FleetError(_METRIC.format(label=label, dtype=dtype, why=(
+                "an integer sum divided by a count of rows, rounded")))
+        out.append(got[1])
+    return out

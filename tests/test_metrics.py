@@ -7,6 +7,7 @@ Welford's mean and m2 -- must end each step as on one device, not only their
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -220,3 +221,111 @@ def test_state_counted_from_the_batch_shape_is_refused(make_world, n):
     step(got, x)
     step(got, x)
     assert int(got.rows[...]) == 2 * BATCH
+
+
+SCALARS = {  # a scalar made from the replica's rows, as the single-device step writes it
+    "correct": lambda pred, y: ((pred > 0) == (y > 0)).sum().astype(jnp.float32),
+    "summed": lambda pred, y: ((pred - y) ** 2).sum(),
+    "worst": lambda pred, y: jnp.max(jnp.abs(pred - y)),
+    "best": lambda pred, y: -jnp.max(-jnp.abs(pred - y)),  # a min, through a negation
+    "loss": lambda pred, y: ((pred - y) ** 2).mean(),
+    "count": lambda pred, y: (pred > y).sum(),  # an integer sum
+    "top": lambda pred, y: jnp.max(jnp.argmax(jnp.stack([pred, y], 1), 1)),  # an integer max
+}
+
+
+def scalar_batches(steps=2, batch=BATCH):
+    rng = np.random.default_rng(7)
+    return [(rng.normal(size=(batch, 6)).astype(np.float32),
+             rng.normal(size=batch).astype(np.float32)) for _ in range(steps)]
+
+
+def run_metrics(step_of, metrics, step, wrap=lambda m: m):
+    model = wrap(MLP(nnx.Rngs(0)))
+    step = step_of(step)
+    for x, y in scalar_batches():
+        step(model, metrics, x, y)
+    return metrics
+
+
+def assert_metrics_equal(got, ref):
+    want, have = metric_state(ref), metric_state(got)
+    print(f"{have} vs {want}")
+    assert set(want) == set(have)
+    for k in want:  # counts exactly, totals within float rounding
+        np.testing.assert_allclose(have[k], want[k], rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(jax.tree.leaves(got.compute()), jax.tree.leaves(ref.compute()),
+                               rtol=1e-5)
+    assert fleet.check_replicas(nnx.state(got)) == []
+
+
+@pytest.mark.parametrize("n", DEVICES)
+@pytest.mark.parametrize("name", list(SCALARS))
+def test_a_scalar_given_to_a_metric_combines_as_its_reduction_over_the_rows(make_world, n,
+                                                                            name):
+    """A float sum of correct rows, a summed error, a maximum, a minimum, a mean,
+    an integer count and an integer maximum, each into an Average: the metric's
+    total and count after two steps equal one device's (a sum was averaged over
+    the replicas before: N times too small)."""
+    def step(model, metric, x, y):
+        metric.update(**{name: SCALARS[name](model(x)[:, 0], y)})
+
+    ref = run_metrics(nnx.jit, nnx.metrics.Average(name), step)
+    make_world(n)
+    got = run_metrics(fleet.distributed_step, nnx.metrics.Average(name), step,
+                      fleet.distributed_model)
+    assert_metrics_equal(got, ref)
+
+
+def test_a_multimetric_with_mixed_arguments_equals_one_device(make_world):
+    """Per-example logits and labels (gathered), a mean loss, a float count, a
+    summed error and a maximum, in one MultiMetric update."""
+    def step(model, metrics, x, y):
+        out = model(x)
+        pred, labels = out[:, 0], (y > 0).astype(jnp.int32)
+        metrics.update(logits=out[:, :2], labels=labels, **{
+            k: SCALARS[k](pred, y) for k in ("loss", "correct", "summed", "worst")})
+
+    def multi():
+        return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), **{
+            k: nnx.metrics.Average(k) for k in ("loss", "correct", "summed", "worst")})
+
+    ref = run_metrics(nnx.jit, multi(), step)
+    make_world(4)
+    got = run_metrics(fleet.distributed_step, multi(), step, fleet.distributed_model)
+    assert_metrics_equal(got, ref)
+    assert float(metric_state(got)["correct.total"]).is_integer()
+
+
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
+@pytest.mark.parametrize("value, why", [
+    (lambda pred, y: jnp.std(pred - y), "a sqrt"),
+    (lambda pred, y: (pred * y).sum() / (y ** 2).sum(), "a div of two values from the batch"),
+])
+def test_a_scalar_given_to_a_metric_that_no_reduction_combines_is_refused(make_world, n, value,
+                                                                          why):
+    """A standard deviation or a ratio of two sums: no combination of the replicas'
+    values is the single-device value; the error names the metric, the argument,
+    and what to write instead. Refused on one replica too (read against a trace
+    with twice the rows), as a step's scalar output is: the step would be refused
+    on more."""
+    def step(model, metric, x, y):
+        metric.update(spread=value(model(x)[:, 0], y))
+
+    make_world(n)
+    x, y = scalar_batches(1)[0]
+    with pytest.raises(fleet.FleetError, match=(
+            rf"updates metric Average \(argument 'spread'\) with a float32 scalar.*\({why}"
+            r".*Pass per-example values.*fleet.all_reduce\(value, 'sum'\)")):
+        fleet.distributed_step(step)(MLP(nnx.Rngs(0)), nnx.metrics.Average("spread"), x, y)
+
+
+def test_a_positional_scalar_that_no_reduction_combines_is_named_by_position(make_world):
+    def step(model, metric, x, mask):
+        metric.update(model(x)[:, 1], jnp.std(model(x)[:, 0]) > 0)
+
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"updates metric Masked \(argument at position 1\)"
+                       r" with a bool scalar"):
+        fleet.distributed_step(step)(MLP(nnx.Rngs(0)), Masked(), np.ones((BATCH, 6), np.float32),
+                                     np.ones(BATCH, bool))
