@@ -124,9 +124,13 @@ def _scalar(x: jax.Array, updates: Updates, label: str) -> jax.Array:
     return COMBINE[kind](x)
 
 
+#: The prefix of the probe's calls around the scalars metrics get (fleet._outputs).
+METRIC_CALL = "fleet_metric_"
+
+
 def mark_name(k: int) -> str:
     """The name of the probe's call around the k-th varying scalar a metric gets."""
-    return f"fleet_metric_{k}"
+    return f"{METRIC_CALL}{k}"
 
 
 @functools.cache

@@ -55,6 +55,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from fleet import _compat
 from fleet._errors import FleetError
+from fleet._metrics import METRIC_CALL
 from fleet._outputs_walk import CALLS, MEAN, SUM, Scope, Walk, is_varying_var
 from fleet._sync import FLEET_CALLS
 
@@ -195,13 +196,15 @@ def fleet_declared(*leaves: Any) -> tuple:
 
 def _unused_scalars(jaxpr: Any, ref: Any, sa: Scope, sb: Scope) -> list:
     """Pairs ``(a, sa, b, sb, eqn)``: each float scalar, varying, that an equation
-    of ``jaxpr`` makes and nothing uses (not an equation's input, not an output),
+    of ``jaxpr`` makes and nothing uses (not an equation's input but a metric's
+    update, fleet._metrics's marked call; not an output),
     beside its place in ``ref``; into calls and ``scan`` bodies too. A part where
     the two traces differ in structure is left out."""
     jaxpr, ref = getattr(jaxpr, "jaxpr", jaxpr), getattr(ref, "jaxpr", ref)
     if len(jaxpr.eqns) != len(ref.eqns):
         return []
-    used = {id(v) for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
+    used = {id(v) for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)
+            and not str(e.params.get("name", "")).startswith(METRIC_CALL)}
     used.update(id(v) for v in jaxpr.outvars if not isinstance(v, Literal))
     found = []
     for ea, eb in zip(jaxpr.eqns, ref.eqns):

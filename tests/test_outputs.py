@@ -330,3 +330,20 @@ def test_summed_loss_not_returned_is_refused(make_world, request, n, name):
              rf"over the batch rows .*gradients {n} times smaller.*Use a mean")
     with pytest.raises(fleet.FleetError, match=match):
         run(n, step, make_world, out_reduce=out_reduce)
+
+
+@pytest.mark.parametrize("n", tiers.replicas(2, 4))
+def test_summed_loss_given_to_a_metric_is_refused(make_world, n):
+    """A summed loss differentiated and given only to a metric: the metric would
+    get the right sum, the gradients would still be N times smaller. Refused."""
+    def step(model, optimizer, metric, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: _ce_sum(m(x), y))(model)
+        optimizer.update(model, grads)
+        metric.update(loss=loss)
+
+    x, y = _data()
+    make_world(n)
+    model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(fleet.FleetError, match=r"test_outputs\.py:\d+ is differentiated"):
+        fleet.distributed_step(step)(model, opt, nnx.metrics.Average("loss"), x, y)
