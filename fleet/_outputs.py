@@ -259,10 +259,12 @@ def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> N
     computed otherwise for other batch sizes (a count of the replica's rows):
     ``jaxpr``'s body returns those leaves from position ``first`` on, and so does
     ``reference`` (the step on one device with the global batch); values from
-    fleet's reductions over the replicas count as the same global value. Only
-    straight-line computations are compared: a value that comes out of a loop or
-    a branch (an ``nnx.scan``'s RNG count) is taken as the same, so the check
-    never refuses on its account (a count made inside a loop is not caught)."""
+    fleet's reductions over the replicas count as the same global value. A
+    ``scan``'s carry is compared through its update (a count of the micro-batch's
+    rows added each iteration is refused; an ``nnx.scan``'s RNG count is the
+    same); a value that comes out of a ``while`` loop or a branch is taken as the
+    same, so the check never refuses on its account (a count made there is not
+    caught)."""
     if reference is None or not names:
         return
     body, ref = shard_body(jaxpr), shard_body(reference)

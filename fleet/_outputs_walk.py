@@ -145,8 +145,10 @@ class Walk:
             return False
         if ea.outvars.index(a) != eb.outvars.index(b):
             return False
-        if self.global_calls and ea.primitive.name in ("scan", "while", "cond"):
-            return True  # (a loop or branch: not compared, so never refused on its account)
+        if self.global_calls and ea.primitive.name == "scan":
+            return self._same_carry(ea, sa, eb, sb, ea.outvars.index(a), depth)
+        if self.global_calls and ea.primitive.name in ("while", "cond"):
+            return True  # (not compared, so never refused on its account)
         if self.global_calls and (
                 ea.params.get("name") in self.global_calls
                 and eb.params.get("name") == ea.params.get("name")
@@ -154,6 +156,22 @@ class Walk:
                 and any(map(is_varying_var, eb.invars))):
             return True  # a reduction over the replicas: the global value in both traces
         return all(self.same(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars))
+
+    def _same_carry(self, ea, sa, eb, sb, i, depth) -> bool:
+        """Whether a ``scan``'s output ``i`` is computed alike in both traces: for a
+        carry, the same number of iterations and the same update from the same
+        initial value (a count of rows added each iteration differs; an RNG count
+        or a step counter does not). A stacked output is taken as the same."""
+        shape = [(e.params["length"], e.params["num_consts"], e.params["num_carry"])
+                 for e in (ea, eb)]
+        if i >= shape[0][2]:
+            return True
+        if shape[0] != shape[1]:
+            return False
+        scopes = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
+        inner = [getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]) for e in (ea, eb)]
+        return self.same(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1],
+                         depth + 1)
 
     def kind(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> tuple | None:
         if depth > _DEPTH:

@@ -223,6 +223,36 @@ def test_state_counted_from_the_batch_shape_is_refused(make_world, n):
     assert int(got.rows[...]) == 2 * BATCH
 
 
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
+def test_state_counted_inside_a_scan_is_refused(make_world, n):
+    """The same count made in a jax.lax.scan over micro-batches (each iteration adds
+    its rows): refused on several replicas, the way a straight-line count is; a
+    step counter in the same loop (adds 1 each iteration) is not a count of rows
+    and trains as on one device."""
+
+    def rows_in_loop(seen, x):
+        seen.rows[...] = jax.lax.scan(lambda c, mb: (c + mb.shape[0], None), seen.rows[...],
+                                      x.reshape(2, -1, *x.shape[1:]))[0]
+
+    def steps_in_loop(seen, x):
+        seen.rows[...] = jax.lax.scan(lambda c, mb: (c + 1, None), seen.rows[...],
+                                      x.reshape(2, -1, *x.shape[1:]))[0]
+
+    x = np.ones((BATCH, 2), np.float32)
+    make_world(n)
+    if n > 1:
+        with pytest.raises(fleet.FleetError, match=r"variable 'rows' leaves the step the same "
+                           r"on every replica, but it is computed from the batch's shape"):
+            fleet.distributed_step(rows_in_loop)(Seen(), x)
+    else:
+        got = Seen()
+        fleet.distributed_step(rows_in_loop)(got, x)
+        assert int(got.rows[...]) == BATCH
+    got = Seen()
+    fleet.distributed_step(steps_in_loop)(got, x)
+    assert int(got.rows[...]) == 2
+
+
 SCALARS = {  # a scalar made from the replica's rows, as the single-device step writes it
     "correct": lambda pred, y: ((pred > 0) == (y > 0)).sum().astype(jnp.float32),
     "summed": lambda pred, y: ((pred - y) ** 2).sum(),
