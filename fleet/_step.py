@@ -83,7 +83,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet import _donate, _guards, _roles, _sync, _worker
+from fleet import _donate, _guards, _roles, _sync, _verify, _worker
 from fleet._body import Program
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet._finite import FiniteFlags
@@ -122,6 +122,7 @@ class DistributedStep:
         self._last_repl: Any = None
         self._merge = MergePosition()
         self._recall: Recall | None = None  # the last call's decisions (fleet._recall)
+        self._verify = _verify.Verify(fn)  # strategy.verify_steps (fleet._verify)
 
     # -- the call, on the host ------------------------------------------------------
 
@@ -132,7 +133,7 @@ class DistributedStep:
         recall = self._recall
         batch = None if recall is None else recall.match(args, kwargs, self._program.graph)
         if batch is not None:  # the same decisions as the last call (fleet._recall)
-            plan, run, flat = recall.plan, recall.run, recall.flat
+            plan, run, flat, kinds = recall.plan, recall.run, recall.flat, recall.kinds
             call_args = self._call_args(plan, recall.kinds, args, recall.positions, batch)
         else:
             plan, kinds, values = self._decide(args, kwargs)
@@ -141,10 +142,14 @@ class DistributedStep:
             self._recall = Recall.of(args, kwargs, kinds, self._batch_argnums, plan,
                                      self._program.graph, world(), run, call_args[2])
             flat = False
+        # strategy.verify_steps: the single-device step on copies, before the donation
+        verify = self._verify.active and self._verify.before(plan, kinds, args, kwargs)
         chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
         # The old NNX state is donated: the new state must be written whatever follows.
         new_state, out, chain = run(*call_args, chain, flat)
         self._program.graph.write(new_state)
+        if verify:
+            self._verify.after(verify, plan, self._program.graph, out)
         if plan.grad_merge is not None and self._program.records[plan]["merge_updates"]:
             self._merge.advanced(self._program.graph.objs)
         self._calls += 1

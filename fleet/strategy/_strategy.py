@@ -301,6 +301,12 @@ class DistributedStrategy:
             (:func:`fleet.check_replicas`) and raises, naming the first leaf that
             differs (default 500: under 0.1% of a step on the CIFAR CNN and the
             25M MLP, ``benchmarks/check_replicas.py``; 0: never).
+        verify_steps: for the first this many calls of each compiled step, run
+            the single-device step on the global batch beside the distributed one
+            and raise, naming the first state leaf or output that differs beyond
+            the float noise floor (:mod:`fleet._verify`; 0, the default: off). The
+            environment variable ``FLEET_VERIFY_STEPS`` overrides it, so an
+            unchanged script is checked with ``FLEET_VERIFY_STEPS=3 fleetrun train.py``.
         check_nan_inf: Paddle's ``FLAGS_check_nan_inf``: a step whose outputs (the
             loss) or whose wrapped model's gradients hold a NaN or an infinity
             raises, naming the first such leaf and call, and leaves the state as it
@@ -326,6 +332,7 @@ class DistributedStrategy:
     last_comm_group_size_MB: float = DEFAULT_LAST_BUCKET_MB
     find_unused_parameters: bool = False
     check_replicas_every_n_steps: int = 500
+    verify_steps: int = 0
     check_nan_inf: bool = False
     fp16_allreduce: bool = False
     sync_batch_norm: bool | None = None
@@ -367,7 +374,7 @@ class DistributedStrategy:
                     f"DistributedStrategy.{name} must be a positive, finite number of MB, "
                     f"got {value}"
                 )
-            if name == "check_replicas_every_n_steps" and value < 0:
+            if name in ("check_replicas_every_n_steps", "verify_steps") and value < 0:
                 raise FleetConfigError(
                     f"DistributedStrategy.{name} must be 0 (off) or a positive number of "
                     f"steps, got {value}"

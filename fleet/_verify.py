@@ -1,0 +1,310 @@
+"""``strategy.verify_steps`` / ``FLEET_VERIFY_STEPS``: the user's own step checked
+against one device.
+
+For the first k calls of each compiled plan of a :class:`fleet.DistributedStep`,
+the single-device step runs beside the distributed one: ``nnx.jit`` of the
+user's function, outside any fleet step (where a wrapped model, a distributed
+optimizer and a global metric behave as the plain single-device ones), on
+copies of the NNX objects' state, of the pytree arguments and of the *global*
+batch, all on one device (the mesh's first; the host's CPU where state and
+batch, three times over, do not fit in the device's free memory). Then every
+state leaf of the step's NNX objects (parameters, optimizer state, buffers,
+metrics' totals and counts, RNG keys and counts) and every output leaf (by
+pytree path; a returned ``TrainState`` is an output) is compared; the first leaf
+beyond its noise floor raises a :class:`fleet.FleetError` naming it, the call,
+both norms, the difference and the floor, and the usual causes.
+
+The noise floor. The tests compare fleet with the *split-sum* step (the
+single-device step whose gradient is the mean of the replicas' sub-batch
+gradients): the distance between it and the plain step is how far summation
+order alone moves a result. fleet cannot build that reference for a user's
+step: it cannot cut an arbitrary function into sub-batch gradients. It builds
+a stand-in that measures the same thing, the step's sensitivity to
+rounding-level changes: the reference runs twice, plain and with every float
+leaf of the state and the batch multiplied by ``1 + delta`` (``2**-20`` for
+float32/64, ``2**-10`` for float16/bfloat16 and under ``strategy.amp``; keys
+and integers untouched). Per leaf, ``floor = 8 * max|perturbed - plain| + 16 *
+eps(dtype) * max|plain|``; integer leaves and keys must be equal. A chaotic leaf
+(Adam's update of a bias whose gradient is zero) moves by about the learning
+rate under either change, and gets a wide floor; a leaf that rounding barely
+moves keeps a tight one. tests/test_verify.py checks that on the contract
+tests' models this floor is at least the split-sum one.
+
+Not covered yet (a call of such a plan prints that it is skipped, once):
+multi-process jobs (a clear error), ``strategy.gradient_merge``, ``no_sync``
+and ``strategy.sharding`` (their optimizer state and cycles have no plain
+single-device counterpart outside a step). fleet's own bookkeeping (float16
+amp's loss scale, gradient merge's count, ``no_sync`` accumulators) is not
+compared: the single-device step has none.
+
+Cost: two single-device runs (compiled once per plan) and the copies, for k
+calls per plan; with verify off, a call reads one attribute (``active``).
+``benchmarks/verify_cost.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fleet import _roles, _sync
+from fleet._errors import FleetConfigError, FleetError
+from fleet._optimizer import MergeCount
+from fleet._tree import dotted
+from fleet._world import world
+from fleet.strategy._amp import LossScale
+
+ENV = "FLEET_VERIFY_STEPS"
+_OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared
+
+CAUSES = {
+    "metric": (
+        "a metric's counter or total updated with fleet.all_reduce(..., 'avg') where the "
+        "global count needs 'sum', or a total taken from one replica's rows"),
+    "random": (
+        "a random stream made per replica: a key folded with the replica index "
+        "(jax.lax.axis_index), or a raw uint32 key fleet cannot re-type, so each replica "
+        "draws what one device would draw for the first rows"),
+    "output": (
+        "an output declared with out_reduce that is not what the step computes (a max "
+        "over the batch declared 'mean', a summed loss declared 'sum'), or a value made "
+        "from a closed-over array sliced by x.shape[0]"),
+    "state": (
+        "a loss summed over the batch and declared with out_reduce='sum' (gradients are "
+        "averaged over replicas, so they are N times smaller than on one device); a "
+        "closed-over array (a numpy array captured by the step) sliced with x.shape[0], "
+        "so each replica uses the first rows' values; a random stream folded with the "
+        "replica index (jax.lax.axis_index)"),
+}
+
+
+def steps_from(strategy: Any) -> int:
+    """k: ``FLEET_VERIFY_STEPS`` when set, else ``strategy.verify_steps``."""
+    raw = os.environ.get(ENV)
+    if raw is None or raw.strip() == "":
+        return strategy.verify_steps
+    try:
+        k = int(raw)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise FleetConfigError(
+            f"{ENV}={raw!r} must be 0 (off) or a positive number of calls to check "
+            "against one device, e.g. FLEET_VERIFY_STEPS=3")
+    return k
+
+
+class Reference:
+    """One verified call: the plain and perturbed single-device results."""
+
+    def __init__(self, call: int, device: Any, where: str, plain: tuple, perturbed: tuple):
+        self.call, self.device, self.where = call, device, where
+        self.plain, self.perturbed = plain, perturbed  # (state leaves, outputs)
+        self.owners: list[str] = plain[2]  # per state leaf: "metric" or "state"
+
+
+class Verify:
+    """A step's verify mode: which plans were checked, and how often."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self.active = True  # until k is known to be 0
+        self.k: int | None = None
+        self._calls: dict[Any, int] = {}
+        self._jitted: dict[Any, Any] = {}
+
+    def before(self, plan: Any, kinds: tuple, args: tuple, kwargs: dict) -> Reference | None:
+        """Runs the single-device step on copies of this call's arguments (before
+        the distributed call donates the state); ``None`` when not verified."""
+        w = world()
+        if self.k is None:
+            self.k = steps_from(w.strategy)
+            if self.k == 0:
+                self.active = False
+                return None
+        n = self._calls.get(plan, 0)
+        if n >= self.k:
+            return None
+        skip = _unsupported(plan)
+        if skip:
+            self._calls[plan] = self.k
+            _say(f"fleet verify: skipped for this step's calls {skip} (not covered yet)")
+            return None
+        if jax.process_count() > 1:
+            raise FleetError(
+                f"verify ({ENV} / strategy.verify_steps) runs in single-process jobs for now; "
+                f"this job has {jax.process_count()} processes. Run the script in one "
+                "process over its devices (python train.py) to verify it, then launch it")
+        self._calls[plan] = n + 1
+        values = list(args) + [kwargs[k] for k in plan.kw_names]
+        device, where = _device(w, values, kinds)
+        jitted = self._jitted.get(plan)
+        if jitted is None:
+            jitted = self._jitted[plan] = _reference_fn(self.fn, kinds, plan.kw_names)
+        delta = _delta(w.strategy)
+        plain = _run(jitted, values, kinds, device, False)
+        perturbed = _run(jitted, values, kinds, device, delta)
+        return Reference(n + 1, device, where, plain, perturbed)
+
+    def after(self, ref: Reference, plan: Any, graph: Any, out: Any) -> None:
+        """Compares the distributed call's state and outputs with the reference."""
+        state = [v.get_raw_value() for v in graph.variables]
+        rows = [(name, v, x) for name, v, x in zip(graph.names, graph.variables, state)]
+        worst = (0.0, "", 0.0, 0.0)
+        for i, (name, var, got) in enumerate(rows):
+            if isinstance(var, _OWN):
+                continue
+            kind = "random" if isinstance(var, nnx.RngState) else ref.owners[i]
+            worst = _compare(f"{name}", kind, got, ref.plain[0][i], ref.perturbed[0][i],
+                             ref, worst)
+        got_out = jax.tree_util.tree_flatten_with_path(out)[0]
+        plain_out = jax.tree_util.tree_flatten_with_path(ref.plain[1])[0]
+        pert_out = jax.tree.leaves(ref.perturbed[1])
+        if [p for p, _ in got_out] != [p for p, _ in plain_out]:
+            raise FleetError(
+                f"verify, call {ref.call}: the distributed step returned outputs "
+                f"{[dotted(p) for p, _ in got_out]}, one device "
+                f"{[dotted(p) for p, _ in plain_out]}")
+        for (path, got), (_, want), pert in zip(got_out, plain_out, pert_out):
+            worst = _compare(f"output {dotted(path)}" if path else "the output", "output", got, want,
+                             pert, ref, worst)
+        k = self.k
+        _say(f"fleet verify: call {ref.call} of {k} matches one device ({ref.where}): worst "
+             f"leaf {worst[1]}: |d| {worst[2]:.1e} <= floor {worst[3]:.1e}")
+        if ref.call == k:
+            _say(f"fleet verify: {k} call{'s' * (k > 1)} of this step matched one device; "
+                 "verify is now off for it")
+
+
+def _unsupported(plan: Any) -> str:
+    if plan.grad_merge is not None:
+        return "under strategy.gradient_merge"
+    if plan.no_sync:
+        return "under no_sync"
+    if plan.sharded:
+        return "with strategy.sharding"
+    return ""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _delta(strategy: Any) -> float | None:
+    return 2.0 ** -10 if strategy.amp else None  # None: by dtype
+
+
+def _nbytes(values: list, kinds: tuple) -> int:
+    leaves = [x for v, k in zip(values, kinds) if k != _roles.STATIC
+              for x in jax.tree.leaves(nnx.state(v) if k == _roles.NNX else v)]
+    return sum(int(np.prod(np.shape(x))) * jnp.result_type(x).itemsize
+               for x in leaves if _roles.is_array(x) and not jax.dtypes.issubdtype(
+                   jnp.result_type(x), jax.dtypes.prng_key))
+
+
+def _device(w: Any, values: list, kinds: tuple) -> tuple[Any, str]:
+    """The mesh's first device, or the host where state and batch, three times
+    over (plain, perturbed, outputs), do not fit in its free memory."""
+    device = w.mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        need = 3 * _nbytes(values, kinds)
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if need > free:
+            host = jax.devices("cpu")[0]
+            return host, (f"{host}: state and batch x3 = {need / 2**20:.0f} MiB do not fit in "
+                          f"{device}'s free {free / 2**20:.0f} MiB")
+    return device, str(device)
+
+
+def _reference_fn(fn: Any, kinds: tuple, kw_names: tuple) -> Any:
+    """``nnx.jit`` of the user's step over its non-static arguments (the static
+    ones, part of the plan, are bound by position)."""
+    n_pos = len(kinds) - len(kw_names)
+
+    def call(statics: tuple, dynamic: list) -> Any:
+        st, dy = iter(statics), iter(dynamic)
+        values = [next(st) if k == _roles.STATIC else next(dy) for k in kinds]
+        return fn(*values[:n_pos], **dict(zip(kw_names, values[n_pos:])))
+
+    return nnx.jit(call, static_argnums=0)
+
+
+def _copy(x: Any, device: Any, delta: float | None) -> Any:
+    """``x`` on ``device``; float arrays times ``1 + delta`` when perturbed."""
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    x = jax.device_put(x, device)
+    if delta is False or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if delta is None:
+        delta = 2.0 ** -10 if x.dtype.itemsize <= 2 else 2.0 ** -20
+    return x * jnp.asarray(1 + delta, x.dtype)
+
+
+def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tuple:
+    """The single-device step on copies (``delta``: False, plain; else the
+    perturbation): its state leaves (in the step's graph order; keys as key
+    data), its outputs, and what owns each state leaf."""
+    positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
+    objs = tuple(values[i] for i in positions)
+    graphdef, state = nnx.split(objs)
+    clone = nnx.merge(graphdef, jax.tree.map(lambda x: _copy(x, device, delta), state))
+    statics, dynamic = [], []
+    for i, (v, k) in enumerate(zip(values, kinds)):
+        if k == _roles.STATIC:
+            statics.append(v)
+        elif k == _roles.NNX:
+            dynamic.append(clone[positions.index(i)])
+        else:
+            dynamic.append(jax.tree.map(lambda x: _copy(x, device, delta), v))
+    out = jitted(tuple(statics), dynamic)
+    with_path = jax.tree_util.tree_flatten_with_path(
+        nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+    leaves = [_plain(v.get_raw_value()) for _, v in with_path]
+    owners = ["metric" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric) else "state"
+              for p, _ in with_path]
+    return leaves, out, owners
+
+
+def _plain(x: Any) -> np.ndarray:
+    x = jnp.asarray(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def _compare(name: str, kind: str, got: Any, want: np.ndarray, pert: Any, ref: Reference,
+             worst: tuple) -> tuple:
+    """Raises if ``got`` is beyond the floor; else the worst (ratio, name, d, floor)."""
+    got, want, pert = _plain(got), _plain(want), _plain(pert)
+    if got.shape != want.shape:
+        raise FleetError(
+            f"verify, call {ref.call}: {name} has shape {got.shape} in the distributed step "
+            f"and {want.shape} on one device ({ref.where}). Usual causes: {CAUSES[kind]}")
+    if jnp.issubdtype(want.dtype, jnp.inexact):
+        eps = float(jnp.finfo(want.dtype).eps)
+        g, p, q = (a.astype(np.float64) for a in (got, want, pert))
+        d = float(np.max(np.abs(g - p), initial=0.0))
+        if np.isnan(d) and np.array_equal(np.isnan(g), np.isnan(p)):
+            d = float(np.nanmax(np.abs(g - p), initial=0.0))
+        floor = 8 * float(np.nanmax(np.abs(q - p), initial=0.0)) + 16 * eps * float(
+            np.nanmax(np.abs(p), initial=0.0))
+    else:
+        d = 0.0 if np.array_equal(got, want) else float(
+            np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+        floor = 0.0
+    if not d <= floor:
+        raise FleetError(
+            f"verify, call {ref.call}: {name} differs from the single-device step on the "
+            f"global batch ({ref.where}): norm {np.linalg.norm(got.astype(np.float64)):.6g} "
+            f"distributed vs {np.linalg.norm(want.astype(np.float64)):.6g} on one device, max "
+            f"|difference| {d:.3g} > noise floor {floor:.3g}. Usual causes: {CAUSES[kind]}")
+    ratio = d / floor if floor else 0.0
+    return max(worst, (ratio, name, d, floor)) if worst[1] else (ratio, name, d, floor)
