@@ -24,7 +24,10 @@ rounding-level changes: the reference runs twice, plain and with every float
 leaf of the state and the batch multiplied by ``1 + delta`` (``2**-20`` for
 float32/64, ``2**-10`` for float16/bfloat16 and under ``strategy.amp``; keys
 and integers untouched). Per leaf, ``floor = 8 * max|perturbed - plain| + 16 *
-eps(dtype) * max|plain|``; integer leaves and keys must be equal. A chaotic leaf
+eps(dtype) * max|plain|`` (under ``strategy.amp``, eps of the compute dtype at
+least: float16 amp scales the loss inside the step, which the plain step does
+not, and float32 state such as Adam's moments then carries float16 rounding);
+integer leaves and keys must be equal. A chaotic leaf
 (Adam's update of a bias whose gradient is zero) moves by about the learning
 rate under either change, and gets a wide floor; a leaf that rounding barely
 moves keeps a tight one. tests/test_verify.py checks that on the contract
@@ -55,10 +58,10 @@ from flax import nnx
 
 from fleet import _roles, _sync
 from fleet._errors import FleetConfigError, FleetError
-from fleet._optimizer import MergeCount
+from fleet._optimizer import DistributedOptimizer, MergeCount, _AllReduceThen
 from fleet._tree import dotted
 from fleet._world import world
-from fleet.strategy._amp import LossScale
+from fleet.strategy._amp import LossScale, policy_of
 
 ENV = "FLEET_VERIFY_STEPS"
 _OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared
@@ -107,6 +110,7 @@ class Reference:
         self.call, self.device, self.where = call, device, where
         self.plain, self.perturbed = plain, perturbed  # (state leaves, outputs)
         self.owners: list[str] = plain[2]  # per state leaf: "metric" or "state"
+        self.eps = 0.0  # strategy.amp: its compute dtype's eps, at least
 
 
 class Verify:
@@ -150,7 +154,10 @@ class Verify:
         delta = _delta(w.strategy)
         plain = _run(jitted, values, kinds, device, False)
         perturbed = _run(jitted, values, kinds, device, delta)
-        return Reference(n + 1, device, where, plain, perturbed)
+        ref = Reference(n + 1, device, where, plain, perturbed)
+        policy = policy_of(w.strategy)  # amp: results carry its compute dtype's rounding
+        ref.eps = 0.0 if policy is None else float(jnp.finfo(policy.dtype).eps)
+        return ref
 
     def after(self, ref: Reference, plan: Any, graph: Any, out: Any) -> None:
         """Compares the distributed call's state and outputs with the reference."""
@@ -256,6 +263,9 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tu
     objs = tuple(values[i] for i in positions)
     graphdef, state = nnx.split(objs)
     clone = nnx.merge(graphdef, jax.tree.map(lambda x: _copy(x, device, delta), state))
+    for obj in clone:  # the clone's optimizer steps as on one device (no averaging)
+        if isinstance(obj, DistributedOptimizer):
+            obj.tx = obj.tx.inner
     statics, dynamic = [], []
     for i, (v, k) in enumerate(zip(values, kinds)):
         if k == _roles.STATIC:
@@ -263,7 +273,7 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tu
         elif k == _roles.NNX:
             dynamic.append(clone[positions.index(i)])
         else:
-            dynamic.append(jax.tree.map(lambda x: _copy(x, device, delta), v))
+            dynamic.append(_plain_tx(jax.tree.map(lambda x: _copy(x, device, delta), v)))
     out = jitted(tuple(statics), dynamic)
     with_path = jax.tree_util.tree_flatten_with_path(
         nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
@@ -271,6 +281,15 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tu
     owners = ["metric" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric) else "state"
               for p, _ in with_path]
     return leaves, out, owners
+
+
+def _plain_tx(tree: Any) -> Any:
+    """A ``TrainState`` holding fleet's distributed transformation, with the
+    plain one it wraps instead (it averages over replicas only inside a step)."""
+    tx = getattr(tree, "tx", None)
+    if isinstance(tx, _AllReduceThen) and hasattr(tree, "replace"):
+        return tree.replace(tx=tx.inner)
+    return tree
 
 
 def _plain(x: Any) -> np.ndarray:
@@ -289,7 +308,7 @@ def _compare(name: str, kind: str, got: Any, want: np.ndarray, pert: Any, ref: R
             f"verify, call {ref.call}: {name} has shape {got.shape} in the distributed step "
             f"and {want.shape} on one device ({ref.where}). Usual causes: {CAUSES[kind]}")
     if jnp.issubdtype(want.dtype, jnp.inexact):
-        eps = float(jnp.finfo(want.dtype).eps)
+        eps = max(float(jnp.finfo(want.dtype).eps), ref.eps)
         g, p, q = (a.astype(np.float64) for a in (got, want, pert))
         d = float(np.max(np.abs(g - p), initial=0.0))
         if np.isnan(d) and np.array_equal(np.isnan(g), np.isnan(p)):
