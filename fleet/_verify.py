@@ -42,7 +42,10 @@ compared: the single-device step has none.
 
 Cost: two single-device runs (compiled once per plan) and the copies, for k
 calls per plan; with verify off, a call reads one attribute (``active``).
-``benchmarks/verify_cost.py`` measures it.
+``benchmarks/verify_cost.py``, 4 fake CPU devices on a 2-core machine, Adam:
+the 2.1M MLP 41.6 ms a plain call, 311 ms a verified one (first: 3.9 s,
+compiling the reference), 50 MiB copied to one device; the CIFAR CNN 149 ms,
+1001 ms (first: 8.7 s), 5.8 MiB.
 """
 
 from __future__ import annotations
