@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.training.optimizer import OptState
 
 from fleet import _roles, _sync
 from fleet._errors import FleetConfigError, FleetError
@@ -70,9 +71,10 @@ ENV = "FLEET_VERIFY_STEPS"
 _OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared
 
 CAUSES = {
-    "metric": (
-        "a metric's counter or total updated with fleet.all_reduce(..., 'avg') where the "
-        "global count needs 'sum', or a total taken from one replica's rows"),
+    "counter": (
+        "a metric's or a hand-kept counter or total updated with fleet.all_reduce(..., "
+        "'avg') where the global count needs 'sum', or a total taken from one replica's "
+        "rows (x.shape[0] inside the step is the replica's rows, not the global batch)"),
     "random": (
         "a random stream made per replica: a key folded with the replica index "
         "(jax.lax.axis_index), or a raw uint32 key fleet cannot re-type, so each replica "
@@ -112,7 +114,7 @@ class Reference:
     def __init__(self, call: int, device: Any, where: str, plain: tuple, perturbed: tuple):
         self.call, self.device, self.where = call, device, where
         self.plain, self.perturbed = plain, perturbed  # (state leaves, outputs)
-        self.owners: list[str] = plain[2]  # per state leaf: "metric" or "state"
+        self.owners: list[str] = plain[2]  # per state leaf: "counter" or "state"
         self.eps = 0.0  # strategy.amp: its compute dtype's eps, at least
 
 
@@ -281,8 +283,8 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tu
     with_path = jax.tree_util.tree_flatten_with_path(
         nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     leaves = [_plain(v.get_raw_value()) for _, v in with_path]
-    owners = ["metric" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric) else "state"
-              for p, _ in with_path]
+    owners = ["counter" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric)
+              or not isinstance(v, (nnx.Param, OptState)) else "state" for p, v in with_path]
     return leaves, out, owners
 
 
