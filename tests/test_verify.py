@@ -87,8 +87,14 @@ CASES = {
 }
 
 
+#: Cases whose property a default-tier case also checks (the CNN: multi_metric's
+#: model; BatchNorm: tests/test_batch_norm.py's equivalence): the slow tier.
+SLOW_CASES = ("cnn_sgd", "batch_norm")
+
+
 @pytest.mark.parametrize("n", tiers.replicas(2, 4, 8))
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=tiers.slow) if c in SLOW_CASES else c
+                                  for c in sorted(CASES)])
 def test_no_false_alarm(make_world, capsys, n, case):
     fields, make = CASES[case]
     make_world(n, strategy(**fields))
@@ -104,6 +110,7 @@ def test_no_false_alarm(make_world, capsys, n, case):
     assert all(fleet.check_replicas(o) == [] for o in objs)
 
 
+@tiers.slow
 def test_no_false_alarm_linen_train_state(make_world, capsys):
     make_world(4, strategy())
     step, state = linen_case()
@@ -115,7 +122,7 @@ def test_no_false_alarm_linen_train_state(make_world, capsys):
 
 
 @pytest.mark.parametrize("fields", [
-    dict(sharding=True, sharding_configs={"stage": 2}),
+    pytest.param(dict(sharding=True, sharding_configs={"stage": 2}), marks=tiers.slow),
     dict(gradient_merge=True, gradient_merge_configs={"k_steps": 2}),
 ])
 def test_sections_without_a_plain_reference_are_skipped_and_said(make_world, capsys, fields):
