@@ -143,7 +143,8 @@ class DistributedStep:
                                      self._program.graph, world(), run, call_args[2])
             flat = False
         # strategy.verify_steps: the single-device step on copies, before the donation
-        verify = self._verify.active and self._verify.before(plan, kinds, args, kwargs)
+        verify = self._verify.active and self._verify.before(plan, kinds, args, kwargs,
+                                                             call_args[2])
         chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
         # The old NNX state is donated: the new state must be written whatever follows.
         new_state, out, chain = run(*call_args, chain, flat)

@@ -33,8 +33,13 @@ rate under either change, and gets a wide floor; a leaf that rounding barely
 moves keeps a tight one. tests/test_verify.py checks that on the contract
 tests' models this floor is at least the split-sum one.
 
+Multi-process jobs: every process gathers the global batch (and the outputs
+that are not all on it) and runs the reference on its own first device; each
+compares the same global values, and the verdicts are exchanged, so every
+process raises at the same call. Process 0 prints the lines.
+
 Not covered yet (a call of such a plan prints that it is skipped, once):
-multi-process jobs (a clear error), ``strategy.gradient_merge``, ``no_sync``
+``strategy.gradient_merge``, ``no_sync``
 and ``strategy.sharding`` (their optimizer state and cycles have no plain
 single-device counterpart outside a step). fleet's own bookkeeping (float16
 amp's loss scale, gradient merge's count, ``no_sync`` accumulators) is not
@@ -64,32 +69,14 @@ from fleet import _roles, _sync
 from fleet._errors import FleetConfigError, FleetError
 from fleet._optimizer import DistributedOptimizer, MergeCount, _AllReduceThen
 from fleet._tree import dotted
+from fleet._verify_compare import agree, compare, plain, whole
 from fleet._world import world
 from fleet.strategy._amp import LossScale, policy_of
 
 ENV = "FLEET_VERIFY_STEPS"
 _OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared
 
-CAUSES = {
-    "counter": (
-        "a metric's or a hand-kept counter or total updated with fleet.all_reduce(..., "
-        "'avg') where the global count needs 'sum', or a total taken from one replica's "
-        "rows (x.shape[0] inside the step is the replica's rows, not the global batch)"),
-    "random": (
-        "a random stream made per replica: a key folded with the replica index "
-        "(jax.lax.axis_index), or a raw uint32 key fleet cannot re-type, so each replica "
-        "draws what one device would draw for the first rows"),
-    "output": (
-        "an output declared with out_reduce that is not what the step computes (a max "
-        "over the batch declared 'mean', a summed loss declared 'sum'), or a value made "
-        "from a closed-over array sliced by x.shape[0]"),
-    "state": (
-        "a loss summed over the batch and declared with out_reduce='sum' (gradients are "
-        "averaged over replicas, so they are N times smaller than on one device); a "
-        "closed-over array (a numpy array captured by the step) sliced with x.shape[0], "
-        "so each replica uses the first rows' values; a random stream folded with the "
-        "replica index (jax.lax.axis_index)"),
-}
+
 
 
 def steps_from(strategy: Any) -> int:
@@ -128,9 +115,11 @@ class Verify:
         self._calls: dict[Any, int] = {}
         self._jitted: dict[Any, Any] = {}
 
-    def before(self, plan: Any, kinds: tuple, args: tuple, kwargs: dict) -> Reference | None:
+    def before(self, plan: Any, kinds: tuple, args: tuple, kwargs: dict,
+               batch: list) -> Reference | None:
         """Runs the single-device step on copies of this call's arguments (before
-        the distributed call donates the state); ``None`` when not verified."""
+        the distributed call donates the state; ``batch``: the global batch as the
+        step placed it); ``None`` when not verified."""
         w = world()
         if self.k is None:
             self.k = steps_from(w.strategy)
@@ -145,13 +134,10 @@ class Verify:
             self._calls[plan] = self.k
             _say(f"fleet verify: skipped for this step's calls {skip} (not covered yet)")
             return None
-        if jax.process_count() > 1:
-            raise FleetError(
-                f"verify ({ENV} / strategy.verify_steps) runs in single-process jobs for now; "
-                f"this job has {jax.process_count()} processes. Run the script in one "
-                "process over its devices (python train.py) to verify it, then launch it")
         self._calls[plan] = n + 1
         values = list(args) + [kwargs[k] for k in plan.kw_names]
+        rows = iter(batch)  # every process: the whole global batch, in the step's order
+        values = [whole(next(rows)) if k == _roles.BATCH else v for v, k in zip(values, kinds)]
         device, where = _device(w, values, kinds)
         jitted = self._jitted.get(plan)
         if jitted is None:
@@ -165,7 +151,24 @@ class Verify:
         return ref
 
     def after(self, ref: Reference, plan: Any, graph: Any, out: Any) -> None:
-        """Compares the distributed call's state and outputs with the reference."""
+        """Compares the distributed call's state and outputs with the reference; in
+        a multi-process job every process raises at the same call (each compares
+        the same global values; their verdicts are exchanged all the same)."""
+        try:
+            worst = self._compare_all(ref, graph, out)
+        except FleetError as e:
+            agree(ref, failed=True)
+            raise e from None
+        agree(ref, failed=False)
+        k = self.k
+        if jax.process_index() == 0:
+            _say(f"fleet verify: call {ref.call} of {k} matches one device ({ref.where}): "
+                 f"worst leaf {worst[1]}: |d| {worst[2]:.1e} <= floor {worst[3]:.1e}")
+            if ref.call == k:
+                _say(f"fleet verify: {k} call{'s' * (k > 1)} of this step matched one device; "
+                     "verify is now off for it")
+
+    def _compare_all(self, ref: Reference, graph: Any, out: Any) -> tuple:
         state = [v.get_raw_value() for v in graph.variables]
         rows = [(name, v, x) for name, v, x in zip(graph.names, graph.variables, state)]
         worst = (0.0, "", 0.0, 0.0)
@@ -173,7 +176,7 @@ class Verify:
             if isinstance(var, _OWN):
                 continue
             kind = "random" if isinstance(var, nnx.RngState) else ref.owners[i]
-            worst = _compare(f"{name}", kind, got, ref.plain[0][i], ref.perturbed[0][i],
+            worst = compare(f"{name}", kind, got, ref.plain[0][i], ref.perturbed[0][i],
                              ref, worst)
         got_out = jax.tree_util.tree_flatten_with_path(out)[0]
         plain_out = jax.tree_util.tree_flatten_with_path(ref.plain[1])[0]
@@ -184,14 +187,9 @@ class Verify:
                 f"{[dotted(p) for p, _ in got_out]}, one device "
                 f"{[dotted(p) for p, _ in plain_out]}")
         for (path, got), (_, want), pert in zip(got_out, plain_out, pert_out):
-            worst = _compare(f"output {dotted(path)}" if path else "the output", "output", got, want,
-                             pert, ref, worst)
-        k = self.k
-        _say(f"fleet verify: call {ref.call} of {k} matches one device ({ref.where}): worst "
-             f"leaf {worst[1]}: |d| {worst[2]:.1e} <= floor {worst[3]:.1e}")
-        if ref.call == k:
-            _say(f"fleet verify: {k} call{'s' * (k > 1)} of this step matched one device; "
-                 "verify is now off for it")
+            worst = compare(f"output {dotted(path)}" if path else "the output", "output", got,
+                             want, pert, ref, worst)
+        return worst
 
 
 def _unsupported(plan: Any) -> str:
@@ -221,9 +219,9 @@ def _nbytes(values: list, kinds: tuple) -> int:
 
 
 def _device(w: Any, values: list, kinds: tuple) -> tuple[Any, str]:
-    """The mesh's first device, or the host where state and batch, three times
+    """This process's first device of the mesh, or the host where state and batch, three times
     over (plain, perturbed, outputs), do not fit in its free memory."""
-    device = w.mesh.devices.flat[0]
+    device = next(d for d in w.mesh.devices.flat if d.process_index == jax.process_index())
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         need = 3 * _nbytes(values, kinds)
@@ -252,7 +250,7 @@ def _copy(x: Any, device: Any, delta: float | None) -> Any:
     """``x`` on ``device``; float arrays times ``1 + delta`` when perturbed."""
     if not isinstance(x, (jax.Array, np.ndarray)):
         return x
-    x = jax.device_put(x, device)
+    x = jax.device_put(whole(x), device)
     if delta is False or not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     if delta is None:
@@ -282,7 +280,7 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tu
     out = jitted(tuple(statics), dynamic)
     with_path = jax.tree_util.tree_flatten_with_path(
         nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
-    leaves = [_plain(v.get_raw_value()) for _, v in with_path]
+    leaves = [plain(v.get_raw_value()) for _, v in with_path]
     owners = ["counter" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric)
               or not isinstance(v, (nnx.Param, OptState)) else "state" for p, v in with_path]
     return leaves, out, owners
@@ -295,40 +293,3 @@ def _plain_tx(tree: Any) -> Any:
     if isinstance(tx, _AllReduceThen) and hasattr(tree, "replace"):
         return tree.replace(tx=tx.inner)
     return tree
-
-
-def _plain(x: Any) -> np.ndarray:
-    x = jnp.asarray(x)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    return np.asarray(x)
-
-
-def _compare(name: str, kind: str, got: Any, want: np.ndarray, pert: Any, ref: Reference,
-             worst: tuple) -> tuple:
-    """Raises if ``got`` is beyond the floor; else the worst (ratio, name, d, floor)."""
-    got, want, pert = _plain(got), _plain(want), _plain(pert)
-    if got.shape != want.shape:
-        raise FleetError(
-            f"verify, call {ref.call}: {name} has shape {got.shape} in the distributed step "
-            f"and {want.shape} on one device ({ref.where}). Usual causes: {CAUSES[kind]}")
-    if jnp.issubdtype(want.dtype, jnp.inexact):
-        eps = max(float(jnp.finfo(want.dtype).eps), ref.eps)
-        g, p, q = (a.astype(np.float64) for a in (got, want, pert))
-        d = float(np.max(np.abs(g - p), initial=0.0))
-        if np.isnan(d) and np.array_equal(np.isnan(g), np.isnan(p)):
-            d = float(np.nanmax(np.abs(g - p), initial=0.0))
-        floor = 8 * float(np.nanmax(np.abs(q - p), initial=0.0)) + 16 * eps * float(
-            np.nanmax(np.abs(p), initial=0.0))
-    else:
-        d = 0.0 if np.array_equal(got, want) else float(
-            np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
-        floor = 0.0
-    if not d <= floor:
-        raise FleetError(
-            f"verify, call {ref.call}: {name} differs from the single-device step on the "
-            f"global batch ({ref.where}): norm {np.linalg.norm(got.astype(np.float64)):.6g} "
-            f"distributed vs {np.linalg.norm(want.astype(np.float64)):.6g} on one device, max "
-            f"|difference| {d:.3g} > noise floor {floor:.3g}. Usual causes: {CAUSES[kind]}")
-    ratio = d / floor if floor else 0.0
-    return max(worst, (ratio, name, d, floor)) if worst[1] else (ratio, name, d, floor)

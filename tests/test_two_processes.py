@@ -281,3 +281,17 @@ def test_dropout_across_two_processes_equals_one_device(scenarios):
         print(f"state max diff from one device: {diff:.2e}")
         assert diff < 1e-5
     assert all(np.array_equal(got[0][f"leaf{i}"], got[1][f"leaf{i}"]) for i in range(len(ref)))
+
+
+def test_verify_across_two_processes(scenarios):
+    """strategy.verify_steps=2 under fleetrun: each process checks the step against
+    one device on the gathered global batch; process 0 prints one line per call;
+    a max declared 'mean' raises on both processes at the first call, naming it."""
+    lines = [ln for ln in scenarios.output("verify").splitlines() if "fleet verify" in ln]
+    assert len(lines) == 3, lines
+    assert all("matches one device" in ln for ln in lines[:2]) and "now off" in lines[2]
+    for rank in (0, 1):
+        with open(scenarios.dir("verify") / f"result.{rank}.json") as f:
+            got = json.load(f)
+        assert len(got["losses"]) == 3
+        assert got["bad"].startswith("call 1: verify, call 1: output 1 differs"), got["bad"]

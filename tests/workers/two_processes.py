@@ -24,7 +24,10 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
   its own rows. A constant warm-up batch is let through, the whole batch after
   it is not;
 * ``random``: NNX dropout (``tests/test_random.py``): each replica draws its rows
-  of the single-device mask, whatever process it is on.
+  of the single-device mask, whatever process it is on;
+* ``verify``: ``strategy.verify_steps=2`` (``tests/test_verify.py``): a step that
+  equals one device passes on both processes (process 0 prints its lines); a max
+  declared ``'mean'`` raises on both at the same call.
 """
 
 import json
@@ -48,7 +51,7 @@ from tests.workers import (  # noqa: E402
 )
 
 SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding", "finite",
-             "same_rows", "random")
+             "same_rows", "random", "verify")
 PROCESSES, LOCAL = 2, 2
 HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
 IO_N, IO_BATCH = 37, 2
@@ -240,6 +243,41 @@ def random() -> None:
     assert fleet.check_replicas(nnx.state((model, optimizer))) == []
     np.savez(f"result.{rank}.npz", losses=np.array(losses), replicas=jax.device_count(),
              **{f"leaf{i}": x for i, x in enumerate(state)})
+
+
+def verify() -> None:
+    """Each process passes its rows; the reference runs on each process's first
+    device, on the gathered global batch."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from tests import models
+
+    fleet.init(is_collective=True, strategy=fleet.DistributedStrategy(verify_steps=2))
+    rank = fleet.worker_index()
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param)
+
+    def max_declared_mean(model, optimizer, x, y):
+        return models.nnx_train_step(model, optimizer, x, y), jnp.max(jnp.abs(x))
+
+    def rows(a):
+        return np.array_split(a, fleet.worker_num())[rank]
+
+    out = {}
+    step = fleet.distributed_step(models.nnx_train_step)
+    out["losses"] = [float(step(model, optimizer, rows(x), rows(y)))
+                     for x, y in models.batches("linear", 3, 16)]
+    bad = fleet.distributed_step(max_declared_mean, out_reduce=(None, "mean"))
+    try:
+        for call, (x, y) in enumerate(models.batches("linear", 2, 16), 1):
+            bad(model, optimizer, rows(x), rows(y))
+        out["bad"] = "no error"
+    except fleet.FleetError as e:
+        out["bad"] = f"call {call}: {e}"
+    with open(f"result.{rank}.json", "w") as f:
+        json.dump(out, f)
 
 
 def main(out: str) -> None:
