@@ -39,11 +39,12 @@ compares the same global values, and the verdicts are exchanged, so every
 process raises at the same call. Process 0 prints the lines.
 
 Not covered yet (a call of such a plan prints that it is skipped, once):
-``strategy.gradient_merge``, ``no_sync``
-and ``strategy.sharding`` (their optimizer state and cycles have no plain
-single-device counterpart outside a step). fleet's own bookkeeping (float16
-amp's loss scale, gradient merge's count, ``no_sync`` accumulators) is not
-compared: the single-device step has none.
+``strategy.gradient_merge``, ``no_sync`` and ``strategy.sharding`` (their
+optimizer state and cycles have no plain single-device counterpart outside a
+step), and ``strategy.sync_batch_norm=False`` (its documented reference,
+per-replica statistics, is not built). fleet's own bookkeeping (float16 amp's
+loss scale, gradient merge's count, ``no_sync`` accumulators) is not compared:
+the single-device step has none.
 
 Cost: two single-device runs (compiled once per plan) and the copies, for k
 calls per plan; with verify off, a call reads one attribute (``active``).
@@ -129,7 +130,7 @@ class Verify:
         n = self._calls.get(plan, 0)
         if n >= self.k:
             return None
-        skip = _unsupported(plan)
+        skip = _unsupported(plan, w.strategy)
         if skip:
             self._calls[plan] = self.k
             _say(f"fleet verify: skipped for this step's calls {skip} (not covered yet)")
@@ -192,13 +193,15 @@ class Verify:
         return worst
 
 
-def _unsupported(plan: Any) -> str:
+def _unsupported(plan: Any, strategy: Any) -> str:
     if plan.grad_merge is not None:
         return "under strategy.gradient_merge"
     if plan.no_sync:
         return "under no_sync"
     if plan.sharded:
         return "with strategy.sharding"
+    if strategy.sync_batch_norm is False:  # (its reference: per-replica statistics)
+        return "with strategy.sync_batch_norm=False"
     return ""
 
 

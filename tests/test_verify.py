@@ -124,6 +124,7 @@ def test_no_false_alarm_linen_train_state(make_world, capsys):
 @pytest.mark.parametrize("fields", [
     pytest.param(dict(sharding=True, sharding_configs={"stage": 2}), marks=tiers.slow),
     dict(gradient_merge=True, gradient_merge_configs={"k_steps": 2}),
+    pytest.param(dict(sync_batch_norm=False), marks=tiers.slow),
 ])
 def test_sections_without_a_plain_reference_are_skipped_and_said(make_world, capsys, fields):
     """Not covered yet: said once, the step runs as without verify."""
