@@ -22,11 +22,13 @@ step: it cannot cut an arbitrary function into sub-batch gradients. It builds
 a stand-in that measures the same thing, the step's sensitivity to
 rounding-level changes: the reference runs twice, plain and with every float
 leaf of the state and the batch multiplied by ``1 + delta`` (``2**-20`` for
-float32/64, ``2**-10`` for float16/bfloat16 and under ``strategy.amp``; keys
-and integers untouched). Per leaf, ``floor = 8 * max|perturbed - plain| + 16 *
-eps(dtype) * max|plain|`` (under ``strategy.amp``, eps of the compute dtype at
-least: float16 amp scales the loss inside the step, which the plain step does
-not, and float32 state such as Adam's moments then carries float16 rounding);
+float32/64, ``2**-10`` for float16/bfloat16 and under ``strategy.amp`` or
+``fp16_allreduce``; keys and integers untouched). Per leaf, ``floor = 8 *
+max|perturbed - plain| + 16 * eps * max|plain|``, eps the leaf dtype's, or
+more where the distributed step rounds on purpose: amp's compute dtype (float16
+amp scales the loss inside the step, which the plain step does not, and
+float32 state such as Adam's moments then carries float16 rounding), and the
+16-bit dtype ``fp16_allreduce``'s gradients travel in;
 integer leaves and keys must be equal. A chaotic leaf
 (Adam's update of a bias whose gradient is zero) moves by about the learning
 rate under either change, and gets a wide floor; a leaf that rounding barely
@@ -67,6 +69,7 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 
 from fleet import _roles, _sync
+from fleet._buckets import strategy_buckets
 from fleet._errors import FleetConfigError, FleetError
 from fleet._optimizer import DistributedOptimizer, MergeCount, _AllReduceThen
 from fleet._tree import dotted
@@ -147,8 +150,7 @@ class Verify:
         plain = _run(jitted, values, kinds, device, False)
         perturbed = _run(jitted, values, kinds, device, delta)
         ref = Reference(n + 1, device, where, plain, perturbed)
-        policy = policy_of(w.strategy)  # amp: results carry its compute dtype's rounding
-        ref.eps = 0.0 if policy is None else float(jnp.finfo(policy.dtype).eps)
+        ref.eps = _eps(w.strategy)  # amp, fp16_allreduce: results carry 16-bit rounding
         return ref
 
     def after(self, ref: Reference, plan: Any, graph: Any, out: Any) -> None:
@@ -210,7 +212,16 @@ def _say(line: str) -> None:
 
 
 def _delta(strategy: Any) -> float | None:
-    return 2.0 ** -10 if strategy.amp else None  # None: by dtype
+    """The perturbation: 16-bit rounding under amp or fp16_allreduce (None: by dtype)."""
+    return 2.0 ** -10 if strategy.amp or strategy.fp16_allreduce else None
+
+
+def _eps(strategy: Any) -> float:
+    """The rounding the distributed step adds on purpose: amp's compute dtype, the
+    16-bit dtype fp16_allreduce's gradients travel in (fleet._buckets); else 0."""
+    wire = strategy_buckets().wire_dtype
+    dtypes = [p.dtype for p in (policy_of(strategy),) if p is not None] + [wire] * bool(wire)
+    return max((float(jnp.finfo(d).eps) for d in dtypes), default=0.0)
 
 
 def _nbytes(values: list, kinds: tuple) -> int:

@@ -84,12 +84,27 @@ CASES = {
     "multi_metric": (dict(), lambda: nnx_case(models.CNN, optax.adam(models.LR), "cnn", True)),
     "amp_fp16": (dict(amp=True, amp_configs=FP16),
                  lambda: nnx_case(models.LinearNet, optax.adam(models.LR), wrap_opt=True)),
+    "recompute": (dict(recompute=True, recompute_configs={"checkpoints": ["conv1"]}),
+                  lambda: nnx_case(models.CNN, optax.sgd(0.1), "cnn")),
+    "lamb": (dict(lamb=True), lambda: nnx_case(
+        models.LinearNet, fleet.optimizer.Adam(learning_rate=models.LR), wrap_opt=True)),
+    "lars": (dict(lars=True), lambda: nnx_case(
+        models.LinearNet, fleet.optimizer.Momentum(learning_rate=0.1, momentum=0.9),
+        wrap_opt=True)),
+    "fp16_allreduce": (dict(fp16_allreduce=True),
+                       lambda: nnx_case(models.LinearNet, optax.adam(models.LR))),
+    "check_nan_inf": (dict(check_nan_inf=True),
+                      lambda: nnx_case(models.LinearNet, optax.adam(models.LR))),
+    "amp_bf16": (dict(amp=True), lambda: nnx_case(models.CNN, optax.adam(models.LR), "cnn",
+                                                 wrap_opt=True)),
 }
 
 
 #: Cases whose property a default-tier case also checks (the CNN: multi_metric's
-#: model; BatchNorm: tests/test_batch_norm.py's equivalence): the slow tier.
-SLOW_CASES = ("cnn_sgd", "batch_norm")
+#: model; BatchNorm: tests/test_batch_norm.py's equivalence) and the other strategy
+#: sections (each checked against one device by its own tests): the slow tier.
+SLOW_CASES = ("cnn_sgd", "batch_norm", "recompute", "lamb", "lars", "fp16_allreduce",
+              "check_nan_inf", "amp_bf16")
 
 
 @pytest.mark.parametrize("n", tiers.replicas(2, 4, 8))
