@@ -86,8 +86,9 @@ class Program:
             record = {}
             jaxpr = self.probe(plan, record, args, specs)
             check_randomness(plan, jaxpr, reference, batch, record["marked"])
-            self.resolve_scalars(plan, record, jaxpr, reference, probe_body, args, specs)
-            self.resolve_metrics(plan, record, jaxpr, reference, probe_body, args, specs)
+            scaled = _scaled_reference(plan, reference, probe_body, args, specs)
+            self.resolve_scalars(plan, record, jaxpr, reference, scaled)
+            self.resolve_metrics(plan, record, jaxpr, scaled)
             if _guards.foreign_psums(jaxpr):
                 summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
                 # Gradients of replicated state that no wrapped model synced: JAX summed
@@ -269,20 +270,16 @@ class Program:
             for i in record["counted"]]
 
     def resolve_scalars(self, plan: Plan, record: dict, jaxpr: Any, reference: Any,
-                        probe_body: Callable, args: tuple, specs: tuple) -> None:
+                        scaled: Callable[[], Any]) -> None:
         """Decides how each undeclared varying scalar output combines (the probe's
         :data:`fleet._roles.SCALAR`: fleet._outputs reads it from the probe's trace
-        and the single-device ``reference``), then which outputs the body sums."""
+        and ``scaled()``, the single-device trace with more rows), then which
+        outputs the body sums; refuses a summed loss and state counted from the
+        batch's shape (against ``reference``, the single-device step)."""
         at = [i for i, r in enumerate(record["out"]) if r == _roles.SCALAR]
         replicas = plan.mesh.devices.size
-        if at and replicas == 1:  # one replica: a second trace with twice the rows
-            try:
-                reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs,
-                                                        rows=2)
-            except FleetError:  # (a step written for one batch size: any rule is exact)
-                reference = None
         kinds = _outputs.scalar_reduces(
-            jaxpr, reference, max(replicas, 2), [record["names"][i] for i in at],
+            jaxpr, scaled() if at else None, max(replicas, 2), [record["names"][i] for i in at],
             [record["dtypes"][i] for i in at], replicas, bool(record["wrapped_syncs"]))
         for i, k in zip(at, kinds):
             record["out"][i] = k
@@ -293,20 +290,13 @@ class Program:
                                    [self.graph.names[i] for i in record["counted"]])
         record["summed"] = summed_inside(plan, record["dtypes"], record["out"])
 
-    def resolve_metrics(self, plan: Plan, record: dict, jaxpr: Any, reference: Any,
-                        probe_body: Callable, args: tuple, specs: tuple) -> None:
+    def resolve_metrics(self, plan: Plan, record: dict, jaxpr: Any,
+                        scaled: Callable[[], Any]) -> None:
         """Decides how each varying scalar a metric's update got combines over the
         replicas (fleet._metrics), as resolve_scalars does for the outputs."""
         labels = record.get("metric_labels", [])
-        replicas = plan.mesh.devices.size
-        if labels and replicas == 1:  # one replica: a second trace with twice the rows
-            try:
-                reference = _guards.check_on_one_device(probe_body, plan.mesh, args, specs,
-                                                        rows=2)
-            except FleetError:  # (a step written for one batch size: any rule is exact)
-                reference = None
         record["metric_scalars"] = _outputs.metric_reduces(
-            jaxpr, reference, max(replicas, 2),
+            jaxpr, scaled() if labels else None, max(plan.mesh.devices.size, 2),
             [_metrics.mark_name(k) for k in range(len(labels))], labels)
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
@@ -343,6 +333,28 @@ class Program:
             for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
                 leaves[i] = x
         return leaves
+
+
+def _scaled_reference(plan: Plan, reference: Any, probe_body: Callable, args: tuple,
+                      specs: tuple) -> Callable[[], Any]:
+    """The single-device trace with more rows that fleet._outputs reads a
+    reduction from: the replay itself (the global batch) on several replicas; on
+    one, a trace with twice the rows, made once when first asked for (None for a
+    step written for one batch size, where any rule is exact)."""
+    if plan.mesh.devices.size > 1:
+        return lambda: reference
+    made: list = []
+
+    def scaled() -> Any:
+        if not made:
+            try:
+                made.append(_guards.check_on_one_device(probe_body, plan.mesh, args, specs,
+                                                        rows=2))
+            except FleetError:
+                made.append(None)
+        return made[0]
+
+    return scaled
 
 
 def _with_copies_hint(error: FleetError, objs: tuple) -> FleetError:
