@@ -456,6 +456,7 @@ def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
     assert models.max_diff(logical_opt_state(opt), state) == 0
 
 
+@tiers.slow  # (whole-tensor norms in the default tier: test_stages_...[lamb], test_hybrid_...)
 def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monkeypatch):
     """DeepSpeed#490 replayed: with LAMB's norms taken per slice (the psum of
     squared norms switched off) the probe refuses the optimizer; with the probe
