@@ -186,7 +186,7 @@ ZERO2 = {"sharding": True, "sharding_configs": {"stage": 2}}
 
 
 @pytest.mark.parametrize("tx, sharding, how", [
-    (None, {}, {}),
+    pytest.param(None, {}, {}, marks=slow),  # (Adam in the clip-adam, zero2 and reads rows)
     (CLIP_ADAM, {}, {}),
     pytest.param(optax.sgd(1e-2, momentum=0.9), {}, {}, marks=slow),
     pytest.param(None, ZERO1, {}, marks=slow),

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from tests import models
+from tests import models, tiers
 from tests.jaxpr_utils import count_primitives
 
 
@@ -50,7 +50,8 @@ def test_no_sync_adds_the_local_gradients(make_world, k):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("tx_name", ["sgd", "adam"])
+# SGD sees the gradient's scale (the 1 / (k + 1) the steps divide by); Adam hardly does: slow
+@pytest.mark.parametrize("tx_name", ["sgd", pytest.param("adam", marks=tiers.slow)])
 def test_no_sync_steps_then_one_step_equal_the_union_step(make_world, k, tx_name):
     """With the loss divided by k + 1, the update is one step on the union batch."""
     tx = {"sgd": optax.sgd(0.5), "adam": optax.adam(models.LR)}[tx_name]

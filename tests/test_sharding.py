@@ -97,7 +97,12 @@ def test_stages_equal_the_unsharded_run_nnx_and_linen(make_world, devices, opt_n
         assert d_nnx < 1e-6 and d_state < 1e-6 and d_linen < 1e-6
 
 
-@pytest.mark.parametrize("stage", tiers.stages())
+# Slow: the default tier trains the CNN sharded against the unsharded run in
+# test_fleet_model_with_sharding_... and test_with_gradient_merge_... (degree 4) and
+# test_hybrid_degree_... (degree 2, whose state rows are split in pairs); the state's
+# bytes per device at degree 4 in test_optimizer_state_is_one_nth_...
+@tiers.slow
+@pytest.mark.parametrize("stage", [1, 2])
 def test_cnn_and_hybrid_degree_equal_the_unsharded_run(make_world, stage):
     """Convolutions (4-d kernels), and sharding_degree=2 of 4 replicas (sharded in
     pairs, replicated across them: half the state per device)."""
@@ -140,6 +145,7 @@ def test_hybrid_degree_takes_norms_once_per_group_and_keeps_groups_equal(make_wo
             assert np.array_equal(rows[:2], rows[2:])
 
 
+@tiers.slow  # (the default tier: a binding clip in test_hybrid_degree_..., LAMB's norms in test_stages_...)
 def test_clip_by_global_norm_is_taken_over_whole_tensors(make_world):
     """The global norm comes from a psum of the slices' squared norms: a clip
     that binds on every step gives the unsharded run's parameters."""
@@ -351,7 +357,8 @@ def _not_elementwise():
 
 @pytest.mark.parametrize("tx, match", [
     # Adafactor on small tensors keeps unfactored moments, but clips by the update's RMS.
-    (lambda: optax.adafactor(1e-2), "differs from the slice of its whole update"),
+    pytest.param(lambda: optax.adafactor(1e-2), "differs from the slice of its whole update",
+                 marks=tiers.slow),  # (the default tier: the centered row, same refusal)
     (_not_elementwise, "differs from the slice of its whole update"),
 ], ids=["adafactor", "centered"])
 def test_optimizers_that_are_not_elementwise_are_refused(make_world, tx, match):
@@ -391,7 +398,9 @@ def test_an_nnx_optimizer_on_a_sharded_transformation_says_what_to_write(make_wo
         fleet.distributed_step(models.nnx_train_step)(model, opt, x, y)
 
 
-@pytest.mark.parametrize("stage", tiers.stages())
+@tiers.slow  # (the default tier: test_with_gradient_merge_and_float16_amp, and the composed
+# strategy without sharding in tests/test_two_processes.py)
+@pytest.mark.parametrize("stage", [1, 2])
 def test_the_composed_strategy_with_sharding_equals_it_without(make_world, stage):
     """Issue 12's composed strategy (bf16 amp, recompute, gradient_merge k=2, LAMB
     swapped in, fp16_allreduce, one no_sync call) with sharding on."""
@@ -429,7 +438,7 @@ def test_fleet_model_with_sharding_equals_the_low_level_loop(make_world, tmp_pat
     assert d < 1e-6
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", tiers.stages())
 def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
     """strategy.check_nan_inf checks the reduced gradient slices, names the
     parameter, and leaves the parameters and the sharded state as they were."""
@@ -447,6 +456,7 @@ def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
     assert models.max_diff(logical_opt_state(opt), state) == 0
 
 
+@tiers.slow  # (whole-tensor norms in the default tier: test_stages_...[lamb], test_hybrid_...)
 def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monkeypatch):
     """DeepSpeed#490 replayed: with LAMB's norms taken per slice (the psum of
     squared norms switched off) the probe refuses the optimizer; with the probe

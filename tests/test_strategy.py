@@ -524,7 +524,7 @@ def merge_reference(data, tx, k, avg, n_split=None):
     return models.flat_params(model)
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=slow)])  # (k=2: both optimizers, both avg)
 @pytest.mark.parametrize("avg", [True, False])
 @pytest.mark.parametrize("tx_name", ["sgd", "adam"])
 def test_gradient_merge_equals_the_merged_single_device_step(make_world, k, avg, tx_name):

@@ -718,7 +718,7 @@ def lbfgs_all_reduced_train_step(model, optimizer, x, y):
     return loss
 
 
-@pytest.mark.parametrize("n", [4])
+@pytest.mark.parametrize("n", FOUR_SLOW)  # (the default tier: test_the_gradient_of_an_all_reduced_loss)
 def test_cookbook_lbfgs_with_an_all_reduced_value_fn(make_world, n, monkeypatch):
     """L-BFGS with its line search's value made global by fleet.all_reduce. Before
     the all_reduce gradient fix (test_the_gradient_of_an_all_reduced_loss) it was

@@ -6,12 +6,18 @@ metrics, outputs, loops -- on 4: :func:`replicas`), the one fleetrun job of test
 checkpoint integrity checks and the examples' short runs. ``python -m pytest -q
 -m slow`` runs the rest: the other device counts, the multi-process fault cases
 and watchdog waits, the examples' full runs, and long tests whose property a
-default-tier test also checks (a second optimizer of a ZeRO or LARS/LAMB
-table, a second moment of kill -9 during a save, checkpoints moved between
-sharded and unsharded runs (also across processes in test_two_processes.py),
-the composed strategy through ``fleet.Model``, the sharded step's no-patching
-check, the CIFAR example's ResNet step against one device (global-batch
-BatchNorm: tests/test_batch_norm.py)). A test of the slow tier carries ``pytest.mark.slow``
+default-tier test also checks (a second optimizer of a ZeRO, LARS/LAMB,
+no_sync (Adam: SGD sees the gradient's scale) or check_nan_inf table, a second
+``k_steps`` of gradient_merge, a second device count of check_nan_inf's
+outputs (3 stays: the uneven mean), a second moment of kill -9 during a save,
+checkpoints moved between sharded and unsharded runs (also across processes in
+test_two_processes.py), the composed strategy through ``fleet.Model`` and with
+sharding, ZeRO's CNN/hybrid run, separate clip_by_global_norm, Adafactor and
+per-slice-norm runs (the default tier: the hybrid run's binding clip and LAMB,
+the centred transform's refusal), the sharded step's no-patching check, the
+L-BFGS cookbook run (the default tier: the gradient of an all-reduced loss),
+the CIFAR example's ResNet step against one device (global-batch BatchNorm:
+tests/test_batch_norm.py)). A test of the slow tier carries ``pytest.mark.slow``
 (:data:`slow`): a whole file through ``pytestmark``, one test or one table row
 through :func:`devices` or ``pytest.param(..., marks=slow)``.
 """
