@@ -359,3 +359,20 @@ def test_a_positional_scalar_that_no_reduction_combines_is_named_by_position(mak
                        r" with a bool scalar"):
         fleet.distributed_step(step)(MLP(nnx.Rngs(0)), Masked(), np.ones((BATCH, 6), np.float32),
                                      np.ones(BATCH, bool))
+
+
+# -- across processes (tests/workers/two_processes.py's "metrics" scenario) ----------
+
+def process_metrics():
+    """The metrics the two-process scenario updates: a mean, a float sum (summed over
+    the processes' replicas), a per-example Welford (gathered in global order)."""
+    return nnx.MultiMetric(loss=nnx.metrics.Average("loss"), summed=nnx.metrics.Average("summed"),
+                           err=nnx.metrics.Welford("err"))
+
+
+def process_metrics_step(model, optimizer, metrics, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    err = (model(x) - y)[:, 0]
+    metrics.update(loss=loss, summed=(err ** 2).sum(), err=err)
+    return loss

@@ -295,3 +295,29 @@ def test_verify_across_two_processes(scenarios):
             got = json.load(f)
         assert len(got["losses"]) == 3
         assert got["bad"].startswith("call 1: verify, call 1: output 1 differs"), got["bad"]
+
+
+def test_metrics_across_two_processes_equal_one_device(scenarios):
+    """2 processes x 2 devices update nnx.metrics as one device does: a mean loss
+    averaged, a float sum summed over every process's replicas, a Welford fed the
+    per-example errors gathered in global order (tests/test_metrics.py)."""
+    import optax
+    from flax import nnx
+
+    from tests import models
+    from tests.test_metrics import process_metrics, process_metrics_step
+
+    model = models.LinearNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    metrics = process_metrics()
+    step = nnx.jit(process_metrics_step)
+    for x, y in models.batches("linear", 3, 16):
+        step(model, optimizer, metrics, x, y)
+    want = {"/".join(map(str, p)): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(metrics))}
+    for rank in (0, 1):
+        got = dict(np.load(scenarios.dir("metrics") / f"result.{rank}.npz"))
+        assert set(got) == set(want)
+        print(rank, {k: float(v) for k, v in got.items()})
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)

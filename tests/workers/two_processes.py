@@ -25,6 +25,8 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
   it is not;
 * ``random``: NNX dropout (``tests/test_random.py``): each replica draws its rows
   of the single-device mask, whatever process it is on;
+* ``metrics``: ``nnx.metrics`` updated in the step (``tests/test_metrics.py``):
+  a mean, a float sum and a per-example Welford end as on one device;
 * ``verify``: ``strategy.verify_steps=2`` (``tests/test_verify.py``): a step that
   equals one device passes on both processes (process 0 prints its lines); a max
   declared ``'mean'`` raises on both at the same call.
@@ -51,7 +53,7 @@ from tests.workers import (  # noqa: E402
 )
 
 SCENARIOS = ("hapi", "io", "children", "core", "shapes", "strategy", "sharding", "finite",
-             "same_rows", "random", "verify")
+             "same_rows", "random", "metrics", "verify")
 PROCESSES, LOCAL = 2, 2
 HAPI_BATCH = 16 // (PROCESSES * LOCAL)  # tests/test_hapi.py's GLOBAL_BATCH per replica
 IO_N, IO_BATCH = 37, 2
@@ -243,6 +245,27 @@ def random() -> None:
     assert fleet.check_replicas(nnx.state((model, optimizer))) == []
     np.savez(f"result.{rank}.npz", losses=np.array(losses), replicas=jax.device_count(),
              **{f"leaf{i}": x for i, x in enumerate(state)})
+
+
+def metrics() -> None:
+    """Each process passes its rows; the metrics' state is saved per process."""
+    import optax
+    from flax import nnx
+
+    from tests import models
+    from tests.test_metrics import process_metrics, process_metrics_step
+
+    fleet.init(is_collective=True)
+    rank = fleet.worker_index()
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    metrics = process_metrics()
+    step = fleet.distributed_step(process_metrics_step)
+    for x, y in models.batches("linear", 3, 16):
+        rows = np.array_split(np.arange(len(x)), fleet.worker_num())[rank]
+        step(model, optimizer, metrics, x[rows], y[rows])
+    np.savez(f"result.{rank}.npz", **{"/".join(map(str, p)): np.asarray(v.get_value())
+                                      for p, v in nnx.to_flat_state(nnx.state(metrics))})
 
 
 def verify() -> None:
