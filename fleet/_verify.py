@@ -35,18 +35,31 @@ rate under either change, and gets a wide floor; a leaf that rounding barely
 moves keeps a tight one. tests/test_verify.py checks that on the contract
 tests' models this floor is at least the split-sum one.
 
+The sections whose state has no plain single-device value
+(``fleet._verify_sections``): ``strategy.sharding`` (stages 1 and 2) is compared
+in the logical layout (each sharded optimizer-state leaf, NNX variable or a
+Linen ``TrainState``'s ``Shard``, gathered from the replicas' chunks into the
+parameter's shape; the reference runs the inner transformation on the whole
+state). ``no_sync`` and ``strategy.gradient_merge``: the reference keeps its
+own single-device sum of the global-batch gradients across the calls it
+checks (plain and perturbed each their own), adds to it on an accumulating call
+(which steps nothing, on either side) and steps with it on the call that applies
+it (divided by ``k_steps`` under ``gradient_merge_configs.avg``): what
+``optax.MultiSteps`` does on one device. fleet's per-replica ``grad_accum`` is
+not compared; a call that adds to or applies a sum begun on calls verify did
+not check (a restored mid-cycle checkpoint, calls past the k of their plan) is
+skipped, and said.
+
 Multi-process jobs: every process gathers the global batch (and the outputs
 that are not all on it) and runs the reference on its own first device; each
 compares the same global values, and the verdicts are exchanged, so every
 process raises at the same call. Process 0 prints the lines.
 
 Not covered yet (a call of such a plan prints that it is skipped, once):
-``strategy.gradient_merge``, ``no_sync`` and ``strategy.sharding`` (their
-optimizer state and cycles have no plain single-device counterpart outside a
-step), and ``strategy.sync_batch_norm=False`` (its documented reference,
-per-replica statistics, is not built). fleet's own bookkeeping (float16 amp's
-loss scale, gradient merge's count, ``no_sync`` accumulators) is not compared:
-the single-device step has none.
+``strategy.sync_batch_norm=False`` (its documented reference, per-replica
+statistics, is not built). fleet's own bookkeeping (float16 amp's loss scale,
+gradient merge's count, ``no_sync`` accumulators) is not compared: the
+single-device step has none.
 
 Cost: two single-device runs (compiled once per plan) and the copies, for k
 calls per plan; with verify off, a call reads one attribute (``active``).
@@ -138,10 +151,10 @@ class Verify:
         n = self._calls.get(plan, 0)
         values = list(args) + [kwargs[k] for k in plan.kw_names]
         objs = tuple(v for v, k in zip(values, kinds) if k == _roles.NNX)
-        mode = self._sums.mode(plan, objs, verified=n < self.k)
+        skip = _unsupported(plan, w.strategy) if n < self.k else ""
+        mode = self._sums.mode(plan, objs, verified=n < self.k and not skip)
         if n >= self.k:
             return None
-        skip = _unsupported(plan, w.strategy)
         if skip:
             self._calls[plan] = self.k
             _say(f"fleet verify: skipped for this step's calls {skip} (not covered yet)")

@@ -95,9 +95,6 @@ def _update(self: Any, model: Any, grads: Any, /, **kwargs: Any) -> Any:
     return nnx.Optimizer.update(self, model, total, **kwargs)
 
 
-_TYPES: dict[type, type] = {}  # a distributed optimizer's class -> its reference's
-
-
 def traced(fn: Any, sums: dict, apply: bool, divisor: float) -> tuple[Any, dict]:
     """Runs ``fn()`` (the user's step, while the reference traces) with the sums
     the accumulating optimizers read; returns its output and their new sums."""
@@ -146,6 +143,9 @@ class Accumulation:
             self.status, self.sums = "none", ({}, {})
 
 
+_TYPES: dict[type, type] = {}  # a distributed optimizer's class -> its reference's
+
+
 def mark(clone: tuple) -> None:
     """The reference's distributed optimizers accumulate (their slot: their index)."""
     for i, obj in enumerate(clone):
@@ -158,7 +158,13 @@ def mark(clone: tuple) -> None:
 
 
 def _holds_a_sum(obj: Any) -> bool:
-    accum = getattr(obj, "grad_accum", None) if isinstance(obj, DistributedOptimizer) else None
+    """Whether a distributed optimizer is mid-way through a sum (its merge count
+    or its accumulator not zero)."""
+    if not isinstance(obj, DistributedOptimizer):
+        return False
+    if obj.merge_k > 1 and int(np.asarray(whole(obj.merge_count.get_raw_value()))) != 0:
+        return True
+    accum = getattr(obj, "grad_accum", None)
     if accum is None:
         return False
     return any(np.any(np.asarray(jax.device_get(whole(v.get_raw_value()))) != 0)

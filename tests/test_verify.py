@@ -241,6 +241,26 @@ def test_no_false_alarm_under_no_sync(make_world, capsys):
     assert int(opt.step[...]) == 3 and fleet.check_replicas(model) == []
 
 
+@tiers.slow
+def test_gradient_merge_begun_before_verify_is_skipped_then_checked(make_world, capsys,
+                                                                   monkeypatch):
+    """A step whose optimizer is mid-cycle when verify first sees it (another step
+    made the cycle's first call): the call that applies that sum is skipped and
+    said; the next cycle, seen whole, is checked."""
+    make_world(4, fleet.DistributedStrategy(**MERGE))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param))
+    data = models.batches("linear", 4, BATCH)
+    fleet.distributed_step(models.nnx_train_step)(model, opt, *data[0])
+    monkeypatch.setenv(_verify.ENV, "3")
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in data[1:]:
+        step(model, opt, x, y)
+    lines = verify_lines(capsys)
+    assert "skipped this call: it adds to or applies gradients accumulated" in lines[0]
+    assert ["matches one device" in ln for ln in lines] == [False, True, True], lines
+
+
 class Seen(nnx.Module):
     def __init__(self):
         self.count = nnx.Variable(jnp.zeros((), jnp.float32))
