@@ -35,18 +35,31 @@ rate under either change, and gets a wide floor; a leaf that rounding barely
 moves keeps a tight one. tests/test_verify.py checks that on the contract
 tests' models this floor is at least the split-sum one.
 
+The sections whose state has no plain single-device value
+(``fleet._verify_sections``): ``strategy.sharding`` (stages 1 and 2) is compared
+in the logical layout (each sharded optimizer-state leaf, NNX variable or a
+Linen ``TrainState``'s ``Shard``, gathered from the replicas' chunks into the
+parameter's shape; the reference runs the inner transformation on the whole
+state). ``no_sync`` and ``strategy.gradient_merge``: the reference keeps its
+own single-device sum of the global-batch gradients across the calls it
+checks (plain and perturbed each their own), adds to it on an accumulating call
+(which steps nothing, on either side) and steps with it on the call that applies
+it (divided by ``k_steps`` under ``gradient_merge_configs.avg``): what
+``optax.MultiSteps`` does on one device. fleet's per-replica ``grad_accum`` is
+not compared; a call that adds to or applies a sum begun on calls verify did
+not check (a restored mid-cycle checkpoint, calls past the k of their plan) is
+skipped, and said.
+
 Multi-process jobs: every process gathers the global batch (and the outputs
 that are not all on it) and runs the reference on its own first device; each
 compares the same global values, and the verdicts are exchanged, so every
 process raises at the same call. Process 0 prints the lines.
 
 Not covered yet (a call of such a plan prints that it is skipped, once):
-``strategy.gradient_merge``, ``no_sync`` and ``strategy.sharding`` (their
-optimizer state and cycles have no plain single-device counterpart outside a
-step), and ``strategy.sync_batch_norm=False`` (its documented reference,
-per-replica statistics, is not built). fleet's own bookkeeping (float16 amp's
-loss scale, gradient merge's count, ``no_sync`` accumulators) is not compared:
-the single-device step has none.
+``strategy.sync_batch_norm=False`` (its documented reference, per-replica
+statistics, is not built). fleet's own bookkeeping (float16 amp's loss scale,
+gradient merge's count, ``no_sync`` accumulators) is not compared: the
+single-device step has none.
 
 Cost: two single-device runs (compiled once per plan) and the copies, for k
 calls per plan; with verify off, a call reads one attribute (``active``).
@@ -69,12 +82,14 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 
 from fleet import _roles, _sync
+from fleet import _verify_sections as sections
 from fleet._buckets import strategy_buckets
 from fleet._errors import FleetConfigError, FleetError
 from fleet._optimizer import DistributedOptimizer, MergeCount, _AllReduceThen
 from fleet._tree import dotted
 from fleet._verify_compare import agree, compare, plain, whole
 from fleet._world import world
+from fleet.strategy import _sharding
 from fleet.strategy._amp import LossScale, policy_of
 
 ENV = "FLEET_VERIFY_STEPS"
@@ -107,6 +122,8 @@ class Reference:
         self.plain, self.perturbed = plain, perturbed  # (state leaves, outputs)
         self.owners: list[str] = plain[2]  # per state leaf: "counter" or "state"
         self.eps = 0.0  # strategy.amp: its compute dtype's eps, at least
+        self.mode: tuple = (False, False, 1)  # accumulates, applies, divisor
+        self.note = ""  # accumulated gradients: which call of the sum
 
 
 class Verify:
@@ -118,6 +135,7 @@ class Verify:
         self.k: int | None = None
         self._calls: dict[Any, int] = {}
         self._jitted: dict[Any, Any] = {}
+        self._sums = sections.Accumulation()  # no_sync, gradient_merge: the reference's sums
 
     def before(self, plan: Any, kinds: tuple, args: tuple, kwargs: dict,
                batch: list) -> Reference | None:
@@ -131,15 +149,21 @@ class Verify:
                 self.active = False
                 return None
         n = self._calls.get(plan, 0)
+        values = list(args) + [kwargs[k] for k in plan.kw_names]
+        objs = tuple(v for v, k in zip(values, kinds) if k == _roles.NNX)
+        skip = _unsupported(plan, w.strategy) if n < self.k else ""
+        mode = self._sums.mode(plan, objs, verified=n < self.k and not skip)
         if n >= self.k:
             return None
-        skip = _unsupported(plan, w.strategy)
         if skip:
             self._calls[plan] = self.k
             _say(f"fleet verify: skipped for this step's calls {skip} (not covered yet)")
             return None
+        if mode is None:
+            _say("fleet verify: skipped this call: it adds to or applies gradients "
+                 "accumulated (no_sync, gradient_merge) on calls verify did not check")
+            return None
         self._calls[plan] = n + 1
-        values = list(args) + [kwargs[k] for k in plan.kw_names]
         rows = iter(batch)  # every process: the whole global batch, in the step's order
         values = [whole(next(rows)) if k == _roles.BATCH else v for v, k in zip(values, kinds)]
         device, where = _device(w, values, kinds)
@@ -147,10 +171,16 @@ class Verify:
         if jitted is None:
             jitted = self._jitted[plan] = _reference_fn(self.fn, kinds, plan.kw_names)
         delta = _delta(w.strategy)
-        plain = _run(jitted, values, kinds, device, False)
-        perturbed = _run(jitted, values, kinds, device, delta)
+        sums = self._sums.sums
+        plain = _run(jitted, values, kinds, device, False, mode, sums[0])
+        perturbed = _run(jitted, values, kinds, device, delta, mode, sums[1])
+        self._sums.done(mode[0], mode[1], (plain[3], perturbed[3]))
         ref = Reference(n + 1, device, where, plain, perturbed)
         ref.eps = _eps(w.strategy)  # amp, fp16_allreduce: results carry 16-bit rounding
+        ref.mode = mode
+        if mode[0] or mode[1]:
+            ref.note = (" (gradients accumulated)" if mode[0] else
+                        f" (accumulated gradients applied{f', / {mode[2]}' * (mode[2] > 1)})")
         return ref
 
     def after(self, ref: Reference, plan: Any, graph: Any, out: Any) -> None:
@@ -165,9 +195,9 @@ class Verify:
         agree(ref, failed=False)
         k = self.k
         if jax.process_index() == 0:
-            _say(f"fleet verify: call {ref.call} of {k} matches one device ({ref.where}): "
+            _say(f"fleet verify: call {ref.call} of {k}{ref.note} matches one device ({ref.where}): "
                  f"worst leaf {worst[1]}: |d| {worst[2]:.1e} <= floor {worst[3]:.1e}")
-            if ref.call == k:
+            if ref.call == k and not ref.mode[0]:
                 _say(f"fleet verify: {k} call{'s' * (k > 1)} of this step matched one device; "
                      "verify is now off for it")
 
@@ -176,12 +206,13 @@ class Verify:
         rows = [(name, v, x) for name, v, x in zip(graph.names, graph.variables, state)]
         worst = (0.0, "", 0.0, 0.0)
         for i, (name, var, got) in enumerate(rows):
-            if isinstance(var, _OWN):
+            if isinstance(var, _OWN) and _sharding.layout_of(var) is None:
                 continue
+            got = sections.fleet_value(var)  # strategy.sharding: logical
             kind = "random" if isinstance(var, nnx.RngState) else ref.owners[i]
             worst = compare(f"{name}", kind, got, ref.plain[0][i], ref.perturbed[0][i],
                              ref, worst)
-        got_out = jax.tree_util.tree_flatten_with_path(out)[0]
+        got_out = jax.tree_util.tree_flatten_with_path(sections.logical_tree(out))[0]
         plain_out = jax.tree_util.tree_flatten_with_path(ref.plain[1])[0]
         pert_out = jax.tree.leaves(ref.perturbed[1])
         if [p for p, _ in got_out] != [p for p, _ in plain_out]:
@@ -196,12 +227,7 @@ class Verify:
 
 
 def _unsupported(plan: Any, strategy: Any) -> str:
-    if plan.grad_merge is not None:
-        return "under strategy.gradient_merge"
-    if plan.no_sync:
-        return "under no_sync"
-    if plan.sharded:
-        return "with strategy.sharding"
+    del plan
     if strategy.sync_batch_norm is False:  # (its reference: per-replica statistics)
         return "with strategy.sync_batch_norm=False"
     return ""
@@ -252,12 +278,13 @@ def _reference_fn(fn: Any, kinds: tuple, kw_names: tuple) -> Any:
     ones, part of the plan, are bound by position)."""
     n_pos = len(kinds) - len(kw_names)
 
-    def call(statics: tuple, dynamic: list) -> Any:
+    def call(statics: tuple, dynamic: list, sums: dict, mode: tuple) -> Any:
         st, dy = iter(statics), iter(dynamic)
         values = [next(st) if k == _roles.STATIC else next(dy) for k in kinds]
-        return fn(*values[:n_pos], **dict(zip(kw_names, values[n_pos:])))
+        return sections.traced(lambda: fn(*values[:n_pos], **dict(zip(kw_names, values[n_pos:]))),
+                               sums, mode[1], mode[2])
 
-    return nnx.jit(call, static_argnums=0)
+    return nnx.jit(call, static_argnums=(0, 3))
 
 
 def _copy(x: Any, device: Any, delta: float | None) -> Any:
@@ -272,17 +299,22 @@ def _copy(x: Any, device: Any, delta: float | None) -> Any:
     return x * jnp.asarray(1 + delta, x.dtype)
 
 
-def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tuple:
+def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode: tuple,
+         sums: dict) -> tuple:
     """The single-device step on copies (``delta``: False, plain; else the
-    perturbation): its state leaves (in the step's graph order; keys as key
-    data), its outputs, and what owns each state leaf."""
+    perturbation; ``mode`` and ``sums``: accumulated gradients, fleet._verify_sections):
+    its state leaves (in the step's graph order; keys as key data), its outputs,
+    what owns each state leaf, and its new sums."""
     positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
     objs = tuple(values[i] for i in positions)
     graphdef, state = nnx.split(objs)
     clone = nnx.merge(graphdef, jax.tree.map(lambda x: _copy(x, device, delta), state))
+    sections.unshard(clone)  # strategy.sharding: the logical state, plain variables
     for obj in clone:  # the clone's optimizer steps as on one device (no averaging)
         if isinstance(obj, DistributedOptimizer):
             obj.tx = obj.tx.inner
+    if mode[0] or mode[1]:
+        sections.mark(clone)
     statics, dynamic = [], []
     for i, (v, k) in enumerate(zip(values, kinds)):
         if k == _roles.STATIC:
@@ -290,14 +322,15 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any) -> tu
         elif k == _roles.NNX:
             dynamic.append(clone[positions.index(i)])
         else:
-            dynamic.append(_plain_tx(jax.tree.map(lambda x: _copy(x, device, delta), v)))
-    out = jitted(tuple(statics), dynamic)
+            dynamic.append(_plain_tx(sections.logical_tree(
+                jax.tree.map(lambda x: _copy(x, device, delta), v))))
+    out, sums = jitted(tuple(statics), dynamic, sums, mode)
     with_path = jax.tree_util.tree_flatten_with_path(
         nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     leaves = [plain(v.get_raw_value()) for _, v in with_path]
     owners = ["counter" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric)
               or not isinstance(v, (nnx.Param, OptState)) else "state" for p, v in with_path]
-    return leaves, out, owners
+    return leaves, out, owners, sums
 
 
 def _plain_tx(tree: Any) -> Any:
