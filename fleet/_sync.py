@@ -80,6 +80,9 @@ class SyncTrace:
     shard: Any = None  # strategy.sharding (fleet.strategy._sharding.Config) when the step shards
     shard_grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> grad
     shard_finite: Any = None  # float16 amp under sharding: all replicas' slices finite
+    #: the values whose ids tx_grads and shard_grads hold, kept alive for the trace so
+    #: that no later value (an output) gets one of their ids
+    held: list = dataclasses.field(default_factory=list)
 
     def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
         if self.check_finite:

@@ -90,6 +90,7 @@ class Config:
         held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
         for k, h, v in zip(keys, held, values):
             trace.shard_grads[id(h)] = (k, v, self.stage == 2)
+        trace.held.extend(held)
         return tuple(held)
 
 
