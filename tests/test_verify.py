@@ -10,6 +10,8 @@ perturbation floor is at least the split-sum one.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet import _body, _random, _verify
+from fleet import _body, _metrics, _outputs, _random, _verify
 from tests import models, tiers
 from tests.test_contract import split_mean_grad
 
@@ -366,6 +368,31 @@ def test_detects_per_replica_randomness(make_world, monkeypatch):
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(fleet.FleetError, match=r"call 1: .* differs from the single-device"):
         run_detect(fleet.distributed_step(models.nnx_train_step), model, opt)
+
+
+@tiers.slow
+def test_detects_metric_counts_with_the_metrics_fix_off(make_world, monkeypatch):
+    """fleet updates a metric with the global batch's values and refuses counts
+    of the replica's rows; with both off and float state averaged as fleet did
+    before (the old bug: each replica counts its own rows, the totals are
+    averaged), verify names the metric's count."""
+    monkeypatch.setattr(_metrics, "global_updates", lambda *args: contextlib.nullcontext())
+    monkeypatch.setattr(_outputs, "check_counted", lambda *args: None)
+    monkeypatch.setattr(_body, "is_buffer", lambda v: jnp.issubdtype(
+        jnp.result_type(v.get_raw_value()), jnp.inexact))
+
+    def step(model, opt, accuracy, x, y):
+        loss = models.nnx_train_step(model, opt, x, y)
+        accuracy.update(logits=model(x), labels=y)
+        return loss
+
+    make_world(4, strategy())
+    model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(fleet.FleetError, match=r"call 1: argument 2 \(Accuracy\) variable "
+                                               r"'(count|total)' differs"):
+        run_detect(fleet.distributed_step(step), model, opt, nnx.metrics.Accuracy(),
+                   kind="cnn")
 
 
 def test_detects_a_summed_loss_declared_sum(make_world):
