@@ -79,7 +79,8 @@ from jax.extend import random as _extend_random  # noqa: F401 (jax.extend.random
 
 from fleet._errors import FleetUnsupportedError
 
-SUPPORTED = "jax 0.10.2 to 0.10.x, flax 0.12.8 to 0.12.x (pyproject.toml)"
+SUPPORTED = (
+    "jax 0.10.2 to 0.12.x, flax 0.12.8 to 0.12.x, Python 3.11 to 3.13 (pyproject.toml)")
 
 
 def backends_are_initialized() -> bool:

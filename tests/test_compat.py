@@ -37,7 +37,8 @@ PACKAGE = Path(_compat.__file__).parent
 def test_a_missing_symbol_fails_loudly(monkeypatch, owner, name, symbol):
     monkeypatch.delattr(owner, name)
     with pytest.raises(FleetUnsupportedError,
-                       match=re.escape(symbol) + r".*fleet supports jax 0\.10\.2 to 0\.10\.x"):
+                       match=re.escape(symbol) + r".*fleet supports jax 0\.10\.2 to 0\.12\.x, "
+                                                       r"flax 0\.12\.8 to 0\.12\.x"):
         _compat.check()
 
 

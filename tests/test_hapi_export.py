@@ -77,10 +77,13 @@ def test_the_inference_model_runs_in_a_fresh_process_without_the_class(make_worl
     assert float(lines["DIFF"]) <= 1e-6
 
 
-def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_path):
+@pytest.mark.parametrize("spec", [
+    lambda: fleet.static.InputSpec([None, 8, 8, 1], "float32", name="image"),  # the README's
+    lambda: jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32),  # its batch axis is not read
+])
+def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_path, spec):
     make_world(2, fleet.DistributedStrategy(sync_batch_norm=True))
-    spec = jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32)
-    model = fleet.Model(ConvNet(nnx.Rngs(0)), inputs=[spec])
+    model = fleet.Model(ConvNet(nnx.Rngs(0)), inputs=[spec()])
     model.save(tmp_path / "given", training=False)  # before any fit: from inputs=
     predict = fleet.load_inference(tmp_path / "given")
     x = np.ones((3, 8, 8, 1), np.float32)
@@ -88,8 +91,9 @@ def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_pat
     np.testing.assert_allclose(np.asarray(predict(x)), np.asarray(model.network(x)), atol=1e-6)
 
     bare = fleet.Model(ConvNet(nnx.Rngs(0)))
-    with pytest.raises(fleet.FleetConfigError, match=r"exports the network for a batch of "
-                                                     r"inputs of known shapes.*inputs=\["):
+    with pytest.raises(fleet.FleetConfigError, match=(
+            r"exports the network for a batch of inputs of known shapes.*"
+            r"inputs=\[fleet\.static\.InputSpec\(\[None, 784\], 'float32', name='x'\)\]")):
         bare.save(tmp_path / "none", training=False)
     with pytest.raises(fleet.FleetError, match=r"no '.*missing\.jaxexport': pass the path"):
         fleet.load_inference(tmp_path / "missing")

@@ -14,8 +14,9 @@ Two files, Paddle's pair:
   values, in the program's order).
 
 The input shapes come from ``fleet.Model(network, inputs=[...])`` (a
-``jax.ShapeDtypeStruct`` per input; its first axis, the batch, is made
-symbolic whatever it says), or else from the last batch the model ran.
+``fleet.static.InputSpec`` per input, or a ``jax.ShapeDtypeStruct``; its first
+axis, the batch, is made symbolic whatever it says), or else from the last batch
+the model ran.
 Random state (dropout's keys) is not an input: evaluation does not use it.
 """
 
@@ -33,6 +34,11 @@ from fleet import _world, checkpoint
 from fleet._errors import FleetConfigError, FleetError
 from fleet._tree import dotted
 from fleet.checkpoint import _atomic
+from fleet.static import dims
+
+#: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
+#: later refuse ``jax.ShapeDtypeStruct((None, 784), ...)``: fleet/static.py).
+SPEC_EXAMPLE = "fleet.static.InputSpec([None, 784], 'float32', name='x')"
 
 EXPORT_SUFFIX = ".jaxexport"
 WEIGHTS_SUFFIX = ".pdiparams"
@@ -47,18 +53,23 @@ def input_specs(given: Any, seen: Sequence[Any]) -> list:
     if not specs:
         raise FleetConfigError(
             "Model.save(path, training=False) exports the network for a batch of inputs of "
-            "known shapes, and this model has none: give them, fleet.Model(network, "
-            "inputs=[jax.ShapeDtypeStruct((None, 784), jnp.float32)]) (one per input; the "
-            "first axis is the batch), or run fit / evaluate / predict first")
+            f"known shapes, and this model has none: give them, fleet.Model(network, "
+            f"inputs=[{SPEC_EXAMPLE}]) (one per input; the first axis is the batch), or run "
+            "fit / evaluate / predict first")
     batch = jax.export.symbolic_shape("batch")[0]
     out = []
     for i, s in enumerate(specs):
-        if not hasattr(s, "shape") or not hasattr(s, "dtype") or len(s.shape) < 1:
+        shape, dtype = dims(s) or ((), None)
+        if len(shape) < 1:
             raise FleetConfigError(
-                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a jax.ShapeDtypeStruct "
-                "whose first axis is the batch, e.g. jax.ShapeDtypeStruct((None, 784), "
-                "jnp.float32)")
-        out.append(jax.ShapeDtypeStruct((batch, *[int(d) for d in s.shape[1:]]), s.dtype))
+                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a fleet.static.InputSpec "
+                f"whose first axis is the batch, e.g. {SPEC_EXAMPLE}")
+        if None in shape[1:]:
+            raise FleetConfigError(
+                f"fleet.Model(inputs=...) entry {i} is {s!r}: only its first axis (the batch) "
+                "may be unknown for Model.save(path, training=False); give the size of every "
+                f"other axis, e.g. {SPEC_EXAMPLE}")
+        out.append(jax.ShapeDtypeStruct((batch, *shape[1:]), dtype))
     return out
 
 
