@@ -56,7 +56,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet._metrics import METRIC_CALL
-from fleet._outputs_walk import CALLS, MEAN, SUM, Scope, Walk, is_varying_var
+from fleet._outputs_walk import CALLS, CUSTOM_VJP_CALLS, MEAN, SUM, Scope, Walk, is_varying_var
 from fleet._sync import FLEET_CALLS
 
 _CANNOT = (
@@ -89,7 +89,7 @@ def _is_sync(eqn: Any) -> bool:
     """Whether an equation is fleet's gradient sync (``fleet._sync``'s
     ``fleet_sync``): a custom-VJP call whose forward only casts its invariant
     inputs to varying."""
-    if not eqn.primitive.name.startswith("custom_vjp_call"):
+    if eqn.primitive.name not in CUSTOM_VJP_CALLS:
         return False
     inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
     return inner is not None and bool(inner.eqns) and all(
