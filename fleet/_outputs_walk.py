@@ -8,17 +8,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import Literal
 
 from fleet._compat import scan_counts
+from fleet._errors import FleetUnsupportedError
 from fleet._world import DATA_AXIS
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
-#: jax's custom-VJP call; ``CustomVJPTraced`` under jax's ``jax_custom_vjp3``
-#: upgrade flag (jax 0.10 to 0.12: off by default, on by ``JAX_CUSTOM_VJP3=1``).
-CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr", "CustomVJPTraced")
+CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr", "CustomVJPTraced")  # (custom_vjp3)
 #: Calls whose inner jaxpr's inputs and outputs are the call's own, in order
 #: (``jax.checkpoint`` is ``remat2``, ``RematTraced`` under ``jax_remat3``).
 CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
@@ -29,6 +29,26 @@ _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
 _DEPTH = 400
+
+
+def is_sync(eqn: Any) -> bool:
+    """Whether an equation is fleet's gradient sync (``fleet._sync``): a custom-VJP
+    call whose forward only casts its invariant inputs to varying."""
+    if eqn.primitive.name not in CUSTOM_VJP_CALLS:
+        return False
+    inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
+    return inner is not None and bool(inner.eqns) and all(
+        e.primitive.name in ("pvary", "pcast") for e in inner.eqns)
+
+
+def refuse_custom_vjp3() -> None:
+    """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        raise FleetUnsupportedError(
+            "this step sums a value over the batch rows, and fleet cannot check it with jax's "
+            "custom_vjp3 upgrade flag on (JAX_CUSTOM_VJP3=1): its traces hide fleet's gradient "
+            "sync, so a loss replicas-times too large would pass unseen; turn the flag off "
+            "(its default), or take the mean over the rows")
 
 
 def is_varying_var(v: Any) -> bool:
