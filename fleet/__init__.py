@@ -28,7 +28,7 @@ if "jax" in _sys.modules:  # imported before fleet: it may have started its back
 else:
     _apply_cpu_collective_environ()
 
-from fleet import _world, io, optimizer
+from fleet import _world, io, optimizer, static
 from fleet._agree import FleetTimeoutError
 from fleet._collective import all_gather, all_reduce, barrier, broadcast
 from fleet._errors import (
@@ -102,6 +102,7 @@ __all__ = [
     "load_inference",
     "callbacks",
     "metric",
+    "static",
     # errors
     "FleetError",
     "FleetAttributeError",

@@ -45,6 +45,10 @@ need                               private symbol
                                    frames of JAX's public collectives
                                    (``jax.lax.psum`` ...) in a traceback, and the
                                    ``axis_name`` argument each holds
+:func:`scan_counts`                a ``scan`` equation's consts and carries: its
+                                   ``num_consts`` / ``num_carry`` parameters (jax
+                                   0.10), or its ``ft_in`` (jax 0.12: a
+                                   ``jax._src.flattree.FlatTree``, ``unpack()``)
 :func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
 :func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
                                    plain array variable's value without
@@ -79,7 +83,8 @@ from jax.extend import random as _extend_random  # noqa: F401 (jax.extend.random
 
 from fleet._errors import FleetUnsupportedError
 
-SUPPORTED = "jax 0.10.2 to 0.10.x, flax 0.12.8 to 0.12.x (pyproject.toml)"
+SUPPORTED = (
+    "jax 0.10.2 to 0.12.x, flax 0.12.8 to 0.12.x, Python 3.11 to 3.13 (pyproject.toml)")
 
 
 def backends_are_initialized() -> bool:
@@ -184,6 +189,22 @@ def collective_calls(tb: Any) -> list[tuple[str, Any, Any]]:
                                              caller.f_code.co_name)
             out.append((name, frame.f_locals.get("axis_name"), summary))
     return out
+
+
+def scan_counts(params: Any) -> tuple[int, int]:
+    """``(consts, carries)``: how many of a ``scan`` equation's inputs are its
+    constants and its carries (the rest are the scanned inputs; its outputs are
+    the carries, then the stacked values)."""
+    if "num_consts" in params:  # jax 0.10 and 0.11
+        return params["num_consts"], params["num_carry"]
+    unpack = getattr(params.get("ft_in"), "unpack", None)  # jax 0.12
+    if unpack is None:
+        raise FleetUnsupportedError(
+            f"this jax ({jax.__version__}) describes a scan with {sorted(params)}, neither "
+            f"num_consts / num_carry nor ft_in; fleet supports {SUPPORTED}: install those "
+            "versions (pip install -e . picks them)")
+    consts, carries, _ = unpack()
+    return len(consts), len(carries)
 
 
 def register_before_exit(fn: Callable[[], None]) -> None:

@@ -56,7 +56,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet._metrics import METRIC_CALL
-from fleet._outputs_walk import CALLS, MEAN, SUM, Scope, Walk, is_varying_var
+from fleet._outputs_walk import CALLS, MEAN, SUM, Scope, Walk, is_sync, is_varying_var, refuse_custom_vjp3
 from fleet._sync import FLEET_CALLS
 
 _CANNOT = (
@@ -85,25 +85,16 @@ def shard_body(jaxpr: Any) -> Any:
     return eqn.params["jaxpr"]
 
 
-def _is_sync(eqn: Any) -> bool:
-    """Whether an equation is fleet's gradient sync (``fleet._sync``'s
-    ``fleet_sync``): a custom-VJP call whose forward only casts its invariant
-    inputs to varying."""
-    if not eqn.primitive.name.startswith("custom_vjp_call"):
-        return False
-    inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
-    return inner is not None and bool(inner.eqns) and all(
-        e.primitive.name in ("pvary", "pcast") for e in inner.eqns)
-
-
 def _differentiable(body: Any) -> set:
     """Ids of the variables, in the body and the jaxprs it calls, that are float
     functions of the wrapped model's synced parameters (the outputs of fleet's sync
-    calls, :func:`_is_sync`) in the forward pass: the dependence ends at fleet's
+    calls, :func:`is_sync`) in the forward pass: the dependence ends at fleet's
     collectives, so values computed from the updated parameters (through the
     averaged gradients) are not in it.
     (An inner jaxpr can be shared by several calls: each call is walked with its
     own set.)"""
+
+    refuse_custom_vjp3()  # (its traces hide fleet's sync calls)
 
     def inexact(v):
         return np.issubdtype(v.aval.dtype, np.inexact)
@@ -113,7 +104,7 @@ def _differentiable(body: Any) -> set:
     def walk(jaxpr: Any, seeds: set) -> set:
         tainted = set(seeds)
         for eqn in jaxpr.eqns:
-            if _is_sync(eqn):
+            if is_sync(eqn):
                 tainted.update(id(v) for v in eqn.outvars)
                 continue
             if eqn.params.get("name") in FLEET_CALLS:  # the synced gradients: not the forward

@@ -8,22 +8,47 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import Literal
 
+from fleet._compat import scan_counts
+from fleet._errors import FleetUnsupportedError
 from fleet._world import DATA_AXIS
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
-#: Calls whose inner jaxpr's inputs and outputs are the call's own, in order.
-CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
-          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr", "CustomVJPTraced")  # (custom_vjp3)
+#: Calls whose inner jaxpr's inputs and outputs are the call's own, in order
+#: (``jax.checkpoint`` is ``remat2``, ``RematTraced`` under ``jax_remat3``).
+CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+         "RematTraced", "custom_jvp_call", *CUSTOM_VJP_CALLS)
 _SAME = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
          "expand_dims", "reduce_precision")
 _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
 _DEPTH = 400
+
+
+def is_sync(eqn: Any) -> bool:
+    """Whether an equation is fleet's gradient sync (``fleet._sync``): a custom-VJP
+    call whose forward only casts its invariant inputs to varying."""
+    if eqn.primitive.name not in CUSTOM_VJP_CALLS:
+        return False
+    inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
+    return inner is not None and bool(inner.eqns) and all(
+        e.primitive.name in ("pvary", "pcast") for e in inner.eqns)
+
+
+def refuse_custom_vjp3() -> None:
+    """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        raise FleetUnsupportedError(
+            "this step sums a value over the batch rows, and fleet cannot check it with jax's "
+            "custom_vjp3 upgrade flag on (JAX_CUSTOM_VJP3=1): its traces hide fleet's gradient "
+            "sync, so a loss replicas-times too large would pass unseen; turn the flag off "
+            "(its default), or take the mean over the rows")
 
 
 def is_varying_var(v: Any) -> bool:
@@ -162,8 +187,7 @@ class Walk:
         carry, the same number of iterations and the same update from the same
         initial value (a count of rows added each iteration differs; an RNG count
         or a step counter does not). A stacked output is taken as the same."""
-        shape = [(e.params["length"], e.params["num_consts"], e.params["num_carry"])
-                 for e in (ea, eb)]
+        shape = [(e.params["length"], *scan_counts(e.params)) for e in (ea, eb)]
         if i >= shape[0][2]:
             return True
         if shape[0] != shape[1]:
@@ -227,8 +251,8 @@ class Walk:
         """A ``scan``'s carry ``i`` (accumulation over micro-batches): the kind
         the loop leaves it, from its initial value's and one iteration's, to a
         fixed point (``0.0`` plus a mean each iteration is a mean)."""
-        consts, carries = ea.params["num_consts"], ea.params["num_carry"]
-        if i >= carries or eb.params["num_carry"] != carries:
+        (consts, carries), (_, other) = scan_counts(ea.params), scan_counts(eb.params)
+        if i >= carries or other != carries:
             return self._fail("a value stacked by a scan")
         scopes = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
         inner = [getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]) for e in (ea, eb)]

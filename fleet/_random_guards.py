@@ -155,7 +155,7 @@ def _taint(jaxpr: Any, seeds: set, ours: Any, rows: frozenset) -> set:
         if name in ("scan", "while"):  # the carries, to a fixed point
             if name == "scan":
                 inner, ins = params["jaxpr"].jaxpr, h
-                start, n = params["num_consts"], params["num_carry"]
+                start, n = _compat.scan_counts(params)
             else:
                 inner, ins = params["body_jaxpr"].jaxpr, h[params["cond_nconsts"]:]
                 start, n = params["body_nconsts"], len(eqn.outvars)

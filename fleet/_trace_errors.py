@@ -169,8 +169,8 @@ def _propagate(jaxpr: Any, varying_in: list[bool], found: list) -> list[bool]:
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         if name == "scan":
-            outs = _loop(eqn.params["jaxpr"], ins, eqn.params["num_consts"],
-                         eqn.params["num_carry"], "jax.lax.scan", found)
+            outs = _loop(eqn.params["jaxpr"], ins, *_compat.scan_counts(eqn.params),
+                         "jax.lax.scan", found)
         elif name == "while":
             nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
             outs = _loop(eqn.params["body_jaxpr"], ins[nc:], nb, len(ins) - nc - nb,

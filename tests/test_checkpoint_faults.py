@@ -24,6 +24,7 @@ import pytest
 
 from fleet import FleetWarning
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
+from fleet.checkpoint._pending import FINISHES_AT_EXIT
 from tests.test_checkpoint_file import data_span, flip_byte
 from tests.workers import ckpt_jobs
 
@@ -267,7 +268,12 @@ def enospc_at_commit(monkeypatch):
     return arm
 
 
-@pytest.mark.parametrize("async_save", [True, False])
+# CPython 3.12.0-3.12.2 cannot finish a save at exit: there saves are synchronous
+# (fleet/checkpoint/_pending.py; tests/test_checkpoint_async_python.py).
+ASYNC = pytest.mark.skipif(not FINISHES_AT_EXIT, reason="no asynchronous save on CPython 3.12.0-3.12.2")
+
+
+@pytest.mark.parametrize("async_save", [pytest.param(True, marks=ASYNC), False])
 def test_disk_full_is_reported_and_the_previous_step_stays(make_world, tmp_path, enospc_at_commit,
                                                            async_save):
     make_world(1)
@@ -405,8 +411,9 @@ def test_a_real_full_disk(tmp_path):
         capture_output=True, text=True, timeout=60, env=ckpt_jobs._env(1))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert ("save(3) raised: disk full at " + str(disk / "ckpt") + ": the checkpoint of step 2 "
-            "was not written") in out, out
+    raised = 3 if FINISHES_AT_EXIT else 2  # (the next call; synchronous: save(2) itself)
+    assert (f"save({raised}) raised: disk full at " + str(disk / "ckpt") + ": the checkpoint of "
+            "step 2 was not written") in out, out
     assert "steps [1] files ['.fleet-lock', '1']" in out, out
     assert "restored 1 True" in out, out
 
@@ -466,6 +473,7 @@ def test_a_pending_save_completes_at_exit(make_world, tmp_path, mode, status):
             assert got.tobytes() == want.tobytes()
 
 
+@ASYNC  # (there save(2) raises at once: test_disk_full_is_reported_and_the_previous_step_stays)
 def test_a_pending_save_that_cannot_complete_fails_the_exit(make_world, tmp_path):
     code, out = run_exit_worker(tmp_path, "disk-full")
     assert code == 1, out

@@ -37,7 +37,8 @@ PACKAGE = Path(_compat.__file__).parent
 def test_a_missing_symbol_fails_loudly(monkeypatch, owner, name, symbol):
     monkeypatch.delattr(owner, name)
     with pytest.raises(FleetUnsupportedError,
-                       match=re.escape(symbol) + r".*fleet supports jax 0\.10\.2 to 0\.10\.x"):
+                       match=re.escape(symbol) + r".*fleet supports jax 0\.10\.2 to 0\.12\.x, "
+                                                       r"flax 0\.12\.8 to 0\.12\.x"):
         _compat.check()
 
 
@@ -241,3 +242,21 @@ def test_placeholder_uses_sees_a_read_of_the_gradient_placeholder():
         return placeholder * 2.0
 
     assert _guards.placeholder_uses(jax.make_jaxpr(bad)(jnp.ones(3))) == ["mul"]
+
+
+def test_scan_counts_reads_this_jax_s_scan():
+    """jax 0.12 describes a scan by ``ft_in`` instead of ``num_consts`` / ``num_carry``
+    (issue 35: fleet's scan walks raised KeyError there); both read alike."""
+    def loop(k, carry, xs):  # one constant, two carries, one scanned input
+        def body(c, x):
+            return (c[0] + x * k, c[1] * c[0]), c[0]
+        return jax.lax.scan(body, carry, xs)
+
+    jaxpr = jax.make_jaxpr(loop)(2.0, (1.0, 3.0), jnp.ones(4))
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    consts, carries = _compat.scan_counts(eqn.params)
+    assert (consts, carries) == (1, 2)
+    assert len(eqn.invars) == consts + carries + 1 and len(eqn.outvars) == carries + 1
+    with pytest.raises(FleetUnsupportedError, match=r"describes a scan with \['jaxpr', 'length'\]"
+                                                    r", neither num_consts / num_carry nor ft_in"):
+        _compat.scan_counts({"jaxpr": None, "length": 4})

@@ -500,10 +500,21 @@ def test_save_and_load_resume_training_exactly(make_world, train_set, tmp_path):
         other_tx.load(tmp_path / "ckpt")
 
 
-def test_summary_counts_parameters(make_world, capsys):
+def shape_dtype_struct_with_none():
+    try:  # jax 0.11.1 and later refuse None in a ShapeDtypeStruct (fleet/static.py)
+        return jax.ShapeDtypeStruct((None, FEATURES), np.float32)
+    except ValueError:
+        pytest.skip(f"jax {jax.__version__} refuses None in a jax.ShapeDtypeStruct")
+
+
+@pytest.mark.parametrize("spec", [
+    lambda: fleet.static.InputSpec([None, FEATURES], "float32", name="x"),  # the README's
+    lambda: jax.ShapeDtypeStruct((1, FEATURES), np.float32),  # every jax
+    shape_dtype_struct_with_none,  # the README's form before issue 35 (jax 0.10)
+], ids=["InputSpec", "ShapeDtypeStruct", "ShapeDtypeStruct-None"])
+def test_summary_counts_parameters(make_world, capsys, spec):
     make_world(1)
-    model = Model(Net(nnx.Rngs(0)), inputs=[jax.ShapeDtypeStruct((None, FEATURES),
-                                                                 np.float32)])
+    model = Model(Net(nnx.Rngs(0)), inputs=[spec()])
     info = model.summary()
     assert info == {"total_params": 12 * 32 + 32 + 32 * 4 + 4,
                     "trainable_params": 12 * 32 + 32 + 32 * 4 + 4}

@@ -77,10 +77,13 @@ def test_the_inference_model_runs_in_a_fresh_process_without_the_class(make_worl
     assert float(lines["DIFF"]) <= 1e-6
 
 
-def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_path):
+@pytest.mark.parametrize("spec", [
+    lambda: fleet.static.InputSpec([None, 8, 8, 1], "float32", name="image"),  # the README's
+    lambda: jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32),  # its batch axis is not read
+])
+def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_path, spec):
     make_world(2, fleet.DistributedStrategy(sync_batch_norm=True))
-    spec = jax.ShapeDtypeStruct((None, 8, 8, 1), jnp.float32)
-    model = fleet.Model(ConvNet(nnx.Rngs(0)), inputs=[spec])
+    model = fleet.Model(ConvNet(nnx.Rngs(0)), inputs=[spec()])
     model.save(tmp_path / "given", training=False)  # before any fit: from inputs=
     predict = fleet.load_inference(tmp_path / "given")
     x = np.ones((3, 8, 8, 1), np.float32)
@@ -88,8 +91,32 @@ def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_pat
     np.testing.assert_allclose(np.asarray(predict(x)), np.asarray(model.network(x)), atol=1e-6)
 
     bare = fleet.Model(ConvNet(nnx.Rngs(0)))
-    with pytest.raises(fleet.FleetConfigError, match=r"exports the network for a batch of "
-                                                     r"inputs of known shapes.*inputs=\["):
+    with pytest.raises(fleet.FleetConfigError, match=(
+            r"exports the network for a batch of inputs of known shapes.*"
+            r"inputs=\[fleet\.static\.InputSpec\(\[None, 784\], 'float32', name='x'\)\]")):
         bare.save(tmp_path / "none", training=False)
     with pytest.raises(fleet.FleetError, match=r"no '.*missing\.jaxexport': pass the path"):
         fleet.load_inference(tmp_path / "missing")
+
+
+def test_a_program_from_a_newer_jax_names_both_versions(make_world, tmp_path):
+    """jax reads the programs of its own version and earlier ones, not later ones
+    (jax 0.10.2 cannot read what jax 0.12 exports, measured); the weights file
+    records the exporting jax, so fleet says which to use."""
+    make_world(1)
+    model = fleet.Model(ConvNet(nnx.Rngs(0)),
+                        inputs=[fleet.static.InputSpec([None, 8, 8, 1], "float32")])
+    model.save(tmp_path / "infer", training=False)
+    weights = fleet.load(tmp_path / "infer.pdiparams")
+    assert weights["jax"] == jax.__version__
+    (tmp_path / "infer.jaxexport").write_bytes(b"a program this jax cannot read")
+    fleet.save({**weights, "jax": "99.0.0"}, tmp_path / "infer.pdiparams")
+    with pytest.raises(fleet.FleetError, match=(
+            rf"infer\.jaxexport was exported by jax 99\.0\.0, and this is jax "
+            rf"{jax.__version__.replace('.', '[.]')}, which cannot read it .*load it with jax "
+            r"99\.0\.0 or later, or save it again here")):
+        fleet.load_inference(tmp_path / "infer")
+    fleet.save({**weights, "jax": jax.__version__}, tmp_path / "infer.pdiparams")
+    with pytest.raises(Exception) as raised:  # the same version: jax's own error, unchanged
+        fleet.load_inference(tmp_path / "infer")
+    assert not isinstance(raised.value, fleet.FleetError)

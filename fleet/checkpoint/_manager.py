@@ -57,7 +57,7 @@ from fleet import _agree
 from fleet._world import world
 from fleet.checkpoint import _integrity, _meta, _open, _restore
 from fleet.checkpoint._errors import FleetCheckpointError
-from fleet.checkpoint._pending import PendingSave
+from fleet.checkpoint._pending import PendingSave, async_option
 from fleet.checkpoint._restore import Restored
 from fleet.checkpoint._state import Contents, takes_contents
 
@@ -106,11 +106,14 @@ class CheckpointManager:
             The checkpoint holds the values at the call either way. A pending save
             is finished at :meth:`close`, or at the latest when the interpreter
             exits (if it cannot be, the exit status is 1 and stderr says so).
+            Default ``None``: asynchronous, except on CPython 3.12.0 to 3.12.2,
+            which cannot finish a save at exit (there ``True`` raises).
 
     Raises:
         FleetCheckpointError: ``directory`` is a file, read-only or not writable;
             another live job (or another open manager of this process) writes it
-            (the message names its host and pid); a bad option.
+            (the message names its host and pid); a bad option (``async_save=True``
+            on CPython 3.12.0 to 3.12.2).
 
     Warns:
         FleetWarning: the directory's last writer ended without closing its
@@ -135,13 +138,13 @@ class CheckpointManager:
         max_to_keep: int | None = None,
         save_interval_steps: int | None = None,
         save_interval_seconds: int | None = None,
-        async_save: bool = True,
+        async_save: bool | None = None,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep = _positive("max_to_keep", max_to_keep)
         self.save_interval_steps = _positive("save_interval_steps", save_interval_steps)
         self.save_interval_seconds = _positive("save_interval_seconds", save_interval_seconds)
-        self.async_save = bool(async_save)
+        self.async_save = async_option(async_save)
         if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
             raise FleetCheckpointError(
                 f"CheckpointManager: {self.directory} is a file, not a directory; a "

@@ -17,6 +17,12 @@ before ``concurrent.futures`` stops taking work (that would kill orbax's
 background save) and before ``atexit``'s hooks. If the save cannot be finished,
 stderr says which checkpoint was lost and the process exits with status 1.
 
+Where a thread cannot start at exit: CPython 3.12.0 to 3.12.2 refuse to start
+one once the interpreter begins to exit (CPython gh-113964, fixed in 3.12.3),
+and orbax finishes a save in new threads (``asyncio.to_thread``), so no hook can
+finish a pending save there. On those versions saves are synchronous by default
+(:func:`async_option`), and ``async_save=True`` raises, naming the versions.
+
 Where nothing can finish the save (``kill -9``; ``os._exit``, which skips every
 exit hook), the step a save began is recorded in the directory's lock file
 before ``save`` returns (:mod:`fleet.checkpoint._lock`), and the next manager on
@@ -41,6 +47,28 @@ from fleet.checkpoint._lock import DirectoryLock
 
 #: orbax's name of a step being written: ``<step>.orbax-checkpoint-tmp-<time>``.
 PARTIAL = ".orbax-checkpoint-tmp"
+
+#: Whether a save still pending when the interpreter exits can be finished then:
+#: not on CPython 3.12.0 to 3.12.2, which start no thread once exit has begun.
+FINISHES_AT_EXIT = not (sys.implementation.name == "cpython"
+                        and (3, 12) <= sys.version_info[:3] < (3, 12, 3))
+
+
+def async_option(async_save: bool | None) -> bool:
+    """``CheckpointManager(async_save=...)``: ``None`` is asynchronous where a save
+    pending at exit can be finished (:data:`FINISHES_AT_EXIT`), else synchronous;
+    ``True`` where it cannot raises."""
+    if async_save is None:
+        return FINISHES_AT_EXIT
+    if async_save and not FINISHES_AT_EXIT:
+        version = ".".join(map(str, sys.version_info[:3]))
+        raise FleetCheckpointError(
+            f"CheckpointManager(async_save=True) on Python {version}: CPython 3.12.0 to 3.12.2 "
+            "start no thread once the interpreter exits, so a save still being written then "
+            "would be lost; use Python 3.12.3 or later (or 3.11, 3.13), or leave async_save "
+            "out (saves are synchronous on this Python)")
+    return bool(async_save)
+
 
 # Saves in flight, held until they are settled: a manager the script dropped
 # still finishes its save at exit.

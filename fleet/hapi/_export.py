@@ -10,12 +10,17 @@ Two files, Paddle's pair:
 * ``{path}.jaxexport``: ``jax.export.Exported.serialize()``; the program takes
   the weights (a list of arrays) and the network's inputs;
 * ``{path}.pdiparams``: those weights, written with :func:`fleet.save`
-  (``{"names": [...], "weights": [...]}``: the variables' dotted names and
-  values, in the program's order).
+  (``{"names": [...], "weights": [...], "jax": version}``: the variables' dotted
+  names and values, in the program's order, and the jax that exported them).
+
+A program loads on the jax that exported it and on later ones (jax's
+compatibility window), not on an earlier one: jax 0.10 cannot read what jax 0.12
+exports. :func:`load_inference` then names both versions.
 
 The input shapes come from ``fleet.Model(network, inputs=[...])`` (a
-``jax.ShapeDtypeStruct`` per input; its first axis, the batch, is made
-symbolic whatever it says), or else from the last batch the model ran.
+``fleet.static.InputSpec`` per input, or a ``jax.ShapeDtypeStruct``; its first
+axis, the batch, is made symbolic whatever it says), or else from the last batch
+the model ran.
 Random state (dropout's keys) is not an input: evaluation does not use it.
 """
 
@@ -33,6 +38,11 @@ from fleet import _world, checkpoint
 from fleet._errors import FleetConfigError, FleetError
 from fleet._tree import dotted
 from fleet.checkpoint import _atomic
+from fleet.static import dims
+
+#: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
+#: later refuse ``jax.ShapeDtypeStruct((None, 784), ...)``: fleet/static.py).
+SPEC_EXAMPLE = "fleet.static.InputSpec([None, 784], 'float32', name='x')"
 
 EXPORT_SUFFIX = ".jaxexport"
 WEIGHTS_SUFFIX = ".pdiparams"
@@ -47,18 +57,23 @@ def input_specs(given: Any, seen: Sequence[Any]) -> list:
     if not specs:
         raise FleetConfigError(
             "Model.save(path, training=False) exports the network for a batch of inputs of "
-            "known shapes, and this model has none: give them, fleet.Model(network, "
-            "inputs=[jax.ShapeDtypeStruct((None, 784), jnp.float32)]) (one per input; the "
-            "first axis is the batch), or run fit / evaluate / predict first")
+            f"known shapes, and this model has none: give them, fleet.Model(network, "
+            f"inputs=[{SPEC_EXAMPLE}]) (one per input; the first axis is the batch), or run "
+            "fit / evaluate / predict first")
     batch = jax.export.symbolic_shape("batch")[0]
     out = []
     for i, s in enumerate(specs):
-        if not hasattr(s, "shape") or not hasattr(s, "dtype") or len(s.shape) < 1:
+        shape, dtype = dims(s) or ((), None)
+        if len(shape) < 1:
             raise FleetConfigError(
-                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a jax.ShapeDtypeStruct "
-                "whose first axis is the batch, e.g. jax.ShapeDtypeStruct((None, 784), "
-                "jnp.float32)")
-        out.append(jax.ShapeDtypeStruct((batch, *[int(d) for d in s.shape[1:]]), s.dtype))
+                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a fleet.static.InputSpec "
+                f"whose first axis is the batch, e.g. {SPEC_EXAMPLE}")
+        if None in shape[1:]:
+            raise FleetConfigError(
+                f"fleet.Model(inputs=...) entry {i} is {s!r}: only its first axis (the batch) "
+                "may be unknown for Model.save(path, training=False); give the size of every "
+                f"other axis, e.g. {SPEC_EXAMPLE}")
+        out.append(jax.ShapeDtypeStruct((batch, *shape[1:]), dtype))
     return out
 
 
@@ -78,7 +93,8 @@ def export(network: nnx.Module, specs: list, path: str) -> None:
     leaf_specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
     exported = jax.export.export(jax.jit(forward), platforms=PLATFORMS)(leaf_specs, *specs)
     if _world.is_first_worker():  # both written atomically, as fleet.save writes
-        checkpoint.save({"names": names, "weights": values}, path + WEIGHTS_SUFFIX)
+        checkpoint.save({"names": names, "weights": values, "jax": jax.__version__},
+                        path + WEIGHTS_SUFFIX)
         _atomic.write(os.path.abspath(path + EXPORT_SUFFIX), bytes(exported.serialize()))
     _world.barrier_worker()
 
@@ -97,13 +113,44 @@ def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
             raise FleetError(
                 f"no {path + suffix!r}: pass the path given to Model.save(path, "
                 f"training=False) (it writes {path}{EXPORT_SUFFIX} and {path}{WEIGHTS_SUFFIX})")
-    with open(path + EXPORT_SUFFIX, "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
-    weights = [jax.numpy.asarray(w) for w in checkpoint.load(path + WEIGHTS_SUFFIX)["weights"]]
+    saved = checkpoint.load(path + WEIGHTS_SUFFIX)
+    weights = [jax.numpy.asarray(w) for w in saved["weights"]]
+    newer = _newer_jax(saved.get("jax"))  # (None: saved by fleet before issue 35)
+    try:
+        with open(path + EXPORT_SUFFIX, "rb") as f:
+            exported = jax.export.deserialize(bytearray(f.read()))
+    except Exception as e:  # noqa: BLE001 (flatbuffers' and jax's own errors)
+        if newer:
+            raise _too_new(path, newer) from e
+        raise
     call = jax.jit(exported.call)
 
     def predict(*inputs: Any) -> Any:
-        return call(weights, *inputs)
+        try:
+            return call(weights, *inputs)
+        except Exception as e:  # noqa: BLE001 (StableHLO deserialization: at the first call)
+            if newer:
+                raise _too_new(path, newer) from e
+            raise
 
     predict.exported = exported  # type: ignore[attr-defined]  # its shapes and platforms
     return predict
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+def _newer_jax(saved: Any) -> str | None:
+    """The jax version that exported a program, if it is newer than this one."""
+    if isinstance(saved, str) and _version(saved) > _version(jax.__version__):
+        return saved
+    return None
+
+
+def _too_new(path: str, saved: str) -> FleetError:
+    return FleetError(
+        f"{path}{EXPORT_SUFFIX} was exported by jax {saved}, and this is jax {jax.__version__}, "
+        f"which cannot read it (jax reads programs of its own version and earlier ones); "
+        f"load it with jax {saved} or later, or save it again here with "
+        f"Model.save(path, training=False)")

@@ -99,7 +99,7 @@ def count_inputs(network: nnx.Module, inputs: Any) -> int:
         return len(inputs)
     raise FleetTypeError(
         f"fleet.Model(inputs=...) takes the number of inputs or a list of "
-        f"jax.ShapeDtypeStruct, one per input; got {inputs!r}"
+        f"fleet.static.InputSpec, one per input; got {inputs!r}"
     )
 
 

@@ -53,8 +53,9 @@ class Model:
             wrapped with ``fleet.distributed_model``: its variables are replicated
             on the mesh and updated in place by training.
         inputs: how many leading fields of each sample are the network's inputs
-            (an int, or a list with one ``jax.ShapeDtypeStruct`` per input, as
-            Paddle's ``InputSpec`` list); the remaining fields are the labels.
+            (an int, or a list with one ``fleet.static.InputSpec`` per input, as
+            Paddle's ``InputSpec`` list, or ``jax.ShapeDtypeStruct``); the
+            remaining fields are the labels.
             Default: the number of required arguments of ``network.__call__``.
         labels: accepted for Paddle scripts; the labels are the fields after the
             inputs.

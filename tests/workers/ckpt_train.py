@@ -102,7 +102,7 @@ def main() -> None:
     if args.dir:
         manager = CheckpointManager(args.dir, save_interval_steps=args.save_every,
                                     save_interval_seconds=args.save_seconds,
-                                    max_to_keep=3, async_save=not args.sync)
+                                    max_to_keep=3, async_save=False if args.sync else None)
         if args.resume:
             job.restore(manager)
             print(f"resumed at step {job.step}", flush=True)
