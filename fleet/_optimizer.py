@@ -80,8 +80,7 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
         trace = _sync.current()
         if trace is not None:
             trace.tx_calls += 1
-            trace.tx_grads.update(id(g) for g in jax.tree.leaves(grads))
-            trace.held.extend(jax.tree.leaves(grads))
+            trace.tx_grads.update(trace.hold(jax.tree.leaves(grads)))
             if not trace.wrapped_syncs:
                 flat = jax.tree_util.tree_flatten_with_path(grads)[0]
                 trace.record_finite([f"gradient {dotted(p)!r}" for p, _ in flat],

@@ -84,6 +84,11 @@ class SyncTrace:
     #: that no later value (an output) gets one of their ids
     held: list = dataclasses.field(default_factory=list)
 
+    def hold(self, leaves: Sequence) -> list[int]:
+        """The ids of ``leaves``, unique for the whole trace: the leaves are kept alive."""
+        self.held.extend(leaves)
+        return [id(x) for x in leaves]
+
     def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
         if self.check_finite:
             self.finite.extend(

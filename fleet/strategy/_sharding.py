@@ -88,9 +88,8 @@ class Config:
         else:
             values = cts
         held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
-        for k, h, v in zip(keys, held, values):
-            trace.shard_grads[id(h)] = (k, v, self.stage == 2)
-        trace.held.extend(held)
+        for k, i, v in zip(keys, trace.hold(held), values):
+            trace.shard_grads[i] = (k, v, self.stage == 2)
         return tuple(held)
 
 
