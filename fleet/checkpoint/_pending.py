@@ -95,6 +95,10 @@ def _hook_exit() -> None:
         _HOOKED.append(True)
 
 
+#: How often a failed save's errors are waited out (``PendingSave._drain``): orbax's
+#: save thread, then its metadata writer.
+_DRAIN_WAITS = 3
+
 class PendingSave:
     """The save of one manager's ``orbax`` (writing into ``directory``) that is not
     settled yet, if any; ``prune`` deletes the steps beyond ``max_to_keep`` (called
@@ -146,6 +150,7 @@ class PendingSave:
 
     def failed(self, step: int, e: BaseException) -> None:
         """A save of ``step`` failed: removes what it left, raises a clear error."""
+        self._drain()
         self._remove_leftovers(step)
         self.orbax.reload()
         kept = f"the steps saved before are intact: {sorted(self.orbax.all_steps())}"
@@ -159,6 +164,20 @@ class PendingSave:
             f"the checkpoint of step {step} in {self.directory} was not written "
             f"({first_line(e)}); its temporary files are removed; {kept}"
         ) from e
+
+    def _drain(self) -> None:
+        """Waits until nothing of a failed save still runs in orbax's threads. orbax
+        raises a background save's error once and then skips the wait for its
+        checkpoint-metadata writer, which may still be writing into the save's
+        temporary directory: removed under it, that write fails in turn, and its
+        error would surface in the next read (a good step then looked damaged).
+        Each further wait raises the next error of the same failed save, or returns."""
+        for _ in range(_DRAIN_WAITS):
+            try:
+                self.orbax.wait_until_finished()
+                return
+            except Exception:  # noqa: BLE001 (the failed save's own errors: reported once)
+                continue
 
     def _remove_leftovers(self, step: int) -> None:
         """Removes the temporary directories of a failed save of ``step`` (process 0)."""
@@ -177,6 +196,7 @@ class PendingSave:
             if jax.process_count() == 1:
                 self.prune()
         except BaseException as e:  # noqa: BLE001
+            self._drain()
             self._remove_leftovers(step)
             why = "disk full" if _disk.is_full(e, self.directory, self.needed) else first_line(e)
             sys.stdout.flush()
