@@ -9,13 +9,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     # strategy.recompute's barriers survive XLA:CPU (fleet/_xla_flags.py)
     + " --xla_disable_hlo_passes=cse_barrier_expander"
-    # Half a cold run is XLA compiling small programs: LLVM's optimisation level 0
-    # compiles them faster (about 25% less CPU on tests/test_contract.py and
-    # tests/test_batch_norm.py). XLA's own HLO passes (fusion, buffer assignment:
-    # what tests/test_memory*.py measure) are unchanged, and each test compares
-    # fleet with a reference compiled the same way. benchmarks/ do not use it.
-    + ("" if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
-       else " --xla_backend_optimization_level=0")
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["PJRT_NPROC"] = str(max(16, os.cpu_count() or 1))  # 2 x 8 devices: fleet/_xla_flags.py
