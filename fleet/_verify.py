@@ -55,9 +55,13 @@ that are not all on it) and runs the reference on its own first device; each
 compares the same global values, and the verdicts are exchanged, so every
 process raises at the same call. Process 0 prints the lines.
 
-Not covered yet (a call of such a plan prints that it is skipped, once):
-``strategy.sync_batch_norm=False`` (its documented reference, per-replica
-statistics, is not built). fleet's own bookkeeping (float16 amp's loss scale,
+``strategy.sync_batch_norm=False``: the reference is the documented one, each
+replica's rows normalised apart: the clone's ``nnx.BatchNorm`` layers split the
+batch into the replicas' rows, normalise each with its own statistics and
+average the running ones (``fleet._verify_sections.per_replica_batch_norm``).
+Not covered yet (a call of such a plan prints that it is skipped, once): that
+mode with a pytree argument (a Linen ``TrainState``: its ``nn.BatchNorm`` has no
+per-replica reference). fleet's own bookkeeping (float16 amp's loss scale,
 gradient merge's count, ``no_sync`` accumulators) is not compared: the
 single-device step has none.
 
@@ -227,9 +231,9 @@ class Verify:
 
 
 def _unsupported(plan: Any, strategy: Any) -> str:
-    del plan
-    if strategy.sync_batch_norm is False:  # (its reference: per-replica statistics)
-        return "with strategy.sync_batch_norm=False"
+    if strategy.sync_batch_norm is False and _roles.TREE in plan.kinds:
+        # (the per-replica reference is built for nnx.BatchNorm layers only)
+        return "with strategy.sync_batch_norm=False and a pytree (Linen) argument"
     return ""
 
 
@@ -315,6 +319,8 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode:
             obj.tx = obj.tx.inner
     if mode[0] or mode[1]:
         sections.mark(clone)
+    if world().strategy.sync_batch_norm is False:  # its documented reference
+        sections.per_replica_batch_norm(clone, world().mesh.devices.size)
     statics, dynamic = [], []
     for i, (v, k) in enumerate(zip(values, kinds)):
         if k == _roles.STATIC:

@@ -169,3 +169,45 @@ def _holds_a_sum(obj: Any) -> bool:
         return False
     return any(np.any(np.asarray(jax.device_get(whole(v.get_raw_value()))) != 0)
                for v in module_variables(accum).values())
+
+
+# -- strategy.sync_batch_norm = False ------------------------------------------------------
+
+def _per_replica_call(self: Any, x: Any, use_running_average: bool | None = None,
+                      **kwargs: Any) -> Any:
+    """An ``nnx.BatchNorm`` of the reference with fleet's documented per-replica
+    statistics: in training, the batch's rows in ``__fleet_groups__`` equal groups
+    (the replicas' rows, in order), each normalised by the layer's own call with
+    its own statistics from the same running ones; the running statistics then
+    the groups' mean, as fleet averages the replicas' (``fleet._graph.is_buffer``)."""
+    base, n = type(self).__fleet_base__, type(self).__fleet_groups__
+    frozen = self.use_running_average if use_running_average is None else use_running_average
+    if frozen or n == 1:
+        return base.__call__(self, x, use_running_average=use_running_average, **kwargs)
+    start = (self.mean[...], self.var[...])
+    outs, stats = [], []
+    for rows in jnp.split(x, n):
+        self.mean[...], self.var[...] = start
+        outs.append(base.__call__(self, rows, use_running_average=use_running_average, **kwargs))
+        stats.append((self.mean[...], self.var[...]))
+    self.mean[...] = sum(m for m, _ in stats) / n
+    self.var[...] = sum(v for _, v in stats) / n
+    return jnp.concatenate(outs)
+
+
+_PER_REPLICA: dict = {}  # (class, replicas) -> its per-replica subclass
+
+
+def per_replica_batch_norm(clone: Any, replicas: int) -> None:
+    """The reference's ``nnx.BatchNorm`` layers normalise each replica's rows apart
+    (``strategy.sync_batch_norm = False``, fleet's one documented difference from
+    one device): :func:`_per_replica_call`."""
+    for _, node in nnx.iter_graph(clone):
+        cls = type(node)
+        if isinstance(node, nnx.BatchNorm) and "__fleet_groups__" not in vars(cls):
+            key = (cls, replicas)
+            if key not in _PER_REPLICA:
+                _PER_REPLICA[key] = type(f"PerReplica{cls.__name__}", (cls,), {
+                    "__call__": _per_replica_call, "__fleet_base__": cls,
+                    "__fleet_groups__": replicas})
+            _compat.set_class(node, _PER_REPLICA[key])

@@ -21,7 +21,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet import _body, _metrics, _outputs, _random, _verify
+from fleet import _body, _metrics, _outputs, _random, _verify, _verify_sections
 from tests import models, tiers
 from tests.test_contract import split_mean_grad
 
@@ -138,16 +138,39 @@ def test_no_false_alarm_linen_train_state(make_world, capsys):
     assert err.count("matches one device") == CALLS and "verify is now off" in err
 
 
+@pytest.mark.parametrize("n", tiers.replicas(2, 4))
+def test_per_replica_batch_norm_is_checked_against_its_documented_reference(
+        make_world, capsys, monkeypatch, n):
+    """strategy.sync_batch_norm=False: each replica normalises its own rows, the one
+    documented difference from one device. verify's reference is that: the
+    single-device step whose BatchNorm normalises each replica's rows apart and
+    averages the running statistics. No false alarm over 3 calls; against the
+    global-batch reference (the per-replica one switched off) the BatchNorm's
+    statistics differ, and verify names them."""
+    def run():
+        make_world(n, strategy(sync_batch_norm=False))
+        step, objs, kind = nnx_case(BNNet, optax.adam(models.LR))
+        for x, y in models.batches(kind, CALLS + 1, BATCH):
+            step(*objs, x, y)
+
+    run()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fleet verify")]
+    print("\n".join(lines))
+    assert sum("matches one device" in ln for ln in lines) == CALLS, lines
+    monkeypatch.setattr(_verify_sections, "per_replica_batch_norm", lambda *args: None)
+    with pytest.raises(fleet.FleetError, match=r"verify, call 1: .*differs from the single"):
+        run()
+
+
 @tiers.slow
-def test_sync_batch_norm_false_is_skipped_and_said(make_world, capsys):
-    """Not covered yet (its documented reference, per-replica statistics, is not
-    built): said once, the step runs as without verify."""
+def test_per_replica_batch_norm_with_a_linen_train_state_is_skipped_and_said(make_world,
+                                                                             capsys):
+    """Not covered yet: a Linen nn.BatchNorm has no per-replica reference; said once,
+    the step runs as without verify."""
     make_world(4, strategy(sync_batch_norm=False))
-    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
-    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param))
-    step = fleet.distributed_step(models.nnx_train_step)
-    for x, y in models.batches("linear", CALLS, BATCH):
-        step(model, opt, x, y)
+    step, state = linen_case()
+    for x, y in models.batches("cnn", CALLS, BATCH):
+        state, _ = step(state, x, y)
     err = capsys.readouterr().err
     assert "fleet verify: skipped for this step's calls" in err and "matches" not in err
 
