@@ -116,6 +116,12 @@ class Accumulation:
         self.sums: tuple[dict, dict] = ({}, {})
         self.seen = False
 
+    def idle(self, plan: Any) -> bool:
+        """Whether a call of ``plan`` leaves the record as it is when not checked: no
+        sum is followed and the call neither adds to one nor applies one."""
+        return (self.seen and self.status == "none" and not plan.no_sync
+                and plan.grad_merge is None)
+
     def mode(self, plan: Any, objs: tuple, verified: bool) -> tuple | None:
         """This call's ``(accumulates, applies, divisor)``; ``None`` where it
         cannot be checked (the sum it adds to or applies is not known).

@@ -9,11 +9,10 @@ tests/test_no_sync.py and the recompute tests pass under JAX_CUSTOM_VJP3=1
 JAX_REMAT3=1)."""
 
 import jax
-import optax
 import pytest
-from flax import nnx
 
 import fleet
+from tests import models
 from tests.test_outputs import _assert_close, _nnx_run, _summed_nnx
 
 
@@ -26,15 +25,6 @@ def flags(request):
         jax.config.update(name, False)
 
 
-def _mean_step(model, optimizer, x, y):
-    def loss_fn(m):
-        return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 @pytest.mark.parametrize("flags", [("jax_custom_vjp3",)], indirect=True)
 def test_a_summed_loss_under_custom_vjp3_is_refused(make_world, flags):
     with pytest.raises(fleet.FleetUnsupportedError, match=(
@@ -45,6 +35,6 @@ def test_a_summed_loss_under_custom_vjp3_is_refused(make_world, flags):
 
 @pytest.mark.parametrize("flags", [("jax_custom_vjp3", "jax_remat3")], indirect=True)
 def test_a_mean_loss_under_both_flags_matches_one_device(make_world, flags):
-    got, ref, d_params = _nnx_run(4, _mean_step, make_world)
+    got, ref, d_params = _nnx_run(4, models.nnx_train_step, make_world)
     _assert_close("custom_vjp3 + remat3, 4 replicas", got, ref, d_params)
     assert jax.config.jax_custom_vjp3 and jax.config.jax_remat3

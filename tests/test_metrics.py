@@ -198,6 +198,10 @@ class Seen(nnx.Module):
         self.rows = nnx.Variable(np.int32(0))
 
 
+COUNTED = (r"variable 'rows' leaves the step the same on every replica, but it is "
+           r"computed from the batch's shape")
+
+
 @pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_state_counted_from_the_batch_shape_is_refused(make_world, n):
     """A count written from x.shape[0] is the same on every replica, and each
@@ -213,8 +217,7 @@ def test_state_counted_from_the_batch_shape_is_refused(make_world, n):
     x = np.ones((BATCH, 2), np.float32)
     make_world(n)
     if n > 1:
-        with pytest.raises(fleet.FleetError, match=r"variable 'rows' leaves the step the same "
-                           r"on every replica, but it is computed from the batch's shape"):
+        with pytest.raises(fleet.FleetError, match=COUNTED):
             fleet.distributed_step(silent)(Seen(), x)
     got = Seen()
     step = fleet.distributed_step(explicit)
@@ -241,8 +244,7 @@ def test_state_counted_inside_a_scan_is_refused(make_world, n):
     x = np.ones((BATCH, 2), np.float32)
     make_world(n)
     if n > 1:
-        with pytest.raises(fleet.FleetError, match=r"variable 'rows' leaves the step the same "
-                           r"on every replica, but it is computed from the batch's shape"):
+        with pytest.raises(fleet.FleetError, match=COUNTED):
             fleet.distributed_step(rows_in_loop)(Seen(), x)
     else:
         got = Seen()
