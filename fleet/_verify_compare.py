@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from fleet import _agree
 from fleet._errors import FleetError
 
 CAUSES = {
@@ -44,6 +45,7 @@ def whole(x: Any) -> Any:
         return x
     if x.is_fully_replicated:
         return x.addressable_data(0)
+    _agree.join("fleet verify (gathering a global array)")  # bounded, before the collective
     return multihost_utils.process_allgather(x, tiled=True)
 
 
@@ -52,11 +54,14 @@ def agree(ref: Any, failed: bool) -> None:
     that found none raises too, naming the processes that did."""
     if jax.process_count() == 1:
         return
-    flags = np.asarray(multihost_utils.process_allgather(np.array([failed]))).reshape(-1)
-    if flags.any() and not failed:
+    flags = _agree.agree("fleet verify", "1" if failed else "0")  # (fleet._agree: bounded)
+    if "1" not in flags:
+        return
+    _agree.raise_together("fleet verify")
+    if not failed:
         raise FleetError(
-            f"verify, call {ref.call}: process(es) {np.flatnonzero(flags).tolist()} found a "
-            "result that differs from the single-device step; their error names it")
+            f"verify, call {ref.call}: process(es) {[r for r, f in enumerate(flags) if f == '1']} "
+            "found a result that differs from the single-device step; their error names it")
 
 
 def plain(x: Any) -> np.ndarray:
