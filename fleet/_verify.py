@@ -121,10 +121,12 @@ def steps_from(strategy: Any) -> int:
 class Reference:
     """One verified call: the plain and perturbed single-device results."""
 
-    def __init__(self, call: int, device: Any, where: str, plain: tuple, perturbed: tuple):
+    def __init__(self, call: int, device: Any, where: str, plain: tuple, perturbed: tuple,
+                 failed: Exception | None = None):
         self.call, self.device, self.where = call, device, where
         self.plain, self.perturbed = plain, perturbed  # (state leaves, outputs)
-        self.owners: list[str] = plain[2]  # per state leaf: "counter" or "state"
+        self.owners: list[str] = plain[2] if plain else []  # per state leaf: "counter" or "state"
+        self.failed = failed  # the single-device step's own error, if it raised
         self.eps = 0.0  # strategy.amp: its compute dtype's eps, at least
         self.mode: tuple = (False, False, 1)  # accumulates, applies, divisor
         self.note = ""  # accumulated gradients: which call of the sum
@@ -178,8 +180,16 @@ class Verify:
             jitted = self._jitted[plan] = _reference_fn(self.fn, kinds, plan.kw_names)
         delta = _delta(w.strategy)
         sums = self._sums.sums
-        plain = _run(jitted, values, kinds, device, False, mode, sums[0])
-        perturbed = _run(jitted, values, kinds, device, delta, mode, sums[1])
+        try:
+            plain = _run(jitted, values, kinds, device, False, mode, sums[0])
+            perturbed = _run(jitted, values, kinds, device, delta, mode, sums[1])
+        except FleetError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the user's step, on one device)
+            # The distributed call runs next: a step fleet refuses raises its own error
+            # there, naming the cause; one fleet runs gets this one (after).
+            self._calls[plan] = self.k
+            return Reference(n + 1, device, where, (), (), failed=e)
         self._sums.done(mode[0], mode[1], (plain[3], perturbed[3]))
         ref = Reference(n + 1, device, where, plain, perturbed)
         ref.eps = _eps(w.strategy)  # amp, fp16_allreduce: results carry 16-bit rounding
@@ -193,6 +203,14 @@ class Verify:
         """Compares the distributed call's state and outputs with the reference; in
         a multi-process job every process raises at the same call (each compares
         the same global values; their verdicts are exchanged all the same)."""
+        if ref.failed is not None:
+            why = (str(ref.failed).splitlines() or [""])[0]
+            raise FleetError(
+                f"verify, call {ref.call}: the distributed step ran, but the same step "
+                f"function fails as the single-device step on the global batch "
+                f"({ref.where}): {type(ref.failed).__name__}: {why}. verify "
+                "compares with that step, so it cannot check this one; run the script on one "
+                "device to see the failure, or turn verify off") from ref.failed
         try:
             worst = self._compare_all(ref, graph, out)
         except FleetError as e:

@@ -432,6 +432,21 @@ def test_detects_a_summed_loss_declared_sum(make_world):
 
 # -- switches ------------------------------------------------------------------------
 
+def test_a_step_that_fails_on_one_device_is_named(make_world):
+    """A step fleet runs but the single-device step cannot (it asks for the
+    replica's index): verify cannot compare it and says so, naming JAX's error,
+    instead of letting the raw error through."""
+    def step(model, opt, x, y):
+        jax.lax.axis_index("data")  # (no such axis on one device)
+        return models.nnx_train_step(model, opt, x, y)
+
+    make_world(4, strategy())
+    with pytest.raises(fleet.FleetError, match=r"verify, call 1: the distributed step ran, "
+                                               r"but the same step function fails as the "
+                                               r"single-device step .*NameError"):
+        run_detect(fleet.distributed_step(step), *sgd_model())
+
+
 def test_env_variable_turns_it_on(make_world, capsys, monkeypatch):
     monkeypatch.setenv(_verify.ENV, "2")
     make_world(4)
