@@ -58,12 +58,11 @@ process raises at the same call. Process 0 prints the lines.
 ``strategy.sync_batch_norm=False``: the reference is the documented one, each
 replica's rows normalised apart: the clone's ``nnx.BatchNorm`` layers split the
 batch into the replicas' rows, normalise each with its own statistics and
-average the running ones (``fleet._verify_sections.per_replica_batch_norm``).
-Not covered yet (a call of such a plan prints that it is skipped, once): that
-mode with a pytree argument (a Linen ``TrainState``: its ``nn.BatchNorm`` has no
-per-replica reference). fleet's own bookkeeping (float16 amp's loss scale,
-gradient merge's count, ``no_sync`` accumulators) is not compared: the
-single-device step has none.
+average the running ones (``fleet._verify_sections.per_replica_batch_norm``); a
+wrapped Linen module's ``nn.BatchNorm`` layers do the same while the reference
+runs (``fleet.strategy._batch_norm.per_replica_reference``). fleet's own
+bookkeeping (float16 amp's loss scale, gradient merge's count, ``no_sync``
+accumulators) is not compared: the single-device step has none.
 
 Cost: two single-device runs (compiled once per plan) and the copies, for k
 calls per plan; with verify off, a call reads one attribute (``active``).
@@ -75,6 +74,7 @@ compiling the reference), 50 MiB copied to one device; the CIFAR CNN 149 ms,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -159,13 +159,8 @@ class Verify:
             return None
         values = list(args) + [kwargs[k] for k in plan.kw_names]
         objs = tuple(v for v, k in zip(values, kinds) if k == _roles.NNX)
-        skip = _unsupported(plan, w.strategy) if n < self.k else ""
-        mode = self._sums.mode(plan, objs, verified=n < self.k and not skip)
+        mode = self._sums.mode(plan, objs, verified=n < self.k)
         if n >= self.k:
-            return None
-        if skip:
-            self._calls[plan] = self.k
-            _say(f"fleet verify: skipped for this step's calls {skip} (not covered yet)")
             return None
         if mode is None:
             _say("fleet verify: skipped this call: it adds to or applies gradients "
@@ -250,13 +245,6 @@ class Verify:
         return worst
 
 
-def _unsupported(plan: Any, strategy: Any) -> str:
-    if strategy.sync_batch_norm is False and _roles.TREE in plan.kinds:
-        # (the per-replica reference is built for nnx.BatchNorm layers only)
-        return "with strategy.sync_batch_norm=False and a pytree (Linen) argument"
-    return ""
-
-
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -339,8 +327,9 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode:
             obj.tx = obj.tx.inner
     if mode[0] or mode[1]:
         sections.mark(clone)
+    batch_norm = contextlib.nullcontext()
     if world().strategy.sync_batch_norm is False:  # its documented reference
-        sections.per_replica_batch_norm(clone, world().mesh.devices.size)
+        batch_norm = sections.per_replica_batch_norm(clone, world().mesh.devices.size)
     statics, dynamic = [], []
     for i, (v, k) in enumerate(zip(values, kinds)):
         if k == _roles.STATIC:
@@ -350,7 +339,8 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode:
         else:
             dynamic.append(_plain_tx(sections.logical_tree(
                 jax.tree.map(lambda x: _copy(x, device, delta), v))))
-    out, sums = jitted(tuple(statics), dynamic, sums, mode)
+    with batch_norm:
+        out, sums = jitted(tuple(statics), dynamic, sums, mode)
     with_path = jax.tree_util.tree_flatten_with_path(
         nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     leaves = [plain(v.get_raw_value()) for _, v in with_path]

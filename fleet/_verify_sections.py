@@ -35,7 +35,7 @@ from fleet import _compat, _sync
 from fleet._optimizer import DistributedOptimizer
 from fleet._tree import module_variables
 from fleet._verify_compare import whole
-from fleet.strategy import _sharding
+from fleet.strategy import _batch_norm, _sharding
 
 # -- strategy.sharding --------------------------------------------------------------------
 
@@ -204,10 +204,12 @@ def _per_replica_call(self: Any, x: Any, use_running_average: bool | None = None
 _PER_REPLICA: dict = {}  # (class, replicas) -> its per-replica subclass
 
 
-def per_replica_batch_norm(clone: Any, replicas: int) -> None:
-    """The reference's ``nnx.BatchNorm`` layers normalise each replica's rows apart
+def per_replica_batch_norm(clone: Any, replicas: int) -> Any:
+    """The reference's BatchNorm layers normalise each replica's rows apart
     (``strategy.sync_batch_norm = False``, fleet's one documented difference from
-    one device): :func:`_per_replica_call`."""
+    one device): the clone's ``nnx.BatchNorm`` layers by :func:`_per_replica_call`;
+    a wrapped Linen module's ``nn.BatchNorm`` layers while the returned context is
+    open (:func:`fleet.strategy._batch_norm.per_replica_reference`)."""
     for _, node in nnx.iter_graph(clone):
         cls = type(node)
         if isinstance(node, nnx.BatchNorm) and "__fleet_groups__" not in vars(cls):
@@ -217,3 +219,4 @@ def per_replica_batch_norm(clone: Any, replicas: int) -> None:
                     "__call__": _per_replica_call, "__fleet_base__": cls,
                     "__fleet_groups__": replicas})
             _compat.set_class(node, _PER_REPLICA[key])
+    return _batch_norm.per_replica_reference(replicas)

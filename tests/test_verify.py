@@ -11,6 +11,7 @@ perturbation floor is at least the split-sum one.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from flax.training.train_state import TrainState
 
 import fleet
 from fleet import _body, _metrics, _outputs, _random, _verify, _verify_sections
-from tests import models, tiers
+from tests import models, test_batch_norm_linen, tiers
 from tests.test_contract import split_mean_grad
 
 CALLS, BATCH = 3, 16
@@ -138,41 +139,57 @@ def test_no_false_alarm_linen_train_state(make_world, capsys):
     assert err.count("matches one device") == CALLS and "verify is now off" in err
 
 
+def nnx_batch_norm_run(n: int) -> None:
+    step, objs, kind = nnx_case(BNNet, optax.adam(models.LR))
+    for x, y in models.batches(kind, CALLS + 1, BATCH):
+        step(*objs, x, y)
+
+
+def linen_batch_norm_run(n: int, axis_name: str | None = None) -> None:
+    """A Linen TrainState whose nn.BatchNorm keeps batch_stats (the step returns them)."""
+    module = fleet.distributed_model(test_batch_norm_linen.LinenNet(axis_name=axis_name))
+    state = test_batch_norm_linen.start(module)
+    step = fleet.distributed_step(test_batch_norm_linen.train_step)
+    for x, y in test_batch_norm_linen.data()[:CALLS + 1]:
+        state, _ = step(state, x, y)
+
+
 @pytest.mark.parametrize("n", tiers.replicas(2, 4))
+@pytest.mark.parametrize("run", [nnx_batch_norm_run, linen_batch_norm_run],
+                         ids=["nnx", "linen"])
 def test_per_replica_batch_norm_is_checked_against_its_documented_reference(
-        make_world, capsys, monkeypatch, n):
+        make_world, capsys, monkeypatch, n, run):
     """strategy.sync_batch_norm=False: each replica normalises its own rows, the one
     documented difference from one device. verify's reference is that: the
-    single-device step whose BatchNorm normalises each replica's rows apart and
-    averages the running statistics. No false alarm over 3 calls; against the
-    global-batch reference (the per-replica one switched off) the BatchNorm's
-    statistics differ, and verify names them."""
-    def run():
-        make_world(n, strategy(sync_batch_norm=False))
-        step, objs, kind = nnx_case(BNNet, optax.adam(models.LR))
-        for x, y in models.batches(kind, CALLS + 1, BATCH):
-            step(*objs, x, y)
-
-    run()
+    single-device step whose BatchNorm (nnx.BatchNorm, or a wrapped Linen
+    module's nn.BatchNorm) normalises each replica's rows apart and averages the
+    running statistics. No false alarm over 3 calls; against the global-batch
+    reference (the per-replica one switched off) the BatchNorm's statistics
+    differ, and verify names them."""
+    make_world(n, strategy(sync_batch_norm=False))
+    run(n)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fleet verify")]
     print("\n".join(lines))
     assert sum("matches one device" in ln for ln in lines) == CALLS, lines
-    monkeypatch.setattr(_verify_sections, "per_replica_batch_norm", lambda *args: None)
-    with pytest.raises(fleet.FleetError, match=r"verify, call 1: .*differs from the single"):
-        run()
+    monkeypatch.setattr(_verify_sections, "per_replica_batch_norm",
+                        lambda *args: contextlib.nullcontext())
+    make_world(n, strategy(sync_batch_norm=False))
+    with pytest.raises(fleet.FleetError, match=r"verify, call 1: .*differs from the single") as e:
+        run(n)
+    print(str(e.value).splitlines()[0])
+    assert re.search(r"(bn|BatchNorm_0)\.(mean|var|bias|scale)|output", str(e.value)), e.value
 
 
-@tiers.slow
-def test_per_replica_batch_norm_with_a_linen_train_state_is_skipped_and_said(make_world,
-                                                                             capsys):
-    """Not covered yet: a Linen nn.BatchNorm has no per-replica reference; said once,
-    the step runs as without verify."""
-    make_world(4, strategy(sync_batch_norm=False))
-    step, state = linen_case()
-    for x, y in models.batches("cnn", CALLS, BATCH):
-        state, _ = step(state, x, y)
-    err = capsys.readouterr().err
-    assert "fleet verify: skipped for this step's calls" in err and "matches" not in err
+@pytest.mark.parametrize("case", ["axis_name=fleet.DATA_AXIS", "sync_batch_norm=True"])
+def test_no_false_alarm_linen_global_batch_norm(make_world, capsys, case):
+    """A Linen nn.BatchNorm over the global batch (either way of asking for it)
+    against the plain single-device step."""
+    axis_name, choice, _ = test_batch_norm_linen.CASES[case]
+    make_world(4, strategy(sync_batch_norm=choice))
+    linen_batch_norm_run(4, axis_name)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fleet verify")]
+    print("\n".join(lines))
+    assert sum("matches one device" in ln for ln in lines) == CALLS, lines
 
 
 # -- the sections whose state has no plain counterpart: sharding, accumulated gradients --

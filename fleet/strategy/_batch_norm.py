@@ -35,14 +35,22 @@ all, raises with what to write. The layers change class at wrapping (``Sync<cls>
 :func:`fleet._compat.set_class`, the one documented point where fleet changes
 the class of an object it did not create; the class carries the layer's path,
 for the message.
+
+verify's reference (``fleet._verify``) runs the user's step on one device. Under
+:func:`per_replica_reference` a Linen layer that would run with per-replica
+statistics in the step (``sync_batch_norm = False``, no ``axis_name``) runs there
+as the documented reference: the batch split into the replicas' rows, each
+normalised apart from the same running statistics, the new ones averaged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import linen, nnx
 
 from fleet import _compat, _sync
@@ -52,6 +60,7 @@ from fleet._world import DATA_AXIS
 
 _TYPES: dict[tuple[type, str, bool | None], type] = {}
 _IN_CLONE = contextvars.ContextVar("fleet_linen_batch_norm_clone", default=False)
+_GROUPS = contextvars.ContextVar("fleet_linen_batch_norm_groups", default=1)
 
 
 def _training(layer: nnx.BatchNorm, kwargs: dict) -> bool:
@@ -131,6 +140,9 @@ def linen_interceptor(choice: bool | None) -> Any:
         if _sync.current() is None:  # one device (init, a reference): the global batch
             if module.axis_name == DATA_AXIS:
                 return _run_linen(module, args[0], kwargs, axis_name=None, average=False)
+            if choice is False and module.axis_name is None and _GROUPS.get() > 1:
+                return _run_linen(module, args[0], kwargs, axis_name=None, average=True,
+                                  groups=_GROUPS.get())
             return next_fun(*args, **kwargs)
         path = "/".join(module.scope.path) if module.scope is not None else module.name
         if module.axis_name not in (None, DATA_AXIS):
@@ -157,22 +169,44 @@ def linen_interceptor(choice: bool | None) -> Any:
     return intercept
 
 
+@contextlib.contextmanager
+def per_replica_reference(replicas: int):
+    """While open, a Linen layer with per-replica statistics in a step runs, outside
+    any step, as ``replicas`` groups of rows (verify's single-device reference)."""
+    token = _GROUPS.set(replicas)
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
 def _run_linen(module: linen.BatchNorm, x: Any, kwargs: dict, *, axis_name: str | None,
-               average: bool) -> Any:
+               average: bool, groups: int = 1) -> Any:
     """``module`` in training mode as a pure ``apply`` of a clone with ``axis_name``,
     in the ``fleet_batch_norm`` ``jit``; its new running statistics (averaged over
-    the replicas when ``average``) written back into ``module``'s scope."""
+    the replicas when ``average``) written back into ``module``'s scope. With
+    ``groups`` > 1 (one device), the rows split in that many equal groups, each
+    normalised apart, the running statistics averaged over the groups."""
     clone = module.clone(parent=None, axis_name=axis_name, use_running_average=None)
     variables = module.variables
     mask = kwargs.get("mask")
 
-    def fleet_batch_norm(variables, x, mask):
+    def normalise(variables, x, mask):
         token = _IN_CLONE.set(True)  # the clone runs as Flax's
         try:
-            y, updates = clone.apply(variables, x, use_running_average=False, mask=mask,
-                                     mutable=["batch_stats"])
+            return clone.apply(variables, x, use_running_average=False, mask=mask,
+                               mutable=["batch_stats"])
         finally:
             _IN_CLONE.reset(token)
+
+    def fleet_batch_norm(variables, x, mask):
+        if groups > 1:
+            masks = [None] * groups if mask is None else jnp.split(mask, groups)
+            parts = [normalise(variables, rows, m)
+                     for rows, m in zip(jnp.split(x, groups), masks)]
+            y = jnp.concatenate([y for y, _ in parts])
+            return y, jax.tree.map(lambda *v: sum(v) / groups, *[u for _, u in parts])
+        y, updates = normalise(variables, x, mask)
         if average:
             updates = jax.tree.map(lambda v: jax.lax.pmean(v, DATA_AXIS), updates)
         return y, updates
