@@ -19,7 +19,7 @@ elsewhere). Baselines, written as a JAX user would:
 
 fleet: ``fleet.distributed_step`` with the model and optimizer objects and the
 same batch (sharded, or numpy), each variant with a step of its own, as a
-training loop passes one kind of batch (a step's fast path, ``fleet._recall``,
+training loop passes one kind of batch (a step's fast path, ``fleet.step._recall``,
 recalls the kind of its last call: a switch from numpy rows to a placed batch
 takes one full call).
 

@@ -104,9 +104,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # fleet, imported before the first computation, sizes XLA:CPU's thread pool
-# (PJRT_NPROC, fleet/_xla_flags.py) so that collectives over the fake devices cannot deadlock.
+# (PJRT_NPROC, fleet/runtime/_xla_flags.py) so that collectives over the fake devices cannot deadlock.
 import fleet  # noqa: E402
-from fleet import _world  # noqa: E402
+from fleet.runtime import _world  # noqa: E402
 
 WIDTH = 512 if args.quick else 4096
 DEPTH = 3

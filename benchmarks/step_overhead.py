@@ -11,7 +11,7 @@ Adam, on 4 CPU devices (or the local GPUs with ``--platform gpu``). Baselines:
 
 fleet runs with its defaults, 1 MB buckets, fusion off, and ``check_nan_inf``
 (which selects the state on the device and reads its chain back without
-waiting, fleet/_finite.py); each variant's strategy is made the world's again
+waiting, fleet/sections/_finite.py); each variant's strategy is made the world's again
 before its rounds (a step reads the world's strategy). Every variant donates
 its parameters and optimizer state (fleet by default). Variants run
 interleaved, round after round, each timing ``--steps`` steps; the table shows

@@ -98,9 +98,9 @@ from train import MyNet as CifarCNN  # noqa: E402  (the seed's CNN, examples/cif
 from train import ResNet as CifarResNet  # noqa: E402
 
 # fleet, imported before the first computation, sizes XLA:CPU's thread pool
-# (PJRT_NPROC, fleet/_xla_flags.py) so that collectives over the fake devices cannot deadlock.
+# (PJRT_NPROC, fleet/runtime/_xla_flags.py) so that collectives over the fake devices cannot deadlock.
 import fleet  # noqa: E402
-from fleet import _world  # noqa: E402
+from fleet.runtime import _world  # noqa: E402
 
 WIDTH = 512 if args.quick else 2048
 DEPTH = 6

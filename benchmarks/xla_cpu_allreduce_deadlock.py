@@ -14,7 +14,7 @@ stops (0% CPU) once the loop is about 32 steps ahead of the devices, then aborts
     ensure a consistent program state. Expected 4 threads to join the rendezvous,
     but only 3 of them arrived on time.
 
-Cause (see fleet/_xla_flags.py): the PjRt CPU client's one thread pool has
+Cause (see fleet/runtime/_xla_flags.py): the PjRt CPU client's one thread pool has
 max(cores, devices) threads. N-1 threads wait in the all-reduce for the Nth
 device's share, while the other pool threads run the next step's per-device
 launch, which blocks on the device's limit of 32 in-flight computations. The

@@ -16,10 +16,10 @@ things are" names each file; ``tests/test_layers.py`` keeps the layers.
 """
 
 # First, before anything starts JAX's CPU client: a thread pool large enough that
-# XLA:CPU's collectives on several CPU devices cannot deadlock (fleet/_xla_flags.py).
+# XLA:CPU's collectives on several CPU devices cannot deadlock (fleet/runtime/_xla_flags.py).
 import sys as _sys
 
-from fleet._xla_flags import apply_cpu_collective_environ as _apply_cpu_collective_environ
+from fleet.runtime._xla_flags import apply_cpu_collective_environ as _apply_cpu_collective_environ
 
 if "jax" in _sys.modules:  # imported before fleet: it may have started its backends
     from fleet._compat import backends_are_initialized as _started
@@ -28,9 +28,7 @@ if "jax" in _sys.modules:  # imported before fleet: it may have started its back
 else:
     _apply_cpu_collective_environ()
 
-from fleet import _world, io, optimizer, static
-from fleet._agree import FleetTimeoutError
-from fleet._collective import all_gather, all_reduce, barrier, broadcast
+from fleet import io, optimizer, static
 from fleet._errors import (
     FleetAttributeError,
     FleetConfigError,
@@ -40,12 +38,15 @@ from fleet._errors import (
     FleetUnsupportedError,
     FleetWarning,
 )
-from fleet._model import DataParallel, LinenDataParallel, distributed_model
-from fleet._optimizer import DistributedOptimizer, distributed_optimizer
-from fleet._reduce import fused_allreduce_gradients
-from fleet._replicas import check_replicas
-from fleet._step import DistributedStep, distributed_step
-from fleet._world import (
+from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
+from fleet.comm._collective import all_gather, all_reduce, barrier, broadcast
+from fleet.comm._reduce import fused_allreduce_gradients
+from fleet.comm._replicas import check_replicas
+from fleet.hapi import Model, callbacks, load_inference, metric
+from fleet.launch import spawn
+from fleet.runtime import _world
+from fleet.runtime._agree import FleetTimeoutError
+from fleet.runtime._world import (
     DATA_AXIS,
     barrier_worker,
     init,
@@ -57,10 +58,10 @@ from fleet._world import (
     worker_num,
     world,
 )
-from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
-from fleet.hapi import Model, callbacks, load_inference, metric
-from fleet.launch import spawn
+from fleet.step._decorator import DistributedStep, distributed_step
 from fleet.strategy import DistributedStrategy
+from fleet.wrappers._data_parallel import DataParallel, LinenDataParallel, distributed_model
+from fleet.wrappers._distributed_optimizer import DistributedOptimizer, distributed_optimizer
 
 __all__ = [
     # the job: joining it, and where this process sits in it
@@ -116,5 +117,5 @@ __all__ = [
 ]
 
 # A process the launcher started joins the job now, before the script computes
-# (fleet._worker.join_launched_job: only that very process, never its children).
+# (fleet.runtime._worker.join_launched_job: only that very process, never its children).
 _world.join_launched_job()

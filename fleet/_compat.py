@@ -121,7 +121,7 @@ def is_differentiated(x: Any) -> bool:
 
 def bind_equation(eqn: Any, invals: Sequence) -> Any:
     """One equation of a jaxpr evaluated on ``invals`` as JAX's own ``eval_jaxpr``
-    does (``check_nan_inf``'s replay, ``fleet._finite``): its primitive bound with
+    does (``check_nan_inf``'s replay, ``fleet.sections._finite``): its primitive bound with
     its bind parameters (a call's inner jaxpr as a callable), in the equation's
     context (source, compute type). Undocumented members of the public
     ``jax.extend.core.JaxprEqn`` and ``Primitive``: ``ctx.manager``,
@@ -134,7 +134,7 @@ def threefry() -> Any:
     """JAX's threefry PRNG implementation (``jax.extend.random.threefry_prng_impl``)
     with its parts as attributes: ``key_shape``, ``seed``, ``split``, ``fold_in``,
     ``random_bits`` (undocumented fields of the public object), which
-    ``fleet._random`` reuses for its row-offset implementation."""
+    ``fleet.semantics._random`` reuses for its row-offset implementation."""
     return jax.extend.random.threefry_prng_impl
 
 
@@ -266,9 +266,9 @@ def set_class(obj: Any, cls: type) -> None:
       ``DataParallel`` view and any optimizer built on it share, so their type
       changes where they are;
     * a sharded optimizer's state variables become ``Sharded…`` (:func:`add_mixin`);
-    * a metric inside a step's trace becomes ``Global…`` (``fleet/_metrics.py``), and
+    * a metric inside a step's trace becomes ``Global…`` (``fleet/semantics/_metrics.py``), and
       its class is put back (a base class of its own) before the graph is split;
-    * a recomputed sub-module becomes ``Recompute…`` (``fleet/strategy/_recompute.py``):
+    * a recomputed sub-module becomes ``Recompute…`` (``fleet/sections/_recompute.py``):
       Python calls a module through its type, and a wrapper module would change
       the state's paths.
     """

@@ -7,11 +7,11 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    # strategy.recompute's barriers survive XLA:CPU (fleet/_xla_flags.py)
+    # strategy.recompute's barriers survive XLA:CPU (fleet/runtime/_xla_flags.py)
     + " --xla_disable_hlo_passes=cse_barrier_expander"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["PJRT_NPROC"] = str(max(16, os.cpu_count() or 1))  # 2 x 8 devices: fleet/_xla_flags.py
+os.environ["PJRT_NPROC"] = str(max(16, os.cpu_count() or 1))  # 2 x 8 devices: fleet/runtime/_xla_flags.py
 
 # The same programs compile in many tests and in every launched worker: JAX keeps
 # them in one directory of the checkout (ignored by git), so a worker loads what
@@ -53,7 +53,7 @@ def sigint_default():
 def world():
     """A fresh fleet world over all 8 devices (strategy defaults)."""
     import fleet
-    from fleet import _world
+    from fleet.runtime import _world
 
     _world._WORLD = None
     yield fleet.init(is_collective=True)
@@ -64,7 +64,7 @@ def world():
 def make_world():
     """``make_world(n, strategy=None)``: a fresh fleet world over the first n devices."""
     import fleet
-    from fleet import _world
+    from fleet.runtime import _world
 
     def make(n: int, strategy=None):
         _world._WORLD = None

@@ -105,7 +105,7 @@ def test_nan_in_the_batch_is_named_with_check_nan_inf(make_world):
     with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
                                                r"holds NaN or infinity after call 2"):
         step(model, optimizer, bad, Y8)
-        step.wait()  # the flags are read once back (fleet._finite)
+        step.wait()  # the flags are read once back (fleet.sections._finite)
     assert models.max_diff(models.flat_params(model), before) == 0
 
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from fleet._buckets import MB, BucketConfig, plan_buckets
+from fleet.comm._buckets import MB, BucketConfig, plan_buckets
 from tests import models
 from tests.jaxpr_utils import count_buckets, count_primitives
 

@@ -210,7 +210,7 @@ def _body_jaxpr(f, in_specs, *args):
 
 
 def test_foreign_psums_sees_a_hand_written_psum():
-    from fleet import _guards
+    from fleet.step import _guards
 
     def bad(x):  # a psum of the user's own: sums instead of averaging
         return jax.lax.psum(x.sum(), "data")
@@ -224,7 +224,7 @@ def test_foreign_psums_sees_a_hand_written_psum():
 
 
 def test_summed_state_sees_a_replicated_input_cast_to_varying():
-    from fleet import _guards
+    from fleet.step import _guards
 
     def bad(w, x):  # w is replicated, x varies: JAX casts w (pvary / pcast)
         return jax.lax.psum((x @ w).sum(), "data")
@@ -234,8 +234,8 @@ def test_summed_state_sees_a_replicated_input_cast_to_varying():
 
 
 def test_placeholder_uses_sees_a_read_of_the_gradient_placeholder():
-    from fleet import _guards
-    from fleet.strategy import _shard_comm
+    from fleet.comm import _shard_comm
+    from fleet.step import _guards
 
     def bad(g):  # reads the placeholder fleet hands to jax.grad under sharding
         (placeholder,) = _shard_comm.fleet_shard_grad(((g.shape, "float32"),))

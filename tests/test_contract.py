@@ -277,7 +277,7 @@ def test_outputs(make_world, n):
 
 def test_float_sum_without_a_declaration_is_the_sum(make_world):
     """A float count needs no declaration: fleet reads from the traced step that it
-    is a sum over the batch rows (fleet._outputs; it was the mean of the replicas'
+    is a sum over the batch rows (fleet.semantics._outputs; it was the mean of the replicas'
     counts, 2.0, before issue 33)."""
     make_world(4)
     x = np.ones((8, 10), np.float32)

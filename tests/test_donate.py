@@ -1,6 +1,6 @@
 """Issue 24, items 1 and 3: a step donates the NNX state it writes back
-(fleet/_donate.py), and ``check_nan_inf`` keeps the old state with a select on
-the device and raises without waiting for it (fleet/_finite.py).
+(fleet/step/_donate.py), and ``check_nan_inf`` keeps the old state with a select on
+the device and raises without waiting for it (fleet/sections/_finite.py).
 
 On CPU devices ``np.asarray`` of a ``jax.Array`` is a view of its buffer, which
 XLA then refuses to donate (it copies instead): these tests copy state on the
@@ -20,7 +20,7 @@ from flax import nnx
 from flax.training import train_state
 
 import fleet
-from fleet import _finite
+from fleet.sections import _finite
 from tests import models
 from tests.tiers import slow
 
@@ -254,7 +254,7 @@ def test_check_nan_inf_does_not_look_early_with_several_processes(monkeypatch):
 
 
 class CountingNumpy:
-    """numpy for fleet._finite, counting its reads of device values (asarray)."""
+    """numpy for fleet.sections._finite, counting its reads of device values (asarray)."""
 
     def __init__(self):
         self.reads = 0
@@ -321,7 +321,7 @@ def all_reduced(step, *args) -> tuple[int, int]:
 
 def test_check_nan_inf_adds_no_all_reduce_to_a_train_step(make_world):
     """The reduced gradients' flags need no agreement, and the loss's flag is taken
-    on its sum over the replicas, which the body makes itself (fleet._body.
+    on its sum over the replicas, which the body makes itself (fleet.step._program.
     summed_inside) instead of XLA outside it: the compiled train step reduces as
     many arrays, in as many all-reduces, as without the check."""
     (x, y), = models.batches("linear", 1, 8)

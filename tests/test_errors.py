@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import fleet
-from fleet import _world
-from fleet._env import WorkerEnv
+from fleet.runtime import _world
+from fleet.runtime._env import WorkerEnv
 from tests import models
 
 

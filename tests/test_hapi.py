@@ -14,9 +14,9 @@ import pytest
 from flax import linen, nnx
 
 import fleet
-from fleet import _world
 from fleet.hapi import Model, callbacks, metric
 from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
+from fleet.runtime import _world
 
 TOL = 1e-5
 N_TRAIN, N_EVAL, FEATURES, CLASSES = 100, 37, 12, 4

@@ -13,7 +13,6 @@ import psutil
 import pytest
 
 import fleet
-from fleet import _world
 from fleet.io import (
     BatchSampler,
     DataLoader,
@@ -24,6 +23,7 @@ from fleet.io import (
     TensorDataset,
     get_worker_info,
 )
+from fleet.runtime import _world
 
 # ----------------------------------------------------------------------------- datasets
 # Module level, so spawned workers can unpickle them.

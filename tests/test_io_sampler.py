@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import fleet
-from fleet import _world
 from fleet.io import BatchSampler, DistributedBatchSampler
+from fleet.runtime import _world
 
 # ----------------------------------------------------------------------------- reference
 # A line-by-line re-implementation of paddle.io.DistributedBatchSampler.__iter__ on

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleet import FleetConfigError
-from fleet._env import WorkerEnv
+from fleet.runtime._env import WorkerEnv
 from tests import jobs
 from tests.tiers import slow
 

@@ -12,13 +12,13 @@ import time
 import pytest
 
 from fleet import FleetConfigError
-from fleet._env import WorkerEnv
 from fleet.launch import LaunchConfig, main, parse_args, plan_workers, resolve
 from fleet.launch._args import OPTIONS, env_name
 from fleet.launch._config import worker_base_environ
 from fleet.launch._failure import Failure
 from fleet.launch._tables import config_table, env_table
 from fleet.launch._watchdog import Watchdog, Watched, process_state
+from fleet.runtime._env import WorkerEnv
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -257,7 +257,7 @@ def test_single_node_environment(tmp_path, script):
     first = specs[0].environ
     assert first["JAX_COORDINATOR_BIND_ADDRESS"] == coordinator  # loopback only
     assert "JAX_COORDINATOR_BIND_ADDRESS" not in specs[1].environ
-    # (issue 12: workers on CPU also keep jax.checkpoint's barriers, fleet/_xla_flags.py)
+    # (issue 12: workers on CPU also keep jax.checkpoint's barriers, fleet/runtime/_xla_flags.py)
     assert first["XLA_FLAGS"] == ("--xla_foo=1 --xla_force_host_platform_device_count=3 "
                                   "--xla_disable_hlo_passes=cse_barrier_expander")
     assert first["JAX_PLATFORMS"] == "cpu"
@@ -507,7 +507,7 @@ def test_watchdog_waits_are_settings(tmp_path):
 # -- layering: the core never imports the launcher ------------------------------------------
 
 def test_the_core_does_not_import_the_launcher():
-    """Issue 9's rule: the worker's side of the contract lives in fleet/_worker.py; only
+    """Issue 9's rule: the worker's side of the contract lives in fleet/runtime/_worker.py; only
     the package's public face (fleet/__init__.py: fleet.spawn) names fleet.launch."""
     import ast
     from pathlib import Path
@@ -571,10 +571,10 @@ def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
 def test_the_worker_whose_script_failed_first_is_named(tmp_path):
     """Rank 1's sys.exit(3) makes rank 0 fail in its collective (exit 1), and the
     launcher may hear of rank 0 first. Each failing script marks the time it
-    failed in its heartbeat file (fleet._worker.mark_failed): the earliest is named."""
-    from fleet import _worker
+    failed in its heartbeat file (fleet.runtime._worker.mark_failed): the earliest is named."""
     from fleet.launch import _supervisor
     from fleet.launch._config import WorkerSpec
+    from fleet.runtime import _worker
 
     def failed(rank, returncode, at):
         path = tmp_path / f"beat{rank}"

@@ -2,10 +2,10 @@
 memory, and change no result.
 
 * ``check_nan_inf`` selects the state where the optimizer makes it (the update
-  replayed under the chain, fleet/_finite.py): the compiled step holds no copy
+  replayed under the chain, fleet/sections/_finite.py): the compiled step holds no copy
   of the optimizer state, and a finite call leaves the same bits as without the
   check;
-* ZeRO (fleet/strategy/_sharding.py) gathers the new parameters, not the updates
+* ZeRO (fleet/sections/_sharding.py) gathers the new parameters, not the updates
   added to the full parameters afterwards, and gathers a bucket as a list, not
   one concatenated buffer: stage 2 holds no more than a hand-written sharded
   step, and the new parameters are the old ones plus the whole updates, bitwise.

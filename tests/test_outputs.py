@@ -1,7 +1,7 @@
 """Scalar outputs combine by the reduction that made them (issue 33, "Outputs").
 
 Each undeclared scalar a step returns that differs across replicas is read from
-the traced step (fleet._outputs): a mean, a sum, a max or a min over the batch
+the traced step (fleet.semantics._outputs): a mean, a sum, a max or a min over the batch
 rows comes back as on one device; a standard deviation or a ratio is refused,
 and so is a loss summed over the batch (its gradients would be N times smaller),
 returned or only differentiated.

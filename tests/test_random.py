@@ -23,7 +23,7 @@ from flax import linen, nnx
 from flax.training import train_state
 
 import fleet
-from fleet import _random
+from fleet.semantics import _random
 from tests import tiers
 
 DEVICES = tiers.replicas(1, 2, 4, 8)

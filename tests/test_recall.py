@@ -1,4 +1,4 @@
-"""A repeated call's fast path (``fleet._recall``, issue 24): a call with the same
+"""A repeated call's fast path (``fleet.step._recall``, issue 24): a call with the same
 objects skips deciding again, and every change between two calls that the full
 path would see is still seen: each test changes something between calls and
 compares with the single-device step (``nnx.jit``) given the same changes."""
@@ -12,7 +12,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet import _step
+from fleet.step import _decorator
 from tests import models
 
 
@@ -59,8 +59,8 @@ def run_both(make_world, changes, step_fn=sgd_step, steps=None):
 
 def count_decisions(monkeypatch) -> list:
     decided = []
-    original = _step.DistributedStep._decide
-    monkeypatch.setattr(_step.DistributedStep, "_decide",
+    original = _decorator.DistributedStep._decide
+    monkeypatch.setattr(_decorator.DistributedStep, "_decide",
                         lambda self, *a: decided.append(1) or original(self, *a))
     return decided
 
@@ -162,7 +162,7 @@ def test_a_batch_of_another_size_stays_on_the_fast_path(make_world, monkeypatch)
     recalled and equals the single-device step; the first 4-row batch is checked
     and placed (``global_batch``), and the fast path compares the next ones with it
     (they pass as they are)."""
-    from fleet import _recall
+    from fleet.step import _recall
 
     decided, placed, place = count_decisions(monkeypatch), [], _recall.global_batch
     monkeypatch.setattr(_recall, "global_batch", lambda *a: placed.append(1) or place(*a))

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from fleet import _replicas
+from fleet.comm import _replicas
 from tests import models
 
 

@@ -1,4 +1,4 @@
-"""The same-rows rule (``fleet._rows``), in one process: which batches every
+"""The same-rows rule (``fleet.step._rows``), in one process: which batches every
 process may pass identically, and which are refused. The job itself (two real
 processes that pass the whole batch and catch the error) is ``same_rows`` in
 ``tests/test_two_processes.py``; the slow tier adds a script that does not
@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from fleet import FleetError, _rows
+from fleet import FleetError
+from fleet.step import _rows
 from tests import jobs
 from tests.tiers import slow
 

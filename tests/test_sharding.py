@@ -17,7 +17,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet.strategy import _shard_probe, _sharding
+from fleet.sections import _shard_probe, _sharding
 from tests import models, tiers
 
 STEPS = 30
@@ -451,7 +451,7 @@ def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
     with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
                                                r"holds NaN or infinity after call 2"):
         step(model, opt, bad, data[1][1])
-        step.wait()  # the flags are read once back (fleet._finite)
+        step.wait()  # the flags are read once back (fleet.sections._finite)
     assert models.max_diff(models.flat_params(model), before) == 0
     assert models.max_diff(logical_opt_state(opt), state) == 0
 

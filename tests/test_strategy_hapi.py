@@ -25,8 +25,8 @@ import pytest
 from flax import nnx
 
 import fleet
-from fleet import _world
 from fleet.io import TensorDataset
+from fleet.runtime import _world
 from tests import models
 from tests.test_example_mnist import FASHION, require_fashion_mnist
 from tests.test_strategy import FP16, paddle_scale_rules

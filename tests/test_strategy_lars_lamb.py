@@ -25,7 +25,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet.strategy._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
+from fleet.sections._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
 from tests import models
 from tests.tiers import slow
 

@@ -741,7 +741,7 @@ def test_cookbook_lbfgs_with_an_all_reduced_value_fn(make_world, n, monkeypatch)
 def test_the_gradient_of_an_all_reduced_loss(make_world, n, op):
     """Found by the L-BFGS script: the gradient through fleet.all_reduce was 1/N of
     the global computation's (0.25 on 4, silently). fleet.all_reduce now has the
-    global computation's backward pass (fleet/_collective.py). The global value of
+    global computation's backward pass (fleet/comm/_collective.py). The global value of
     'avg' is the single-device loss; of 'sum', n times it (n replicas' means)."""
     def grads_of(model, x, y):
         return nnx.grad(lambda m: fleet.all_reduce(loss_fn(m, x, y), op))(model)

@@ -1,4 +1,4 @@
-"""``strategy.verify_steps`` / ``FLEET_VERIFY_STEPS`` (issue 34, fleet/_verify.py).
+"""``strategy.verify_steps`` / ``FLEET_VERIFY_STEPS`` (issue 34, fleet/step/_verify.py).
 
 No false alarm: with verify_steps=3, three calls of each step the contract
 tests train (NNX CNN + SGD, NNX + Adam, Linen TrainState, global-batch
@@ -22,7 +22,8 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet import _body, _metrics, _outputs, _random, _verify, _verify_sections
+from fleet.semantics import _metrics, _outputs, _random
+from fleet.step import _program, _verify, _verify_sections
 from tests import models, test_batch_norm_linen, tiers
 from tests.test_contract import split_mean_grad
 
@@ -402,7 +403,7 @@ def test_detects_per_replica_randomness(make_world, monkeypatch):
     first rows' mask) verify names the first leaf the mask changes. (A key
     folded with jax.lax.axis_index cannot run on one device: no axis there.)"""
     monkeypatch.setattr(_random.Keys, "enter", lambda self, tree: tree)
-    monkeypatch.setattr(_body, "check_randomness", lambda *args: None)
+    monkeypatch.setattr(_program, "check_randomness", lambda *args: None)
     make_world(4, strategy())
     model = fleet.distributed_model(DropNet(nnx.Rngs(0, dropout=1)))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -418,7 +419,7 @@ def test_detects_metric_counts_with_the_metrics_fix_off(make_world, monkeypatch)
     averaged), verify names the metric's count."""
     monkeypatch.setattr(_metrics, "global_updates", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(_outputs, "check_counted", lambda *args: None)
-    monkeypatch.setattr(_body, "is_buffer", lambda v: jnp.issubdtype(
+    monkeypatch.setattr(_program, "is_buffer", lambda v: jnp.issubdtype(
         jnp.result_type(v.get_raw_value()), jnp.inexact))
 
     def step(model, opt, accuracy, x, y):

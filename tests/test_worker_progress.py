@@ -1,4 +1,4 @@
-"""The worker's step counts in its heartbeat file (``fleet._worker``, issue 24): a
+"""The worker's step counts in its heartbeat file (``fleet.runtime._worker``, issue 24): a
 step call only counts, the file is written at most every ``BEAT_INTERVAL``, and
 the counts a burst of steps left unwritten reach the file within that interval
 (the launcher reads them to tell uneven steps from a deadlock)."""
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from fleet import _worker
 from fleet.launch._watchdog import read_progress
+from fleet.runtime import _worker
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """XLA:CPU collectives on several CPU devices in one process: the thread-pool
 deadlock that aborts with "Termination timeout for `all reduce ...` ... only 3 of
-them arrived", and the environment fleet sets against it (fleet/_xla_flags.py)."""
+them arrived", and the environment fleet sets against it (fleet/runtime/_xla_flags.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fleet import _xla_flags
-from fleet._xla_flags import cpu_collective_environ, cpu_device_count
+from fleet.runtime import _xla_flags
+from fleet.runtime._xla_flags import cpu_collective_environ, cpu_device_count
 
 REPRO = Path(__file__).resolve().parents[1] / "benchmarks" / "xla_cpu_allreduce_deadlock.py"
 

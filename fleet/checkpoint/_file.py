@@ -67,9 +67,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from fleet._tree import dotted
 from fleet.checkpoint import _integrity
 from fleet.checkpoint._errors import FleetCheckpointError
+from fleet.runtime._leaves import dotted
 
 FORMAT = "fleet.save"
 VERSION = 1

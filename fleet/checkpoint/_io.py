@@ -47,9 +47,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from fleet._tree import first_replica
 from fleet.checkpoint import _atomic, _file, _integrity, _settle, _tree
 from fleet.checkpoint._errors import FleetCheckpointError, first_line
+from fleet.runtime._leaves import first_replica
 
 _LEAVES = "arrays, numpy or Python numbers, strings"
 _CHECKSUMS = "fleet_checksums.json"  # (in a directory of the earlier fleet.save)

@@ -36,7 +36,7 @@ one list, :class:`fleet.checkpoint._state.Contents`.
 
 Collective calls (the constructor, ``save`` when it writes, ``restore``,
 ``restore_latest``, ``wait_until_finished``, ``close``) first meet the other
-processes through :func:`fleet._agree.agree`: a process that does not make the
+processes through :func:`fleet.runtime._agree.agree`: a process that does not make the
 call ends them within ``FLEET_AGREE_TIMEOUT`` seconds (60) with an error naming
 the call and the missing ranks, instead of a hang in orbax's barriers.
 """
@@ -53,13 +53,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet import _agree
-from fleet._world import world
 from fleet.checkpoint import _integrity, _meta, _open, _restore
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.checkpoint._pending import PendingSave, async_option
 from fleet.checkpoint._restore import Restored
 from fleet.checkpoint._state import Contents, takes_contents
+from fleet.runtime import _agree
+from fleet.runtime._world import world
 
 
 def _positive(name: str, value: Any) -> int | None:
@@ -87,7 +87,7 @@ class CheckpointManager:
     under ``if fleet.is_first_worker():``). Each of these first meets the other
     processes and waits at most ``FLEET_AGREE_TIMEOUT`` seconds (60): a process
     that does not make the call ends the others with a
-    :class:`fleet._agree.FleetTimeoutError` naming the call and its rank. All
+    :class:`fleet.runtime._agree.FleetTimeoutError` naming the call and its rank. All
     processes must see ``directory``: one machine's disk, or a shared file system.
     A directory has one writer at a time: while this manager is open (until
     :meth:`close`), a manager of another job on ``directory`` is refused.

@@ -19,7 +19,7 @@ The checksums are summed in a background thread (``fleet-checksums``, one, so
 the saves' tables come in the order of the saves) while orbax writes the
 arrays; :class:`MetaHandler` writes the JSON once they are ready, in orbax's
 commit thread, so ``save`` returns at once. With several processes each sums
-the shards it writes and the tables are merged (:func:`fleet._agree.agree`).
+the shards it writes and the tables are merged (:func:`fleet.runtime._agree.agree`).
 
 Reading it (:func:`read`) tells a damaged step (:class:`Damaged`) from a
 directory that is no fleet checkpoint, or one a newer fleet wrote.
@@ -37,10 +37,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet import _agree
-from fleet._world import world
 from fleet.checkpoint import _integrity, _settle, _state
 from fleet.checkpoint._errors import Damaged, FleetCheckpointError, first_line
+from fleet.runtime import _agree
+from fleet.runtime._world import world
 
 NAME = "meta"
 _FILE = "metadata"  # (JsonCheckpointHandler's file name, which restore reads)

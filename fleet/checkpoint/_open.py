@@ -20,7 +20,7 @@ must not be those of a live one). On process 0 of the job it
    from the list, and their partial files are removed (orbax would remove
    them too, but in the background, after the manager is made).
 
-The other processes take process 0's outcome (:func:`fleet._agree.agree`): every
+The other processes take process 0's outcome (:func:`fleet.runtime._agree.agree`): every
 process raises the same error, or warns the same warnings.
 """
 
@@ -33,10 +33,10 @@ import warnings
 
 import jax
 
-from fleet import _agree, _world
 from fleet._errors import FleetWarning
 from fleet.checkpoint import _disk, _lock, _pending
 from fleet.checkpoint._errors import FleetCheckpointError, first_line
+from fleet.runtime import _agree, _world
 
 
 def _create(directory: str) -> None:

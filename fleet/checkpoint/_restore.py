@@ -27,11 +27,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet import _agree
 from fleet._errors import FleetError, FleetWarning
-from fleet._world import world
 from fleet.checkpoint import _integrity, _meta, _settle, _state, _tree
 from fleet.checkpoint._errors import Damaged, FleetCheckpointError, first_line
+from fleet.runtime import _agree
+from fleet.runtime._world import world
 
 
 @dataclasses.dataclass(frozen=True)

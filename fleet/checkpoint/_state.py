@@ -29,10 +29,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fleet._tree import module_variables
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
-from fleet.strategy import _sharding
+from fleet.runtime._leaves import module_variables
+from fleet.sections import _sharding
 
 
 @dataclasses.dataclass

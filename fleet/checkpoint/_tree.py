@@ -20,9 +20,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fleet._tree import dotted as _dotted
-from fleet._tree import first_replica, is_key
-from fleet.strategy._sharding import is_shard
+from fleet.runtime._leaves import dotted as _dotted
+from fleet.runtime._leaves import first_replica, is_key
+from fleet.sections._sharding import is_shard
 
 
 def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
@@ -32,7 +32,7 @@ def key_impls(leaves: dict[str, Any]) -> dict[str, str]:
 
 def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
     """``({dotted path: leaf}, treedef)`` of a pytree; a lone leaf is ``"value"``.
-    Sharded optimizer state (``fleet.strategy._sharding.Shard``) is one leaf, at the path
+    Sharded optimizer state (``fleet.sections._sharding.Shard``) is one leaf, at the path
     the unsharded array has."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_shard)
     leaves = {(_dotted(path) or "value"): leaf for path, leaf in flat}

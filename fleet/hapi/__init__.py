@@ -13,7 +13,7 @@
 The same script runs on one process (every local device) and under
 ``fleetrun --nproc_per_node N`` with no change: ``import fleet`` in a worker
 started by a launcher joins the job's distributed runtime at once (see
-``fleet._world.join_launched_job``).
+``fleet.runtime._world.join_launched_job``).
 
 Files: ``_model.py`` (Model), ``_steps.py`` (the per-replica steps),
 ``_loops.py`` (an epoch's loop), ``_inputs.py`` (datasets, loaders, batches,

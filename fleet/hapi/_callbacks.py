@@ -31,9 +31,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from fleet import _world
 from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.checkpoint import CheckpointManager
+from fleet.runtime import _world
 
 _MODES = ("train", "eval", "predict")
 

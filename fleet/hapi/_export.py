@@ -34,10 +34,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from fleet import _world, checkpoint
+from fleet import checkpoint
 from fleet._errors import FleetConfigError, FleetError
-from fleet._tree import dotted
 from fleet.checkpoint import _atomic
+from fleet.runtime import _world
+from fleet.runtime._leaves import dotted
 from fleet.static import dims
 
 #: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and

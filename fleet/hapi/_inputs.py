@@ -12,9 +12,9 @@ import optax
 from flax import linen, nnx
 
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
-from fleet._optimizer import distributed_optimizer
 from fleet.hapi._metric import Metric
 from fleet.io import DataLoader, DistributedBatchSampler
+from fleet.wrappers._distributed_optimizer import distributed_optimizer
 
 _NEEDS_PREPARE = (
     "call model.prepare(optimizer, loss, metrics) before {what}, e.g. "

@@ -101,7 +101,7 @@ def amp_logs(optimizer: Any) -> dict[str, Any]:
     """float16 amp's ``loss_scaling`` and ``skipped_steps`` (the distributed
     optimizer's state after the step, as device arrays), or ``{}`` when the
     optimizer does not scale the loss. Copies, made on the device: the next
-    step donates the optimizer's own arrays (fleet/_donate.py)."""
+    step donates the optimizer's own arrays (fleet/step/_donate.py)."""
     if getattr(optimizer, "amp_rules", None) is None:
         return {}
     return {name: jnp.copy(getattr(optimizer, name)[...]) for name in AMP_LOGS}

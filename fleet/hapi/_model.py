@@ -23,9 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fleet import _world
 from fleet._errors import FleetWarning
-from fleet._model import DataParallel, distributed_model
 from fleet.hapi import _export, _saving, _steps
 from fleet.hapi._callbacks import Callback
 from fleet.hapi._config import config_callbacks
@@ -43,6 +41,8 @@ from fleet.hapi._loops import public, run_epoch, train_epochs
 from fleet.hapi._metric import Metric
 from fleet.hapi._summary import summary as _summary
 from fleet.io._placement import gather_to_host
+from fleet.runtime import _world
+from fleet.wrappers._data_parallel import DataParallel, distributed_model
 
 
 class Model:

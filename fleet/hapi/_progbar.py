@@ -13,10 +13,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from fleet import _world
 from fleet._errors import FleetConfigError
 from fleet.hapi._callbacks import Callback
 from fleet.hapi._loops import AMP_LOGS
+from fleet.runtime import _world
 
 OPENING = ("The loss value printed in the log is the current step, and the metric is the "
            "average value of previous steps.")  # Paddle's first line of fit

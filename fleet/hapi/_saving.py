@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from fleet import _world, checkpoint
+from fleet import checkpoint
 from fleet._errors import FleetError
-from fleet._tree import load_state_dict, state_dict
+from fleet.runtime import _world
+from fleet.runtime._leaves import state_dict
+from fleet.runtime._replicate import load_state_dict
 
 PARAMS_SUFFIX = ".pdparams"
 OPT_SUFFIX = ".pdopt"

@@ -8,7 +8,7 @@ scalar loss over the replicas, and gathers the per-example arrays (metric rows,
 per-example losses, predictions) in global batch order.
 
 Dropout: each replica draws its own rows of the mask the single-device step
-draws on the global batch (``fleet._random``), so training equals one device's,
+draws on the global batch (``fleet.semantics._random``), so training equals one device's,
 and the RNG state stays identical (replicated) everywhere.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fleet._errors import FleetConfigError
-from fleet._step import DistributedStep, distributed_step
+from fleet.step._decorator import DistributedStep, distributed_step
 
 
 def batch_rows(outputs: Any) -> int:

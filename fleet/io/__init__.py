@@ -34,8 +34,8 @@ What the folder holds, one idea per file:
 
 What it may import: numpy, jax, the standard library, its own modules, and from
 the core only its public-in-package names: ``fleet._errors`` (the errors),
-``fleet._world`` (``world``, ``is_initialized``, ``first_local_replica``, ``World``),
-``fleet._agree`` (``agree``, ``raise_together``) and ``fleet._placement.to_global``
+``fleet.runtime._world`` (``world``, ``is_initialized``, ``first_local_replica``, ``World``),
+``fleet.runtime._agree`` (``agree``, ``raise_together``) and ``fleet.step._global_arrays.to_global``
 (the one path from a process's rows to a global array). Never an
 underscore name of a core module, never ``fleet.hapi`` or ``fleet.checkpoint``
 (they import io), and no import inside a function.

@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from fleet._errors import FleetConfigError, FleetTypeError
-from fleet._world import world
 from fleet.io._errors import FleetDataError
 from fleet.io._pipeline import (
     InlineProducer,
@@ -40,6 +39,7 @@ from fleet.io._placement import GlobalTransfer, check_sampler_fits_world, gather
 from fleet.io._position import Position, Tracker, resume_point
 from fleet.io._sampler import BatchSampler, DistributedBatchSampler
 from fleet.io._workers import WorkerPool
+from fleet.runtime._world import world
 
 
 class DataLoader:

@@ -16,16 +16,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from fleet._errors import FleetConfigError
-from fleet._placement import to_global
-from fleet._world import World, first_local_replica
 from fleet.io._errors import FleetDataError
 from fleet.io._sampler import BatchSampler, DistributedBatchSampler
+from fleet.runtime._world import World, first_local_replica
+from fleet.step._global_arrays import to_global
 
 
 class GlobalTransfer:
     """Places a process-local numpy batch on the mesh as global arrays.
 
-    All numeric leaves go in one batched transfer (``fleet._placement.to_global``);
+    All numeric leaves go in one batched transfer (``fleet.step._global_arrays.to_global``);
     strings and other non-numeric leaves stay on the host.
     """
 
@@ -63,7 +63,7 @@ class GlobalTransfer:
 def gather_to_host(x: Any) -> np.ndarray:
     """``x`` as a numpy array with every process's rows (a global array is gathered;
     a process-local value is gathered from every process). Not
-    ``fleet._tree.to_host``, which takes one replica's copy of a replicated value."""
+    ``fleet.runtime._leaves.to_host``, which takes one replica's copy of a replicated value."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     if not isinstance(x, jax.Array) and jax.process_count() > 1:

@@ -12,9 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from fleet._agree import agree, raise_together
 from fleet._errors import FleetConfigError, FleetTypeError
-from fleet._world import first_local_replica, is_initialized, world
+from fleet.runtime._agree import agree, raise_together
+from fleet.runtime._world import first_local_replica, is_initialized, world
 
 LENGTH_AGREEMENT = "fleet.io.DistributedBatchSampler.dataset_length"
 

@@ -30,19 +30,19 @@ What the folder holds, one idea a file:
   their result or traceback over a pipe; ``_spawn_options.py``: its options.
 
 What it may import: the standard library and fleet's core modules (``fleet._errors``,
-``fleet._env``, ``fleet._worker``, ``fleet._xla_flags``), at module level. The core
+``fleet.runtime._env``, ``fleet.runtime._worker``, ``fleet.runtime._xla_flags``), at module level. The core
 never imports ``fleet.launch`` (``tests/test_launch_config.py`` checks); only
 ``fleet/__init__.py`` re-exports :func:`spawn`.
 """
 
-# heartbeat(), the worker side of the liveness signal, lives in the core (fleet/_worker.py).
-from fleet._worker import heartbeat
+# heartbeat(), the worker side of the liveness signal, lives in the core (fleet/runtime/_worker.py).
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
 from fleet.launch._config import LaunchConfig, plan_workers, resolve
 from fleet.launch._failure import WorkerFailedError
 from fleet.launch._main import main
 from fleet.launch._spawn import SpawnContext, spawn
+from fleet.runtime._worker import heartbeat
 
 __all__ = [
     "LaunchConfig",

@@ -12,11 +12,11 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from fleet._env import WorkerEnv
 from fleet._errors import FleetConfigError
-from fleet._worker import GLOO_ADDRESS
 from fleet.launch import _devices, _net
 from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
+from fleet.runtime._env import WorkerEnv
+from fleet.runtime._worker import GLOO_ADDRESS
 
 DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
 DEFAULT_PROGRESS_TIMEOUT = 600.0

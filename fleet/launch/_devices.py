@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from fleet._errors import FleetConfigError
-from fleet._xla_flags import cpu_collective_environ, keep_remat_barriers
+from fleet.runtime._xla_flags import cpu_collective_environ, keep_remat_barriers
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # CPU processes beyond this many per core only contend for the cores (and memory):
@@ -97,8 +97,8 @@ def cpu_environ(count: int, environ: Mapping[str, str]) -> dict[str, str]:
     """The variables that give one process ``count`` CPU devices (and only CPU)."""
     flags = _DEVICE_COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
     flags.append(f"--xla_force_host_platform_device_count={count}")
-    # jax.checkpoint's recomputation survives XLA:CPU (fleet/_xla_flags.py).
+    # jax.checkpoint's recomputation survives XLA:CPU (fleet/runtime/_xla_flags.py).
     env = {"XLA_FLAGS": keep_remat_barriers(" ".join(flags)), "JAX_PLATFORMS": "cpu"}
-    # A thread pool large enough for XLA:CPU's collectives (fleet/_xla_flags.py).
+    # A thread pool large enough for XLA:CPU's collectives (fleet/runtime/_xla_flags.py).
     env.update(cpu_collective_environ(count, environ))
     return env

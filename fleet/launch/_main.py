@@ -35,7 +35,7 @@ or Paddle's older spelling of it, where each machine names itself::
 A job started by a cluster's own launcher needs no fleetrun: under SLURM's
 ``srun -n 4 python train.py`` (or Open MPI 4's ``mpirun``) ``fleet.init`` finds
 its place from the cluster's variables and joins through JAX's own cluster
-detection (``fleet/_cluster.py``).
+detection (``fleet/runtime/_cluster.py``).
 
 The script calls ``fleet.init(is_collective=True)`` (or Paddle's
 ``fleet.init_parallel_env()``) first; it reads the environment below.
@@ -183,7 +183,7 @@ Each worker runs the script through ``fleet/launch/_run.py`` (as ``python
 SCRIPT ARGS`` would), which sees how the script ends: a worker that raises, or
 exits non-zero (``sys.exit``, ``raise SystemExit``), after ``fleet.init`` exits
 at once instead of waiting in ``jax.distributed``'s shutdown barrier for peers
-that wait for it (``fleet/_worker.py``).
+that wait for it (``fleet/runtime/_worker.py``).
 
 From Python, ``fleet.spawn(func, args, nprocs)`` starts processes the same way
 (see ``fleet/launch/_spawn.py``).

@@ -15,7 +15,7 @@ any other part of the interpreter:
 
 A failing worker of a multi-process job must not wait in JAX's shutdown barrier
 for peers that are waiting for it inside a collective (the launcher would never
-see it fail). So the status goes to :func:`fleet._worker.note_exit`, whose exit
+see it fail). So the status goes to :func:`fleet.runtime._worker.note_exit`, whose exit
 hook (registered when the worker joined the job, so it runs before JAX's own)
 ends a failing worker with ``os._exit`` once Python's clean-up before exit has
 run (a pending checkpoint save is still awaited). A successful worker shuts
@@ -34,7 +34,7 @@ import sys
 
 
 def _note(status: object) -> None:
-    worker = sys.modules.get("fleet._worker")  # only if the script imported fleet
+    worker = sys.modules.get("fleet.runtime._worker")  # only if the script imported fleet
     if worker is not None:
         worker.note_exit(status)
 

@@ -29,13 +29,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleet import _worker
 from fleet.launch import _tables
 from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, resolve, worker_base_environ
 from fleet.launch._failure import Failure, WorkerFailedError
 from fleet.launch._spawn_options import check_picklable, config_from_options
 from fleet.launch._stop import die_with_parent
 from fleet.launch._supervisor import Supervisor, Worker
+from fleet.runtime import _worker
 
 _environ_lock = threading.Lock()
 

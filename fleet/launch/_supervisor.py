@@ -207,7 +207,7 @@ class Supervisor:
             if w.failed:
                 failed.append(w)
         # A signal death first; then the worker whose script says it failed first
-        # (fleet._worker.mark_failed): a peer that failed because it went, later.
+        # (fleet.runtime._worker.mark_failed): a peer that failed because it went, later.
         def failed_at(w: Worker) -> float:
             at = read_progress(w.spec.environ.get("FLEET_HEARTBEAT_FILE", "")).failed_at
             return float("inf") if at is None else at

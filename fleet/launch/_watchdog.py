@@ -5,7 +5,7 @@ Read from outside the worker, so that a frozen worker cannot hide:
 
 * the process state in ``/proc/PID/stat``: ``T`` / ``t`` means stopped
   (``SIGSTOP``, ``Ctrl-Z``, a debugger). Works for any script.
-* the heartbeat file (``FLEET_HEARTBEAT_FILE``, written by ``fleet._worker``):
+* the heartbeat file (``FLEET_HEARTBEAT_FILE``, written by ``fleet.runtime._worker``):
   its modification time is the worker's last beat (every ``distributed_step``
   beats when it starts and when it returns), and it holds the worker's step
   counts and whether its script has ended well.

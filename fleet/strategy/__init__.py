@@ -6,7 +6,7 @@
   ``__init__`` imports only it. ``_paddle_fields.py``, beside it and as bare,
   says what each of Paddle 3.3's fields means in fleet (run, mapped, a no-op
   that warns, refused) and checks the degrees against the replica count.
-* the sections, each built on the core (``fleet._sync``, ``fleet._world``...),
+* the sections, each built on the core (``fleet.comm._sync``, ``fleet.runtime._world``...),
   which imports them where it applies them (the wrapped model, the distributed
   optimizer, the step):
 
@@ -19,8 +19,8 @@
     collectives (``_shard_comm.py``), its probe (``_shard_probe.py``) and the
     whole-tensor norms across slices (``_slices.py``).
 
-  Gradient merge lives in the distributed optimizer (``fleet/_optimizer.py``)
-  and the step; ``fp16_allreduce`` in the buckets (``fleet/_buckets.py``).
+  Gradient merge lives in the distributed optimizer (``fleet/wrappers/_distributed_optimizer.py``)
+  and the step; ``fp16_allreduce`` in the buckets (``fleet/comm/_buckets.py``).
 """
 
 from fleet.strategy._strategy import (

@@ -304,7 +304,7 @@ class DistributedStrategy:
         verify_steps: for the first this many calls of each compiled step, run
             the single-device step on the global batch beside the distributed one
             and raise, naming the first state leaf or output that differs beyond
-            the float noise floor (:mod:`fleet._verify`; 0, the default: off). The
+            the float noise floor (:mod:`fleet.step._verify`; 0, the default: off). The
             environment variable ``FLEET_VERIFY_STEPS`` overrides it, so an
             unchanged script is checked with ``FLEET_VERIFY_STEPS=3 fleetrun train.py``.
         check_nan_inf: Paddle's ``FLAGS_check_nan_inf``: a step whose outputs (the

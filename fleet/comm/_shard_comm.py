@@ -1,0 +1,147 @@
+"""ZeRO's collectives (``strategy.sharding``, :mod:`fleet.sections._sharding`): a bucket's
+reduce-scatter of gradients into slices, the all-gather of the updates, and a
+replica's own slice of a full array. Each collective is a ``jit`` named
+``fleet_*`` in the jaxpr, which the step's guards know as fleet's own.
+
+A slice: a full array flattened, padded with zeros to ``degree * chunk`` and cut
+into ``degree`` rows of ``chunk`` (a :class:`fleet.sections._sharding.Layout`); replica
+``r`` owns row ``r % degree``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fleet.comm._buckets import plan_buckets, strategy_buckets
+from fleet.runtime._world import DATA_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one logical array of ``shape`` is split: ``degree`` chunks of ``chunk``
+    elements (zero padded), laid out over ``replicas`` rows."""
+
+    shape: tuple[int, ...]
+    degree: int
+    replicas: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def chunk(self) -> int:
+        return max(1, -(-self.size // self.degree))
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.degree
+
+
+@functools.partial(jax.jit, static_argnames="specs")
+def fleet_shard_grad(specs: tuple) -> list:
+    """Placeholders (zeros) for the gradients of a sharded step: the reduced
+    gradient exists only as slices (see :mod:`fleet.sections._sharding`). A ``jit``
+    named so in the jaxpr: the step refuses a program that reads them."""
+    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+
+
+
+
+def _shard_index(layout_degree: int) -> Any:
+    return jax.lax.axis_index(DATA_AXIS) % layout_degree
+
+
+def padded_rows(x: Any, layout: Layout) -> Any:
+    """A full (per-replica) array as ``(degree, chunk)``: flattened and padded."""
+    return jnp.pad(jnp.ravel(x), (0, layout.padded - layout.size)).reshape(
+        layout.degree, layout.chunk)
+
+
+def own_slice(x: Any, layout: Layout) -> Any:
+    """This replica's chunk of a full array."""
+    return jax.lax.dynamic_index_in_dim(padded_rows(x, layout), _shard_index(layout.degree),
+                                        keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("wire", "scatter"))
+def fleet_scatter(*leaves: Any, wire: str | None = None, scatter: bool = True) -> list:
+    """One bucket's reduce-scatter: ``(degree, chunk)`` rows summed over the
+    replicas, each replica keeping its chunk, then divided by the replica count
+    (the mean). ``scatter=False`` (hybrid sharding, or the one-device trace):
+    an all-reduce, then the replica's chunk."""
+    n = jax.lax.axis_size(DATA_AXIS)
+    sent = [(x / n).astype(wire) if wire else x for x in leaves]
+    if scatter:
+        out = jax.lax.psum_scatter(sent, DATA_AXIS, scatter_dimension=0, tiled=False)
+    else:
+        summed = jax.lax.psum(sent, DATA_AXIS)
+        out = [jax.lax.dynamic_index_in_dim(s, jax.lax.axis_index(DATA_AXIS) % s.shape[0],
+                                            keepdims=False) for s in summed]
+    if wire:
+        return [o.astype(x.dtype) for o, x in zip(out, leaves)]
+    return [o / n for o in out]
+
+
+@jax.jit
+def fleet_gather(*slices: Any) -> list:
+    """One all-gather bucket: each of the replicas' chunks gathered into its
+    ``(replicas, chunk)`` rows (invariant: every replica gets the same rows). The
+    bucket is a list, not one concatenated buffer: concatenating costs a copy
+    of the bucket's slices, which XLA cannot remove across the collective (the
+    MLP of benchmarks/donation.py held its 8 MB of slices per device twice), and
+    XLA merges the list's all-gathers itself."""
+    return list(jax.lax.all_gather(list(slices), DATA_AXIS, to="invarying"))
+
+
+def reduce_slices(leaves: Sequence, cfg: Any, divisor: Any = None) -> list:
+    """The reduced (mean) gradient slices of per-replica local gradients, one
+    reduce-scatter per gradient bucket (``fuse_grad_size_in_MB``); ``cfg`` is the
+    step's :class:`fleet.sections._sharding.Config`."""
+    layouts = [cfg.layout(jnp.shape(x)) for x in leaves]
+    scatter = cfg.degree == cfg.replicas == jax.lax.axis_size(DATA_AXIS)
+    out: list = [None] * len(leaves)
+    nbytes = [x.size * x.dtype.itemsize for x in leaves]
+    for bucket in plan_buckets(nbytes, strategy_buckets()):
+        rows = [padded_rows(leaves[i], layouts[i]) for i in bucket]
+        if scatter or jax.lax.axis_size(DATA_AXIS) == cfg.replicas:
+            reduced = fleet_scatter(*rows, wire=cfg.wire, scatter=scatter)
+        else:  # the single-device trace of the step (fleet.step._guards.check_on_one_device)
+            reduced = [r[0] for r in rows]
+        for i, s in zip(bucket, reduced):
+            out[i] = s if divisor is None else s / divisor.astype(s.dtype)
+    return out
+
+
+def gather(slices: Sequence, layouts: Sequence[Layout], gather_bytes: int) -> list:
+    """Full arrays from the replicas' slices, in all-gather buckets of
+    ``gather_bytes`` (``segment_broadcast_MB``)."""
+    out: list = [None] * len(slices)
+    bucket: list[int] = []
+    size = 0
+    buckets = []
+    for i, s in enumerate(slices):
+        nbytes = s.size * s.dtype.itemsize
+        if bucket and (size + nbytes > gather_bytes
+                       or s.dtype != slices[bucket[0]].dtype):
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(i)
+        size += nbytes
+    if bucket:
+        buckets.append(bucket)
+    for bucket in buckets:
+        rows = fleet_gather(*[slices[i] for i in bucket])
+        for i, r in zip(bucket, rows):
+            lay = layouts[i]
+            if r.shape[0] != lay.replicas:  # the single-device trace
+                r = jnp.tile(r, (lay.replicas, 1))
+            out[i] = r[:lay.degree].reshape(-1)[:lay.size].reshape(lay.shape)
+    return out

@@ -1,0 +1,353 @@
+"""The wrapped model's gradient synchronisation: DDP's reducer hooks, in JAX.
+
+Inside :func:`fleet.distributed_step` every piece of state enters the
+per-device body *invariant* (``shard_map`` with ``check_vma=True``): the same
+value on every replica, typed so. Wrapping a model attaches the reduction to
+its parameters. When differentiated code reads a parameter of a wrapped model,
+it reads it through an identity with a custom VJP: forward, the value is cast
+to *varying*; backward, the local cotangent is averaged over the replicas
+(``psum / N``) and comes back invariant. So the gradient any code computes for
+a wrapped model's parameters -- ``nnx.grad``, ``jax.grad`` of a Linen
+``apply``, a hand-written SGD -- is the global-batch gradient, the same on
+every replica, and a plain ``nnx.Optimizer`` or optax transformation can use it.
+
+The read goes through the parameter's type: wrapping turns each ``nnx.Param``
+into a subclass whose ``get_value`` does the above (``isinstance(p, nnx.Param)``
+still holds).
+
+Buckets: the wrapped model's ``__call__`` (Linen: ``apply``) syncs all its
+parameters at once, one custom-VJP call per bucket (:func:`fleet.comm._buckets.plan_buckets`),
+so each bucket's all-reduce can start as soon as its gradients exist. A read
+outside ``__call__`` (another method, a sub-module) syncs that one leaf.
+
+Under ``no_sync`` the wrapped parameters enter the step varying, so their
+gradients are local, with no communication: an optimizer that stepped on them
+would give replicas different parameters, which the step refuses; the
+distributed optimizer adds them to the accumulator instead of stepping. The
+first synced step after it adds the accumulated gradient to its own local one
+before the average: the sum of the local-mean gradients, averaged over
+replicas, as in Paddle and torch DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import MISSING, Missing
+
+from fleet import _compat
+from fleet._compat import is_differentiated
+from fleet._errors import FleetError
+from fleet.comm._buckets import BucketConfig, plan_buckets
+from fleet.runtime._leaves import dotted
+from fleet.runtime._world import DATA_AXIS
+
+
+def is_varying(x: Any) -> bool:
+    """Whether ``x`` (inside a step) may differ across replicas (its vma type;
+    outside ``shard_map`` the set of varying axes is empty). No fallback: were the
+    field to move, this raises rather than call every gradient replicated."""
+    return DATA_AXIS in jax.typeof(x).manual_axis_type.varying
+
+
+@dataclasses.dataclass
+class SyncTrace:
+    """Bookkeeping of one trace of the step body (not settings: those come from
+    the objects passed to the step)."""
+
+    num_replicas: int
+    no_sync: bool = False
+    accum_in: dict = dataclasses.field(default_factory=dict)  # key -> accumulated local grad
+    accum_out: dict = dataclasses.field(default_factory=dict)  # key -> what the step leaves
+    wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced in this trace
+    tx_calls: int = 0  # distributed optimizer updates in this trace
+    merge_updates: int = 0  # updates of an optimizer that merges gradients (gradient_merge)
+    merge_counts: bool = False  # this call counts in gradient_merge's cycle (not explicit no_sync)
+    tx_grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
+    auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
+    check_finite: bool = False  # strategy.check_nan_inf: record what must be finite
+    grad_divisor: Any = None  # synced gradients are divided by it (loss scale, merge avg)
+    loss_scale: Any = None  # float16 amp: the distributed optimizer's scale, this step
+    finite: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
+    shard: Any = None  # strategy.sharding (fleet.sections._sharding.Config) when the step shards
+    shard_grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> grad
+    shard_finite: Any = None  # float16 amp under sharding: all replicas' slices finite
+    #: the values whose ids tx_grads and shard_grads hold, kept alive for the trace so
+    #: that no later value (an output) gets one of their ids
+    held: list = dataclasses.field(default_factory=list)
+
+    def hold(self, leaves: Sequence) -> list[int]:
+        """The ids of ``leaves``, unique for the whole trace: the leaves are kept alive."""
+        self.held.extend(leaves)
+        return [id(x) for x in leaves]
+
+    def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
+        if self.check_finite:
+            self.finite.extend(
+                (n, jnp.all(jnp.isfinite(x))) for n, x in zip(names, leaves)
+                if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+class _Local(threading.local):
+    no_sync = 0  # (a class default: read at every step call without a lookup that fails)
+
+
+_local = _Local()
+
+
+def current() -> SyncTrace | None:
+    stack = getattr(_local, "traces", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def tracing(trace: SyncTrace) -> Iterator[SyncTrace]:
+    stack = _local.__dict__.setdefault("traces", [])
+    stack.append(trace)
+    try:
+        yield trace
+    finally:
+        stack.pop()
+
+
+def no_sync_active() -> bool:
+    """Whether the calling thread is inside ``no_sync``."""
+    return _local.no_sync > 0
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """``no_sync``: a ``with`` block around step calls, as in Paddle and torch DDP; a
+    flag of the calling thread, read when the step is called (the step compiles
+    separately with and without it)."""
+    if current() is not None:
+        raise FleetError(
+            "no_sync() was entered inside a distributed step; enter it around the call "
+            "instead: `with model.no_sync(): loss = train_step(model, optimizer, x, y)`"
+        )
+    _local.no_sync += 1
+    try:
+        yield
+    finally:
+        _local.no_sync -= 1
+
+
+#: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
+#: knows every other psum in a step is not fleet's (see fleet.step._decorator).
+FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_pmean", "fleet_scatter", "fleet_gather",
+               "fleet_batch_norm")
+
+
+@jax.jit
+def fleet_psum(*leaves: Any) -> list:
+    """``jax.lax.psum`` over ``data`` (fleet.all_reduce, broadcast), marked as fleet's."""
+    return jax.lax.psum(list(leaves), DATA_AXIS)
+
+
+def psum(leaves: list) -> list:
+    return list(fleet_psum(*leaves))
+
+
+@jax.jit
+def fleet_pmean(*leaves: Any) -> list:
+    """The mean over the replicas, as one call marked as fleet's (its result is the
+    global value: fleet.semantics._outputs.check_counted)."""
+    return [s / jax.lax.axis_size(DATA_AXIS) for s in jax.lax.psum(list(leaves), DATA_AXIS)]
+
+
+@functools.partial(jax.jit, static_argnames="wire")
+def fleet_bucket(*leaves: Any, wire: str | None = None) -> list:
+    """One bucket's average over the replicas: a ``jit`` named ``fleet_bucket`` in
+    the jaxpr (so the buckets can be counted), inlined by XLA.
+
+    With ``wire`` (``strategy.fp16_allreduce``) float leaves are divided by the
+    replica count first, so that a 16-bit sum cannot overflow (torch's
+    ``bf16_compress_hook``), summed in ``wire`` and cast back."""
+    n = jax.lax.axis_size(DATA_AXIS)
+    if wire is None:
+        out = jax.lax.psum(list(leaves), DATA_AXIS)
+        return [s / n if jnp.issubdtype(s.dtype, jnp.inexact) else s // n for s in out]
+    floats = [jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+    sent = [(x / n).astype(wire) if f else x for x, f in zip(leaves, floats)]
+    out = jax.lax.psum(sent, DATA_AXIS)
+    return [s.astype(x.dtype) if f else s // n for s, x, f in zip(out, leaves, floats)]
+
+
+def mean_over_replicas(leaves: list, wire: str | None = None) -> list:
+    """Average of varying leaves over the replicas: one bucket."""
+    return list(fleet_bucket(*leaves, wire=wire))
+
+
+def _make_bucket_sync(keys: tuple, wire: str | None):
+    """A custom-VJP identity over one bucket of leaves (see the module docstring)."""
+
+    @jax.custom_vjp
+    def sync(*leaves):
+        return tuple(jax.lax.pcast(x, DATA_AXIS, to="varying") for x in leaves)
+
+    def fwd(*leaves):
+        return sync(*leaves), None
+
+    def bwd(_, cts):
+        trace = current()
+        cts = [ct if is_varying(ct) else jax.lax.pcast(ct, DATA_AXIS, to="varying") for ct in cts]
+        if trace is not None:
+            cts = [ct + trace.accum_in[k] if k in trace.accum_in else ct for k, ct in zip(keys, cts)]
+        if trace is not None:
+            for k in keys:
+                if k in trace.accum_in:
+                    trace.accum_out[k] = None  # consumed
+        if trace is not None and trace.shard is not None:  # strategy.sharding
+            return trace.shard.backward(trace, keys, cts)
+        out = mean_over_replicas(list(cts), wire)
+        if trace is not None and trace.grad_divisor is not None:
+            out = [g / trace.grad_divisor.astype(g.dtype) for g in out]
+        if trace is not None:
+            trace.record_finite([f"gradient of {k!r}" for k in keys], out)
+        return tuple(out)
+
+    sync.defvjp(fwd, bwd)
+    return sync
+
+
+def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list:
+    """The leaves, each through its bucket's custom-VJP sync (differentiated leaves
+    only; others pass through). ``keys`` name the leaves for the accumulator."""
+    trace = current()
+    out = list(leaves)
+    todo = [i for i, x in enumerate(leaves) if is_differentiated(x) and not is_varying(x)
+            and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if trace is None or not todo:
+        return out
+    nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
+    for bucket in plan_buckets(nbytes, buckets):
+        idx = [todo[j] for j in bucket]
+        sync = _make_bucket_sync(tuple(keys[i] for i in idx), buckets.wire_dtype)
+        trace.wrapped_syncs += 1
+        for i, y in zip(idx, sync(*[leaves[i] for i in idx])):
+            out[i] = y
+    return out
+
+
+class PerReplica:
+    """Mixin of state variables each replica holds its own part of: a global
+    array of shape ``(replicas, ...)`` sharded over ``data``; inside the step,
+    the replica's row (varying)."""
+
+    __slots__ = ()
+
+
+class GradAccumulator(PerReplica, nnx.Variable):
+    """Per-replica gradients accumulated under ``no_sync`` (a distributed
+    optimizer's ``grad_accum``): a global array of shape ``(replicas, *param)``,
+    sharded over ``data``, so each replica holds its own local sum. Part of the
+    optimizer's state: a checkpoint taken between ``no_sync`` steps carries it."""
+
+
+def accumulator_key(key: str) -> str:
+    """The ``grad_accum`` entry of the parameter ``key`` (dots are not attributes)."""
+    return key.replace(".", ":")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSpec:
+    """What a wrapped NNX model's parameter carries (variable metadata
+    ``fleet_sync``): its name for the accumulator, and its model's buckets."""
+
+    key: str
+    buckets: BucketConfig
+
+
+class SyncedRead:
+    """Mixin of a wrapped NNX model's parameter types (``SyncedParam``).
+
+    Outside a step, or where the value is not being differentiated (the
+    optimizer's update, a hand-written SGD), a read returns the value itself.
+    Inside the model's ``__call__`` the raw value is the bucket-synced one
+    already (:func:`bucketed_call`: varying, returned as it is); elsewhere under
+    differentiation a read syncs this one leaf.
+    """
+
+    __slots__ = ()
+
+    def get_value(self, *, index: Any = MISSING) -> Any:
+        trace = current()
+        if trace is not None:
+            raw = self.get_raw_value()
+            if is_differentiated(raw) and not is_varying(raw):
+                spec = self.get_metadata("fleet_sync")
+                value = sync_leaves([spec.key], [raw], spec.buckets)[0]
+                return value if isinstance(index, Missing) or index is ... else value[index]
+        return super().get_value(index=index)
+
+
+@contextlib.contextmanager
+def synced_as_raw(module: Any) -> Iterator[None]:
+    """Inside a step, around a transformed call of a sub-module (``nnx.remat``,
+    ``nnx.jit``): its wrapped parameters hold their synced values as raw values,
+    read here, outside the transformation, so the gradient reduction stays in
+    fleet's sync; restored after."""
+    params = [v for _, v in nnx.iter_graph(module) if isinstance(v, SyncedRead)]
+    raw = [v.get_raw_value() for v in params]
+    for v in params:
+        v.set_raw_value(v.get_value())
+    try:
+        yield
+    finally:
+        for v, r in zip(params, raw):
+            v.set_raw_value(r)
+
+
+def make_synced(variable: Any, spec: SyncSpec) -> None:
+    """Turns a parameter into its synced type, in place (see :class:`SyncedRead`;
+    :func:`fleet._compat.add_mixin` says why in place)."""
+    _compat.add_mixin(variable, SyncedRead, "Synced")
+    variable.set_metadata("fleet_sync", spec)
+
+
+@contextlib.contextmanager
+def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
+    """Around a wrapped NNX model's ``__call__``: syncs every differentiated
+    parameter at once, in buckets, and lets the parameters hold their synced
+    values as raw values for the call (restored after). So every read inside
+    the call sees the synced value, also where a transformation inside the
+    model reads the raw values itself: ``nnx.scan`` over stacked layers,
+    ``nnx.vmap``, ``nnx.remat``, ``nnx.jit`` extract the state outside their
+    body, and a parameter that entered them unsynced would be read inside as an
+    invariant value that JAX casts to varying, whose transpose *sums* the
+    gradient over the replicas (tests/test_scan.py)."""
+    trace = current()
+    if trace is None:
+        yield
+        return
+    keys = list(variables)
+    raw = [variables[k].get_raw_value() for k in keys]
+    synced = sync_leaves(keys, raw, buckets)
+    changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
+    for v, _, s in changed:
+        v.set_raw_value(s)
+    try:
+        yield
+    finally:
+        for v, r, _ in changed:
+            v.set_raw_value(r)
+
+
+def accumulate(grads: Any) -> None:
+    """Under ``no_sync``: adds the local gradients (varying) to the accumulator,
+    keyed by parameter path (the distributed optimizer calls it instead of
+    stepping)."""
+    trace = current()
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        key = dotted(path)
+        if not is_varying(g):
+            continue
+        trace.accum_out[key] = g + trace.accum_in[key] if key in trace.accum_in else g

@@ -1,0 +1,67 @@
+"""A pytree's leaves by dotted name, and brought to the host.
+
+Pure helpers every layer uses: fleet's one dotted name for a leaf's path
+(``"layers.0.kernel"``), a typed PRNG key told apart, a leaf brought to the host
+(keys as their key data) and an NNX object's variables and values by name. No
+fleet import: a message anywhere can name a leaf without pulling in the world.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def dotted(path: tuple) -> str:
+    """``"layers.0.kernel"`` for a path: a JAX key path (dict keys, indices,
+    attributes) or an NNX path (strings and ints). fleet's one dotted name."""
+    parts = []
+    for key in path:
+        if isinstance(key, (str, int)):
+            parts.append(str(key))
+            continue
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array."""
+    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+def first_replica(x: Any) -> np.ndarray:
+    """``x`` on the host: a replicated array's first local copy, else the whole array
+    (an array sharded over other processes cannot be taken to one host)."""
+    if isinstance(x, jax.Array) and x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise ValueError("a sharded array cannot be taken to one host")
+    return np.asarray(x)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """``x`` on the host (:func:`first_replica`), PRNG keys as their key data."""
+    return first_replica(jax.random.key_data(x) if is_key(x) else x)
+
+
+def like(current: Any, host: np.ndarray) -> Any:
+    """``host`` as a value for a variable holding ``current`` (wraps PRNG key data)."""
+    return jax.random.wrap_key_data(host, impl=jax.random.key_impl(current)) if is_key(current) else host
+
+
+def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:
+    """The object's variables by dotted path (``"linear1.kernel"``)."""
+    flat = nnx.to_flat_state(nnx.state(module))
+    return {dotted(path): var for path, var in flat}
+
+
+def state_dict(obj: nnx.Pytree) -> dict[str, np.ndarray]:
+    """Every variable of ``obj`` as a host array, by dotted path (PRNG keys as key data)."""
+    return {k: to_host(v.get_value()) for k, v in module_variables(obj).items()}

@@ -1,0 +1,101 @@
+"""ZeRO's probe (``strategy.sharding``): is the optimizer's update on slices the
+slice of its whole update?
+
+Before the first sharded step, :func:`verify` runs two steps of the optimizer
+on small probe parameters of the model's tree, once whole and once split over
+``degree`` simulated replicas (``jax.vmap`` over ``data``), with the
+whole-tensor sums completed across slices as in the step
+(:mod:`fleet.sections._slices`). A transformation whose sliced update differs (a
+whole-tensor quantity other than a sum, factored statistics) is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fleet._errors import FleetError, FleetUnsupportedError
+from fleet.comm._shard_comm import own_slice, padded_rows
+from fleet.runtime._world import DATA_AXIS
+from fleet.sections._sharding import Config, plan, sliced_update
+
+
+def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
+    """Refuses a transformation whose update on slices is not the slice of its
+    update: two steps on small probe parameters of the same tree, run once whole
+    and once split over ``degree`` simulated replicas (``jax.vmap`` over
+    ``data``)."""
+    rng = np.random.default_rng(0)
+    p_leaves, p_def = jax.tree.flatten(params)
+    shapes = [tuple(min(d, 3) for d in jnp.shape(p)) for p in p_leaves]
+    dtypes = [jnp.result_type(p) for p in p_leaves]
+    d = cfg.degree
+    probe_cfg = dataclasses.replace(cfg, replicas=d)
+    layouts = [probe_cfg.layout(s) for s in shapes]
+
+    def draw(scale=1.0):
+        return [jnp.asarray(rng.standard_normal(s) * scale, dt) for s, dt in zip(shapes, dtypes)]
+
+    p0 = draw()
+    grads = [draw(0.1) for _ in range(steps)]
+    try:
+        full_state = inner.init(jax.tree.unflatten(p_def, p0))
+        state_layouts = plan(inner.init, jax.tree.unflatten(p_def, p0), probe_cfg)
+        ref_updates, p = [], p0
+        state = full_state
+        for g in grads:
+            u, state = inner.update(jax.tree.unflatten(p_def, g), state,
+                                    jax.tree.unflatten(p_def, p))
+            u = jax.tree.leaves(u)
+            ref_updates.append(u)
+            p = [a + b for a, b in zip(p, u)]
+
+        def replica(r, state_leaves):
+            del r
+            p_r = [own_slice(x, lay) for x, lay in zip(p0, layouts)]
+            s_def = jax.tree.structure(full_state)
+            st = jax.tree.unflatten(s_def, list(state_leaves))
+            marks = jax.tree.unflatten(s_def, [lay is not None for lay in state_layouts])
+            outs = []
+            for g in grads:
+                g_r = [own_slice(x, lay) for x, lay in zip(g, layouts)]
+                u, st = sliced_update(inner, probe_cfg, jax.tree.unflatten(p_def, g_r), st,
+                                       marks, jax.tree.unflatten(p_def, p_r))
+                u = jax.tree.leaves(u)
+                outs.append(u)
+                p_r = [a + b for a, b in zip(p_r, u)]
+            return outs
+
+        s_full = jax.tree.leaves(full_state)
+        s_rows = [jnp.broadcast_to(x, (d, *jnp.shape(x))) if lay is None else
+                  padded_rows(x, lay) for x, lay in zip(s_full, state_layouts)]
+        got = jax.vmap(replica, axis_name=DATA_AXIS)(jnp.arange(d), s_rows)
+    except FleetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure means fleet cannot split it
+        raise FleetUnsupportedError(
+            f"strategy.sharding could not run the optimizer on parameter slices "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use an "
+            "elementwise optax optimizer (adam, sgd, lamb, lars...) or turn "
+            "strategy.sharding off") from e
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(params)[0]]
+    for step, (ref, sliced) in enumerate(zip(ref_updates, got)):
+        for path, want, r, lay in zip(paths, ref, sliced, layouts):
+            have = np.asarray(r).reshape(-1)[:lay.size].reshape(lay.shape)
+            want = np.asarray(want)
+            tol = 1e-5 * (1.0 + float(np.max(np.abs(want), initial=0.0)))
+            if not np.allclose(have, want, rtol=0, atol=tol):
+                raise FleetUnsupportedError(
+                    f"strategy.sharding: the optimizer's update of parameter {path} on "
+                    f"slices differs from the slice of its whole update (step {step + 1} of "
+                    "a probe, max difference "
+                    f"{float(np.max(np.abs(have - want))):.2e}): it is not elementwise and "
+                    "uses a whole-tensor quantity fleet cannot split (only sums over whole "
+                    "tensors, such as norms, are computed across slices). Use an "
+                    "elementwise optimizer, LAMB, LARS or optax.clip_by_global_norm, or "
+                    "turn strategy.sharding off")

@@ -1,0 +1,350 @@
+"""The side-by-side walk of ``fleet.semantics._outputs``: a scalar output followed back
+through the replica's trace and the reference trace (the same step with more
+rows) to the reduction over the batch rows that made it. See ``fleet.semantics._outputs``
+for the rules; this module applies them op by op (:class:`Walk`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from fleet._compat import scan_counts
+from fleet._errors import FleetUnsupportedError
+from fleet.runtime._world import DATA_AXIS
+
+MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
+_FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
+CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr", "CustomVJPTraced")  # (custom_vjp3)
+#: Calls whose inner jaxpr's inputs and outputs are the call's own, in order
+#: (``jax.checkpoint`` is ``remat2``, ``RematTraced`` under ``jax_remat3``).
+CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+         "RematTraced", "custom_jvp_call", *CUSTOM_VJP_CALLS)
+_SAME = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
+         "expand_dims", "reduce_precision")
+_REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
+               "reduce_or": MAX, "reduce_and": MIN}
+_OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
+_DEPTH = 400
+
+
+def is_sync(eqn: Any) -> bool:
+    """Whether an equation is fleet's gradient sync (``fleet.comm._sync``): a custom-VJP
+    call whose forward only casts its invariant inputs to varying."""
+    if eqn.primitive.name not in CUSTOM_VJP_CALLS:
+        return False
+    inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
+    return inner is not None and bool(inner.eqns) and all(
+        e.primitive.name in ("pvary", "pcast") for e in inner.eqns)
+
+
+def refuse_custom_vjp3() -> None:
+    """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        raise FleetUnsupportedError(
+            "this step sums a value over the batch rows, and fleet cannot check it with jax's "
+            "custom_vjp3 upgrade flag on (JAX_CUSTOM_VJP3=1): its traces hide fleet's gradient "
+            "sync, so a loss replicas-times too large would pass unseen; turn the flag off "
+            "(its default), or take the mean over the rows")
+
+
+def is_varying_var(v: Any) -> bool:
+    """Whether a jaxpr variable is typed varying over ``data`` (shard_map's vma)."""
+    aval = v.aval
+    return DATA_AXIS in getattr(aval, "vma", getattr(
+        getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+class Scope:
+    """One jaxpr of the walk: who produces each variable, and where its inputs
+    come from (the calling equation's inputs in the enclosing scope)."""
+
+    def __init__(self, jaxpr: Any, parent: tuple | None = None):
+        consts = getattr(jaxpr, "consts", ())
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        self.producer = {id(v): e for e in jaxpr.eqns for v in e.outvars}
+        self.inputs = {id(v): i for i, v in enumerate(jaxpr.invars)}
+        self.consts = {id(v): c for v, c in zip(jaxpr.constvars, consts)}
+        self.parent = parent  # (the call's invars, the enclosing scope)
+        self.subs: dict = {}
+
+    def inner(self, eqn: Any) -> tuple | None:
+        """The scope of a call's jaxpr, when its inputs and outputs are the call's."""
+        if eqn.primitive.name not in CALLS:
+            return None
+        key = id(eqn)
+        if key not in self.subs:
+            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = getattr(sub, "jaxpr", sub)
+            ok = (sub is not None and hasattr(inner, "eqns")
+                  and len(inner.invars) == len(eqn.invars)
+                  and len(inner.outvars) == len(eqn.outvars))
+            self.subs[key] = (Scope(sub, (eqn.invars, self)), inner) if ok else None
+        return self.subs[key]
+
+
+class Walk:
+    """The side-by-side walk of the replica's trace and the reference trace
+    (``scale`` times the rows). Results: ``("k", kind)`` a varying value of that
+    kind, ``("c", value or None)`` a constant (the same in both traces),
+    ``("up",)`` / ``("down",)`` a literal that grows (a row count) or shrinks
+    (its reciprocal) with the rows, or ``None``."""
+
+    def __init__(self, scale: int):
+        self.scale = scale
+        self.memo: dict = {}
+        self.same_memo: dict = {}
+        self.why = "its computation"
+        self.carries: dict = {}  # (id(scan body's carry input), id(its scope)) -> kind
+        self.global_calls: tuple = ()  # calls whose results :meth:`same` takes as equal
+
+    def _fail(self, why: str) -> None:
+        self.why = why
+        return None
+
+    def value(self, v: Any, s: Scope, depth: int = 0) -> float | None:
+        """The value of a scalar computed from literals alone, else None."""
+        key = (id(v), id(s))
+        if key not in self.memo:
+            self.memo[key] = None if depth > 50 else self._value(v, s, depth)
+        return self.memo[key]
+
+    def _value(self, v: Any, s: Scope, depth: int) -> float | None:
+        if isinstance(v, Literal):
+            return float(np.asarray(v.val)) if np.ndim(v.val) == 0 else None
+        if id(v) in s.consts:
+            c = np.asarray(s.consts[id(v)])
+            return float(c) if c.ndim == 0 or c.size == 1 and np.all(c == c.flat[0]) else None
+        if id(v) in s.inputs:
+            if s.parent is None:
+                return None
+            invars, outer = s.parent
+            return self.value(invars[s.inputs[id(v)]], outer, depth + 1)
+        eqn = s.producer.get(id(v))
+        if eqn is None:
+            return None
+        name = eqn.primitive.name
+        if name in CALLS:
+            got = s.inner(eqn)
+            if got is None:
+                return None
+            scope, inner = got
+            return self.value(inner.outvars[eqn.outvars.index(v)], scope, depth + 1)
+        args = []
+        for x in eqn.invars:
+            args.append(self.value(x, s, depth + 1))
+            if args[-1] is None:
+                return None
+        ops = {"neg": lambda a: -a, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
+               "mul": lambda a, b: a * b, "max": max, "min": min,
+               "div": lambda a, b: a / b if b else math.nan}
+        if name in _SAME or name == "convert_element_type":
+            return args[0] if len(args) == 1 else None
+        return ops[name](*args) if name in ops and len(args) in (1, 2) else None
+
+    def same(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> bool:
+        """Whether two invariant values are computed alike from the same inputs."""
+        key = (id(a), id(b))
+        if key not in self.same_memo:
+            self.same_memo[key] = depth <= _DEPTH and self._same(a, sa, b, sb, depth)
+        return self.same_memo[key]
+
+    def _same(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int) -> bool:
+        if isinstance(a, Literal) or isinstance(b, Literal):
+            return (isinstance(a, Literal) and isinstance(b, Literal)
+                    and np.array_equal(np.asarray(a.val), np.asarray(b.val)))
+        if id(a) in sa.inputs or id(b) in sb.inputs:
+            if id(a) not in sa.inputs or id(b) not in sb.inputs:
+                return False
+            if sa.parent is None or sb.parent is None:  # the body's own inputs: the state
+                return (sa.parent is None and sb.parent is None
+                        and sa.inputs[id(a)] == sb.inputs[id(b)])
+            return self.same(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
+                             sb.parent[0][sb.inputs[id(b)]], sb.parent[1], depth + 1)
+        ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
+        if ea is None or eb is None or ea.primitive != eb.primitive or len(ea.invars) != len(
+                eb.invars) or a.aval.shape != b.aval.shape:
+            return False
+        if ea.outvars.index(a) != eb.outvars.index(b):
+            return False
+        if self.global_calls and ea.primitive.name == "scan":
+            return self._same_carry(ea, sa, eb, sb, ea.outvars.index(a), depth)
+        if self.global_calls and ea.primitive.name in ("while", "cond"):
+            return True  # (not compared, so never refused on its account)
+        if self.global_calls and (
+                ea.params.get("name") in self.global_calls
+                and eb.params.get("name") == ea.params.get("name")
+                or any(map(is_varying_var, ea.invars)) and not any(map(is_varying_var, ea.outvars))
+                and any(map(is_varying_var, eb.invars))):
+            return True  # a reduction over the replicas: the global value in both traces
+        return all(self.same(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars))
+
+    def _same_carry(self, ea, sa, eb, sb, i, depth) -> bool:
+        """Whether a ``scan``'s output ``i`` is computed alike in both traces: for a
+        carry, the same number of iterations and the same update from the same
+        initial value (a count of rows added each iteration differs; an RNG count
+        or a step counter does not). A stacked output is taken as the same."""
+        shape = [(e.params["length"], *scan_counts(e.params)) for e in (ea, eb)]
+        if i >= shape[0][2]:
+            return True
+        if shape[0] != shape[1]:
+            return False
+        scopes = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
+        inner = [getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]) for e in (ea, eb)]
+        return self.same(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1],
+                         depth + 1)
+
+    def kind(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> tuple | None:
+        if depth > _DEPTH:
+            return self._fail("too deep to follow")
+        if (id(a), id(sa)) in self.carries:  # a scan's carry, as the loop leaves it so far
+            got = self.carries[(id(a), id(sa))]
+            return got if got is not None else self._fail("a scan carry read by another")
+        va, vb = self.value(a, sa), self.value(b, sb)
+        if va is not None and vb is not None:
+            if va == vb:
+                return ("c", va)
+            if va and math.isclose(vb / va, self.scale, rel_tol=1e-6):
+                return ("up",)
+            if vb and math.isclose(va / vb, self.scale, rel_tol=1e-6):
+                return ("down",)
+            return self._fail("a constant that depends on the batch size")
+        if isinstance(a, Literal) or isinstance(b, Literal):
+            return self._fail("a constant that depends on the batch size")
+        if not is_varying_var(a):
+            if not is_varying_var(b) and self.same(a, sa, b, sb):
+                return ("c", None)
+            return self._fail("a value computed from the batch's shape")
+        if id(a) in sa.inputs or id(b) in sb.inputs:
+            if id(a) not in sa.inputs or id(b) not in sb.inputs or sa.parent is None:
+                return self._fail("a value the step gets, not one it reduces")
+            if sb.parent is None:
+                return self._fail("the two traces differ")
+            return self.kind(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
+                             sb.parent[0][sb.inputs[id(b)]], sb.parent[1], depth + 1)
+        ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
+        if (ea is None or eb is None or ea.primitive != eb.primitive
+                or len(ea.invars) != len(eb.invars) or ea.outvars.index(a) != eb.outvars.index(b)):
+            return self._fail("the step computes it differently for other batch sizes")
+        name = ea.primitive.name
+        if name == "scan":
+            return self._scan(ea, sa, eb, sb, ea.outvars.index(a), depth)
+        if name in CALLS:
+            ga, gb = sa.inner(ea), sb.inner(eb)
+            if ga is None or gb is None:
+                return self._fail(f"a {name} fleet cannot look into")
+            i = ea.outvars.index(a)
+            return self.kind(ga[1].outvars[i], ga[0], gb[1].outvars[i], gb[0], depth + 1)
+        if name in _REDUCTIONS:
+            return self._reduction(name, ea, sa, eb, sb, depth)
+        if name not in _OPS:
+            return self._fail(f"a {name}")
+        args = [self.kind(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars)]
+        if any(r is None for r in args):
+            return None
+        return self._op(name, ea, args)
+
+    def _scan(self, ea, sa, eb, sb, i, depth):
+        """A ``scan``'s carry ``i`` (accumulation over micro-batches): the kind
+        the loop leaves it, from its initial value's and one iteration's, to a
+        fixed point (``0.0`` plus a mean each iteration is a mean)."""
+        (consts, carries), (_, other) = scan_counts(ea.params), scan_counts(eb.params)
+        if i >= carries or other != carries:
+            return self._fail("a value stacked by a scan")
+        scopes = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
+        inner = [getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]) for e in (ea, eb)]
+        got = self.kind(ea.invars[consts + i], sa, eb.invars[consts + i], sb, depth + 1)
+        for _ in range(3):
+            if got is None:
+                return None
+            for j in range(carries):  # this carry as the loop left it; another: refused
+                self.carries[(id(inner[0].invars[consts + j]), id(scopes[0]))] = (
+                    got if j == i else None)
+            again = self.kind(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1],
+                              depth + 1)
+            if again == got:
+                return got
+            got = again
+        return self._fail("a scan carry that does not settle")
+
+    def _reduction(self, name, ea, sa, eb, sb, depth):
+        xa, xb = ea.invars[0], eb.invars[0]
+        axes = set(ea.params.get("axes", ()))
+        grown = [d for d, (m, n) in enumerate(zip(xa.aval.shape, xb.aval.shape)) if m != n]
+        if grown:
+            if grown != [0] or 0 not in axes or xb.aval.shape[0] != self.scale * xa.aval.shape[0]:
+                return self._fail(f"a {name} over an axis other than the batch rows, or over "
+                                  "several axes that grow with the batch")
+            return ("k", _REDUCTIONS[name])
+        inner = self.kind(xa, sa, xb, sb, depth + 1)
+        if inner is None:
+            return None
+        if inner[0] == "c":
+            return ("c", None)
+        if inner[0] == "k" and (inner[1] == _REDUCTIONS[name]
+                                or name == "reduce_sum" and inner[1] == MEAN):
+            return inner
+        return self._fail(f"a {name} of a {inner[0] == 'k' and inner[1] or 'count'}")
+
+    def _op(self, name, eqn, args):
+        if name in _SAME:
+            return args[0]
+        if name == "convert_element_type":
+            r = args[0]
+            if r[0] == "k" and r[1] in (MEAN, SUM) and not np.issubdtype(
+                    eqn.params["new_dtype"], np.inexact):
+                return self._fail("a mean or sum rounded to an integer")
+            return r
+        if name == "neg":
+            r = args[0]
+            return ("k", _FLIP[r[1]]) if r[0] == "k" else ("c", None if r[0] != "c" or r[1] is None
+                                                             else -r[1])
+        if name in ("add", "sub"):
+            x, y = args
+            if name == "sub" and y[0] == "k":
+                y = ("k", _FLIP[y[1]])
+            if x[0] == "c" and y[0] == "c":
+                return ("c", None)
+            ks = [r for r in (x, y) if r[0] == "k"]
+            if len(ks) == 2:
+                if x[1] == y[1] and x[1] in (MEAN, SUM):
+                    return x
+                return self._fail(f"a {x[1]} {name} a {y[1]}")
+            other = y if x[0] == "k" else x
+            if name == "sub" and x[0] == "c":  # c - k: the flipped kind, above
+                ks = [y]
+            if len(ks) == 1 and other[0] == "c" and (ks[0][1] != SUM or other[1] == 0):
+                return ks[0]
+            return self._fail("a sum plus a constant" if ks and ks[0][1] == SUM
+                              else "a value that grows with the batch, added")
+        if name in ("mul", "div"):
+            x, y = args
+            if x[0] == "c" and y[0] == "c":
+                return ("c", None)
+            if name == "mul" and y[0] == "k":
+                x, y = y, x
+            if x[0] != "k" or y[0] == "k":
+                return self._fail(f"a {name} of two values from the batch" if y[0] == "k"
+                                  else "a division by a value from the batch")
+            grows = ("up",) if name == "div" else ("down",)
+            if y == grows:  # divided by the rows' count: a sum becomes a mean
+                return ("k", MEAN) if x[1] == SUM else self._fail(
+                    f"a {x[1]} divided by a count of rows")
+            if y[0] != "c":
+                return self._fail("a value scaled by a count of rows")
+            if x[1] in (MEAN, SUM):
+                return x
+            if y[1] is None or y[1] == 0:
+                return self._fail(f"a {x[1]} scaled by a value of unknown sign")
+            return x if y[1] > 0 else ("k", _FLIP[x[1]])
+        if name in ("max", "min"):
+            want = MAX if name == "max" else MIN
+            if all(r[0] == "c" for r in args):
+                return ("c", None)
+            if all(r[0] == "c" or r == ("k", want) for r in args):
+                return ("k", want)
+        return self._fail(f"a {name}" if name not in ("max", "min") else
+                          f"an elementwise {name}")

@@ -1,0 +1,87 @@
+"""Buffer donation: a step gives the NNX objects' old state to XLA.
+
+A step writes new arrays into the NNX objects' variables (parameters, optimizer
+state, buffers; ``fleet.step._graph.GraphCache``), so the old ones are dead once the
+step has run. fleet donates them (``jax.jit(..., donate_argnums=...)``): XLA
+writes the new state into the old buffers, and a device holds the parameters
+and the optimizer state once at the step boundary instead of twice. An old
+array a user kept (``w = model.kernel.value`` before the step) is deleted by
+the step, as with any donating ``jax.jit``; ``distributed_step(fn,
+donate=False)`` keeps old arrays alive. Arrays passed as pytrees (a Linen
+``TrainState``) belong to the user and are never donated.
+
+One buffer cannot be donated twice, nor donated and passed again in the same
+call (XLA refuses both): a state leaf that is the same ``jax.Array`` as another
+state leaf (tied weights, a ``device_put`` that returned its input) or as an
+array among the other arguments is passed undonated. :func:`split` cuts the
+state into the donated and the kept leaves; :func:`assemble`, inside the
+traced program, puts them back in order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import chain, repeat
+from typing import Any
+
+import jax
+import numpy as np
+
+ALL = "all"  # layout: every state leaf donated
+NONE = "none"  # layout: every state leaf kept (donate=False)
+
+
+def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
+    """``(layout, donated, kept)``: the state leaves that can be donated and the
+    rest; ``layout`` (hashable, a static argument of the program) says which
+    list each leaf comes from. ``others`` are the call's other arguments."""
+    if not donate:
+        return NONE, [], state
+    if not state:  # (no NNX state, a Linen step: nothing to look for in the others)
+        return ALL, state, []
+    ids = list(map(id, state))
+    shared = set(map(id, _leaves(others)))  # (an id is a state leaf's only if it is one)
+    if len(set(ids)) == len(ids) and shared.isdisjoint(ids):
+        return ALL, state, []
+    counts = Counter(ids)
+    layout = tuple(counts[i] == 1 and i not in shared for i in ids)
+    donated = [x for x, d in zip(state, layout) if d]
+    kept = [x for x, d in zip(state, layout) if not d]
+    return layout, donated, kept
+
+
+def split_flat(state: list, flat: list, donate: bool) -> tuple[Any, list, list]:
+    """:func:`split`, for other arguments given as one flat list of arrays and
+    scalars (a recalled call's batch and replicated values: ``fleet.step._recall``)."""
+    if donate and len(set(map(id, state + flat))) == len(state) + len(flat):
+        return ALL, state, []
+    return split(state, [flat], donate)
+
+
+def _leaves(others: tuple) -> list:
+    """The leaves of ``others``, groups (lists) of arguments: the groups' items
+    when each is an array or a scalar (a step's usual batch), without flattening
+    a tree at every call."""
+    items = list(chain.from_iterable(others))
+    if all(map(isinstance, items, repeat(_FLAT))):
+        return items
+    return jax.tree.leaves(others)
+
+
+_FLAT = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def assemble(layout: Any, donated: list, kept: list) -> list:
+    """The state leaves in order, from :func:`split`'s two lists."""
+    if layout == ALL:
+        return list(donated)
+    if layout == NONE:
+        return list(kept)
+    donated_it, kept_it = iter(donated), iter(kept)
+    return [next(donated_it) if d else next(kept_it) for d in layout]
+
+
+def any_deleted(donated: list) -> bool:
+    """Whether a call already consumed (donated) one of these arrays: a failed call
+    must not be tried again with them."""
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in donated)

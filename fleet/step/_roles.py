@@ -1,0 +1,177 @@
+"""Roles: what each argument of a distributed step is, and how each output
+comes back. The rules are stated in ``fleet.step._decorator``'s docstring; this module
+applies them (one rule each for arguments and outputs, by vma type where JAX
+knows it)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet.comm import _sync
+from fleet.runtime._leaves import dotted
+from fleet.runtime._world import DATA_AXIS
+from fleet.sections._sharding import is_shard
+
+NNX, TREE, BATCH, REPL, STATIC = "nnx", "state", "batch", "replicated", "static"
+REDUCES = ("mean", "sum", "max", "min", "gather", None)
+#: An undeclared scalar that differs across replicas: the probe's trace decides
+#: its combination (fleet.semantics._outputs) before the real trace.
+SCALAR = "scalar"
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _is_batch_like(x: Any) -> bool:
+    if is_array(x):
+        return np.ndim(x) > 0
+    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+        return len(x) > 0 and all(_is_batch_like(v) for v in x)
+    if isinstance(x, dict):
+        return len(x) > 0 and all(_is_batch_like(v) for v in x.values())
+    return False
+
+
+_ARRAY_LEAVES = (jax.Array, np.ndarray, int, float, np.generic)  # a pytree of arrays holds these
+
+
+def _replicated_on(x: Any, n: int) -> bool:
+    """Whether ``x`` is a jax.Array already replicated over the ``n`` mesh devices
+    (a value a step returned: parameters, averaged gradients)."""
+    if not (isinstance(x, jax.Array) and x.is_fully_replicated
+            and len(x.sharding.device_set) == n):
+        return False
+    spec = getattr(x.sharding, "spec", None)  # a batch sharded over `data` (one device) is not
+    return spec is None or DATA_AXIS not in jax.tree.leaves(tuple(spec))
+
+
+def kind(x: Any, is_batch: bool | None, n: int, leaves: list | None = None) -> str:
+    """The role of a step argument: one of NNX, TREE, BATCH, REPL, STATIC
+    (``leaves``: the argument's pytree leaves, where the caller has them)."""
+    if isinstance(x, (jax.Array, np.ndarray)):  # first: the common case, decided cheaply
+        if x.ndim == 0:
+            return REPL
+        if is_batch is None:
+            return TREE if _replicated_on(x, n) else BATCH
+        return BATCH if is_batch else TREE
+    if isinstance(x, nnx.Pytree):
+        return NNX
+    if isinstance(x, (bool, int, float, complex, np.generic)) or (
+        is_array(x) and np.ndim(x) == 0
+    ):
+        return REPL
+    if is_batch:
+        return BATCH
+    if leaves is None:
+        leaves = jax.tree_util.tree_leaves(x)
+    if is_batch is None and _is_batch_like(x) and not all(_replicated_on(v, n) for v in leaves):
+        return BATCH
+    # a pytree of arrays (and scalars) is state; anything else is a static value
+    return TREE if leaves and all(map(isinstance, leaves, repeat(_ARRAY_LEAVES))) else STATIC
+
+
+
+class Positions:
+    """Where each role's arguments are, from the roles of a call's arguments: each
+    picker takes the arguments (positional, then keywords by name) and returns a
+    tuple of those of its role, in order."""
+
+    def __init__(self, kinds: tuple):
+        def at(role: str) -> list[int]:
+            return [i for i, k in enumerate(kinds) if k == role]
+
+        self.nnx, self.trees, self.repl, self.statics = (
+            _picker(at(role)) for role in (NNX, TREE, REPL, STATIC))
+        self.batch = at(BATCH)  # (indices: the batch is placed with its position)
+
+
+def _picker(indices: list[int]) -> Callable[[Sequence], tuple]:
+    if not indices:
+        return lambda values: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda values: (values[i],)
+    return operator.itemgetter(*indices)
+
+
+def rows_of(batch: Sequence) -> frozenset:
+    """The row counts of the batch arguments' leaves (as the body sees them: the
+    replica's rows inside a step)."""
+    return frozenset(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
+
+
+def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[str], Any]:
+    """Each output leaf and how it comes back (see fleet.step._decorator): ``replicated``,
+    ``mean``, ``sum``, ``max``, ``min``, ``gather``, or :data:`SCALAR` (an
+    undeclared scalar that differs across replicas: fleet.semantics._outputs decides);
+    raises for what fleet cannot combine."""
+    rows = rows_of(batch)
+    declared = _declared_reduces(out, out_reduce)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(
+        out, is_leaf=lambda x: isinstance(x, nnx.Pytree) or is_shard(x))
+    leaves, reduces = [], []
+    for (path, x), reduce in zip(with_path, declared):
+        name = dotted(path) or "the output"
+        if is_shard(x):  # sharded optimizer state (a new TrainState's): stays per replica
+            leaves.append(x.value)
+            reduces.append(("shard", x.layout))
+            continue
+        if isinstance(x, nnx.Pytree):
+            raise FleetTypeError(
+                f"the step returned an NNX object at {name}; NNX objects passed to the "
+                "step are updated in place, so return only arrays (loss, metrics)"
+            )
+        x = jnp.asarray(x)
+        if not _sync.is_varying(x):
+            reduce = "replicated"
+        elif reduce is None:
+            if x.ndim == 0:
+                reduce = SCALAR
+            elif x.shape[0] in rows:
+                reduce = "gather"
+            else:
+                raise FleetError(
+                    f"output {name} (shape {x.shape} per replica) differs across replicas "
+                    "and is neither a scalar nor per example (leading axis = the "
+                    f"replica's {sorted(rows)} batch rows), so fleet cannot combine it on "
+                    "its own. Declare it: fleet.distributed_step(fn, out_reduce=...) "
+                    "with 'mean', 'sum', 'max', 'min' or 'gather' at its position"
+                )
+        elif reduce == "gather" and x.ndim == 0:
+            raise FleetConfigError(f"out_reduce asks to gather output {name}, a scalar; "
+                                   "use 'mean', 'sum', 'max' or 'min'")
+        leaves.append(x)
+        reduces.append(reduce)
+    return leaves, reduces, treedef
+
+def _declared_reduces(out: Any, out_reduce: Any) -> list:
+    spec = out_reduce
+    n = len(jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, nnx.Pytree)))
+    if spec is None:
+        return [None] * n
+    if isinstance(spec, str):
+        spec = jax.tree.map(lambda _: spec, out)
+    try:
+        full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, out,
+                            is_leaf=lambda s: s is None or isinstance(s, str))
+    except ValueError as e:
+        raise FleetConfigError(
+            f"out_reduce={out_reduce!r} does not match the structure of the step's "
+            f"output ({jax.tree_util.tree_structure(out)}); give a prefix of it, with "
+            f"one of {REDUCES} at each position ({e})"
+        ) from None
+    leaves = jax.tree_util.tree_leaves(full, is_leaf=lambda s: s is None)
+    for s in leaves:
+        if s not in REDUCES:
+            raise FleetConfigError(f"out_reduce value {s!r} is not one of {REDUCES}")
+    return leaves
