@@ -571,15 +571,15 @@ def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
 def test_the_worker_whose_script_failed_first_is_named(tmp_path):
     """Rank 1's sys.exit(3) makes rank 0 fail in its collective (exit 1), and the
     launcher may hear of rank 0 first. Each failing script marks the time it
-    failed in its heartbeat file (fleet.runtime._worker.mark_failed): the earliest is named."""
+    failed in its heartbeat file (fleet.runtime._heartbeat.mark_failed): the earliest is named."""
     from fleet.launch import _supervisor
     from fleet.launch._config import WorkerSpec
-    from fleet.runtime import _worker
+    from fleet.runtime import _heartbeat
 
     def failed(rank, returncode, at):
         path = tmp_path / f"beat{rank}"
         if at is not None:
-            path.write_text(f"5 4 failed:{at:.6f}".ljust(_worker.PROGRESS_WIDTH) + "\n")
+            path.write_text(f"5 4 failed:{at:.6f}".ljust(_heartbeat.PROGRESS_WIDTH) + "\n")
         worker = _supervisor.Worker(WorkerSpec(rank, rank, {"FLEET_HEARTBEAT_FILE": str(path)}),
                                     pid=0)
         worker.returncode = returncode

@@ -8,42 +8,41 @@ import time
 
 import pytest
 
-from fleet.launch._watchdog import read_progress
-from fleet.runtime import _worker
+from fleet.runtime import _heartbeat
+from fleet.runtime._heartbeat import read_progress
 
 
 @pytest.fixture
 def heartbeat(tmp_path, monkeypatch):
     """A heartbeat file for this process, and the worker's counts from zero."""
     path = tmp_path / "heartbeat.0"
-    monkeypatch.setenv("FLEET_HEARTBEAT_FILE", str(path))
-    saved, exit_state = dict(_worker._progress), dict(_worker._exit_state)
-    _worker._progress.update(fd=None, begun=0, ended=0, path=None, at=float("-inf"),
-                             written=None, state="run", flusher=None, changed=None)
+    monkeypatch.setenv(_heartbeat.ENV, str(path))
+    saved = dict(_heartbeat._progress)
+    _heartbeat._progress.update(fd=None, begun=0, ended=0, path=None, at=float("-inf"),
+                             written=None, state="run", flusher=None, changed=None,
+                                failed_at=None)
     writes = []
     pwrite = os.pwrite
-    monkeypatch.setattr(_worker.os, "pwrite", lambda *a: writes.append(a) or pwrite(*a))
+    monkeypatch.setattr(_heartbeat.os, "pwrite", lambda *a: writes.append(a) or pwrite(*a))
     yield path, writes
-    _worker._progress["state"] = "done"  # ends the flusher
-    flusher = _worker._progress["flusher"]
+    _heartbeat._progress["state"] = "done"  # ends the flusher
+    flusher = _heartbeat._progress["flusher"]
     if flusher is not None:
         flusher.join(timeout=5)
-    _worker._progress.clear()
-    _worker._progress.update(saved)
-    _worker._exit_state.clear()
-    _worker._exit_state.update(exit_state)
+    _heartbeat._progress.clear()
+    _heartbeat._progress.update(saved)
 
 
 def test_a_burst_of_steps_writes_a_few_times_and_ends_with_its_counts(heartbeat):
     path, writes = heartbeat
     start = time.monotonic()
     for _ in range(2000):
-        _worker.step_begin()
-        _worker.step_end()
+        _heartbeat.step_begin()
+        _heartbeat.step_end()
     elapsed = time.monotonic() - start
-    assert len(writes) <= 2 + elapsed / _worker.BEAT_INTERVAL, (len(writes), elapsed)
+    assert len(writes) <= 2 + elapsed / _heartbeat.BEAT_INTERVAL, (len(writes), elapsed)
     last = time.time()
-    time.sleep(3 * _worker.BEAT_INTERVAL)  # the flusher writes what the burst left
+    time.sleep(3 * _heartbeat.BEAT_INTERVAL)  # the flusher writes what the burst left
     progress = read_progress(str(path))
     assert (progress.begun, progress.ended) == (2000, 2000)
     # the beat is when the counts last changed, not when the flusher wrote them: the
@@ -55,21 +54,21 @@ def test_a_step_that_blocks_leaves_its_begun_count(heartbeat):
     """A worker stuck inside its next step (a dead peer) shows begun > ended."""
     path, _ = heartbeat
     for _ in range(5):
-        _worker.step_begin()
-        _worker.step_end()
-    _worker.step_begin()  # ... and never returns
-    time.sleep(3 * _worker.BEAT_INTERVAL)
+        _heartbeat.step_begin()
+        _heartbeat.step_end()
+    _heartbeat.step_begin()  # ... and never returns
+    time.sleep(3 * _heartbeat.BEAT_INTERVAL)
     progress = read_progress(str(path))
     assert (progress.begun, progress.ended, progress.in_step) == (6, 5, True)
 
 
 def test_done_is_never_overwritten_by_a_later_count(heartbeat):
     path, _ = heartbeat
-    _worker.step_begin()
-    _worker.step_end()
-    _worker.mark_finished()
-    _worker.step_begin()
-    time.sleep(3 * _worker.BEAT_INTERVAL)
+    _heartbeat.step_begin()
+    _heartbeat.step_end()
+    _heartbeat.mark_finished()
+    _heartbeat.step_begin()
+    time.sleep(3 * _heartbeat.BEAT_INTERVAL)
     assert path.read_text().split()[2] == "done"
-    _worker.mark_failed()  # a failure after it still says so
+    _heartbeat.mark_failed()  # a failure after it still says so
     assert path.read_text().split()[2].startswith("failed:")

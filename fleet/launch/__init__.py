@@ -35,14 +35,14 @@ never imports ``fleet.launch`` (``tests/test_launch_config.py`` checks); only
 ``fleet/__init__.py`` re-exports :func:`spawn`.
 """
 
-# heartbeat(), the worker side of the liveness signal, lives in the core (fleet/runtime/_worker.py).
+# heartbeat(), the worker side of the liveness signal, lives in the core (fleet/runtime/_heartbeat.py).
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
 from fleet.launch._config import LaunchConfig, plan_workers, resolve
 from fleet.launch._failure import WorkerFailedError
 from fleet.launch._main import main
 from fleet.launch._spawn import SpawnContext, spawn
-from fleet.runtime._worker import heartbeat
+from fleet.runtime._heartbeat import heartbeat
 
 __all__ = [
     "LaunchConfig",

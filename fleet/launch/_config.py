@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from fleet._errors import FleetConfigError
 from fleet.launch import _devices, _net
 from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
+from fleet.runtime import _heartbeat
 from fleet.runtime._env import WorkerEnv
 from fleet.runtime._worker import GLOO_ADDRESS
 
@@ -308,7 +309,7 @@ def _node_rank_from_ips(ips: tuple[str, ...]) -> int:
 _OWNED = frozenset(
     WorkerEnv(world_size=2, coordinator="h:1", current_endpoint="h:1",
               trainer_endpoints=("h:1",), job_id="j").to_environ()
-) | {"FLEET_HEARTBEAT_FILE", "FLEET_PROGRESS_TIMEOUT", "FLEET_JAX_HEARTBEAT_TIMEOUT",
+) | {_heartbeat.ENV, "FLEET_PROGRESS_TIMEOUT", "FLEET_JAX_HEARTBEAT_TIMEOUT",
      "JAX_COORDINATOR_BIND_ADDRESS", "FLAGS_selected_gpus", "FLEET_WORKER_PID", GLOO_ADDRESS}
 
 
@@ -371,7 +372,7 @@ def plan_workers(
             restart_count=restart_count,
             job_id=config.job_id,
         ).to_environ()
-        env["FLEET_HEARTBEAT_FILE"] = os.path.join(heartbeat_dir, f"heartbeat.{rank}")
+        env[_heartbeat.ENV] = _heartbeat.file_for(heartbeat_dir, rank)
         env["FLEET_PROGRESS_TIMEOUT"] = f"{config.progress_timeout:g}"
         env["FLEET_JAX_HEARTBEAT_TIMEOUT"] = str(jax_heartbeat)
         env["PYTHONUNBUFFERED"] = "1"

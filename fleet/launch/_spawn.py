@@ -35,7 +35,7 @@ from fleet.launch._failure import Failure, WorkerFailedError
 from fleet.launch._spawn_options import check_picklable, config_from_options
 from fleet.launch._stop import die_with_parent
 from fleet.launch._supervisor import Supervisor, Worker
-from fleet.runtime import _worker
+from fleet.runtime import _heartbeat
 
 _environ_lock = threading.Lock()
 
@@ -218,7 +218,7 @@ def _child_main(func: Callable[..., Any], args: tuple, conn: Any, parent_pid: in
     die_with_parent(parent_pid)
     try:
         result = func(*args)
-        _worker.mark_finished()
+        _heartbeat.mark_finished()
     except SystemExit as e:
         if e.code not in (None, 0):
             _send_error(conn, traceback.format_exc(), e.code if isinstance(e.code, int) else 1)

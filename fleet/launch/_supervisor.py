@@ -42,8 +42,9 @@ from fleet.launch._watchdog import (
     Watchdog,
     Watched,
     process_state,
-    read_progress,
 )
+from fleet.runtime import _heartbeat
+from fleet.runtime._heartbeat import read_progress
 
 _log = logging.getLogger("fleet.launch")  # the watchdog's warning lines (a silent worker)
 _POLL = 0.1  # seconds between looks at signals and at the caller's tick (log echo)
@@ -97,7 +98,7 @@ class Worker:
         events.put(self)
 
     def watched(self) -> Watched:
-        return Watched(self.rank, self.pid, self.spec.environ["FLEET_HEARTBEAT_FILE"],
+        return Watched(self.rank, self.pid, self.spec.environ[_heartbeat.ENV],
                        started=self.started,
                        finished=self.exited.is_set() and self.returncode == 0)
 
@@ -207,9 +208,9 @@ class Supervisor:
             if w.failed:
                 failed.append(w)
         # A signal death first; then the worker whose script says it failed first
-        # (fleet.runtime._worker.mark_failed): a peer that failed because it went, later.
+        # (fleet.runtime._heartbeat.mark_failed): a peer that failed because it went, later.
         def failed_at(w: Worker) -> float:
-            at = read_progress(w.spec.environ.get("FLEET_HEARTBEAT_FILE", "")).failed_at
+            at = read_progress(w.spec.environ.get(_heartbeat.ENV, "")).failed_at
             return float("inf") if at is None else at
 
         return min(failed, key=lambda w: (w.returncode >= 0, failed_at(w), failed.index(w)))

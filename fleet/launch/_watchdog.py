@@ -5,7 +5,7 @@ Read from outside the worker, so that a frozen worker cannot hide:
 
 * the process state in ``/proc/PID/stat``: ``T`` / ``t`` means stopped
   (``SIGSTOP``, ``Ctrl-Z``, a debugger). Works for any script.
-* the heartbeat file (``FLEET_HEARTBEAT_FILE``, written by ``fleet.runtime._worker``):
+* the heartbeat file (``FLEET_HEARTBEAT_FILE``, format and reader: ``fleet.runtime._heartbeat``):
   its modification time is the worker's last beat (every ``distributed_step``
   beats when it starts and when it returns), and it holds the worker's step
   counts and whether its script has ended well.
@@ -39,9 +39,10 @@ ranks, and how long until ``timeout`` ends the job. No line when ``timeout`` is 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Iterable
+
+from fleet.runtime._heartbeat import Progress, read_progress
 
 STOPPED_STATES = frozenset("Tt")
 
@@ -64,47 +65,6 @@ SILENCE_WARNING = 60.0  # seconds of silence before the first warning line, and 
 # All three are launcher settings too (--first_step_min, --uneven_grace, --silence_warning):
 # tests set them to seconds.
 _NAMED = 8  # at most this many other silent ranks are named in a warning line
-
-
-def last_heartbeat(path: str) -> float | None:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    """What a heartbeat file says: the last beat, step counts, whether the script ended."""
-
-    beat: float | None = None
-    begun: int | None = None
-    ended: int | None = None
-    done: bool = False
-    failed_at: float | None = None  # when the worker's script failed, by its own word
-
-    @property
-    def in_step(self) -> bool:
-        return self.begun is not None and self.ended is not None and self.begun > self.ended
-
-
-def read_progress(path: str) -> Progress:
-    try:
-        with open(path, "rb") as f:
-            beat = os.fstat(f.fileno()).st_mtime
-            text = f.read(256).decode("ascii", "replace")
-    except OSError:
-        return Progress()
-    parts = text.split()
-    if len(parts) >= 3 and parts[0].isdigit() and parts[1].isdigit():
-        failed_at = None
-        if parts[2].startswith("failed:"):
-            try:
-                failed_at = float(parts[2][len("failed:"):])
-            except ValueError:
-                pass
-        return Progress(beat, int(parts[0]), int(parts[1]), parts[2] == "done", failed_at)
-    return Progress(beat)  # touched by heartbeat() alone
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,7 @@ from jax.sharding import PartitionSpec as P
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet.comm import _sync
 from fleet.comm._replicas import check_replicas
-from fleet.runtime import _worker
+from fleet.runtime import _heartbeat
 from fleet.runtime._world import DATA_AXIS, world
 from fleet.sections import _sharding
 from fleet.sections._finite import FiniteFlags
@@ -129,7 +129,7 @@ class DistributedStep:
     # -- the call, on the host ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _worker.step_begin()
+        _heartbeat.step_begin()
         if self._finite.due():  # earlier calls' check_nan_inf chains, if ready: no wait
             self._check_finite(wait=False)
         recall = self._recall
@@ -165,7 +165,7 @@ class DistributedStep:
         if every and self._calls % every == 0:
             self._check_finite(wait=True)
             self._check_replicas(out)
-        _worker.step_end()
+        _heartbeat.step_end()
         return out
 
     def wait(self) -> None:
