@@ -6,6 +6,9 @@ import) makes sure each symbol still exists with the shape fleet expects: a
 missing or changed one raises :class:`FleetUnsupportedError` naming the
 versions fleet supports, instead of a feature going silently off.
 
+(Over 350 lines on purpose: one door, a table and one short function per need;
+two files would be two doors.)
+
 =================================  ===================================================
 need                               private symbol
 =================================  ===================================================
@@ -49,6 +52,9 @@ need                               private symbol
                                    ``num_consts`` / ``num_carry`` parameters (jax
                                    0.10), or its ``ft_in`` (jax 0.12: a
                                    ``jax._src.flattree.FlatTree``, ``unpack()``)
+:func:`to_opt_state`               ``flax.nnx.training.optimizer.to_opt_state``: an
+                                   optax state as ``nnx.Optimizer`` holds it (LARS /
+                                   LAMB swap the inner optimizer)
 :func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
 :func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
                                    plain array variable's value without
@@ -64,6 +70,7 @@ import inspect
 import os
 import sysconfig
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +87,11 @@ from jax._src.lib import _jax
 from jax.extend import backend as jax_backend
 from jax.extend import core as extend_core
 from jax.extend import random as _extend_random  # noqa: F401 (jax.extend.random, below)
+
+try:
+    from flax.nnx.training.optimizer import to_opt_state as _to_opt_state
+except ImportError:  # (check() names it)
+    _to_opt_state = None
 
 from fleet._errors import FleetUnsupportedError
 
@@ -176,8 +188,6 @@ def collective_calls(tb: Any) -> list[tuple[str, Any, Any]]:
     collective in the traceback ``tb`` (an unfiltered one: :func:`unfiltered_tracebacks`),
     outermost first: the collective's name, the ``axis_name`` its frame holds
     (what its caller passed) and the caller's frame summary (file, line)."""
-    import traceback
-
     codes = _collective_codes()
     frames = list(traceback.walk_tb(tb))
     out = []
@@ -291,6 +301,13 @@ def add_mixin(variable: nnx.Variable, mixin: type, prefix: str) -> None:
         set_class(variable, mixed)
 
 
+def to_opt_state(tree: Any) -> Any:
+    """An optax state as ``nnx.Optimizer`` keeps it (its arrays wrapped as
+    ``nnx.OptState`` variables): ``flax.nnx.training.optimizer.to_opt_state``,
+    which ``nnx`` does not export."""
+    return _to_opt_state(tree)
+
+
 def check() -> None:
     """Raises :class:`FleetUnsupportedError` if a symbol above is gone or changed."""
     missing = []
@@ -332,6 +349,8 @@ def check() -> None:
     if not isinstance(getattr(probe, "_raw_value", None), np.ndarray) or not isinstance(
             getattr(probe, "_var_metadata", None), dict):
         missing.append("flax.nnx.Variable._raw_value / _var_metadata")
+    if not callable(_to_opt_state):
+        missing.append("flax.nnx.training.optimizer.to_opt_state")
     fields = vars(nnx.Module())
     if "_pytree__state" not in fields or "_pytree__nodes" not in fields:
         missing.append("flax.nnx.Module's _pytree__state / _pytree__nodes")

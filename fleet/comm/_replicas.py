@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -112,8 +113,6 @@ def check_replicas(tree: Any) -> list[str]:
         >>> fleet.check_replicas(fleet.DataParallel(model))  # doctest: +SKIP
         []
     """
-    from flax import nnx
-
     if isinstance(tree, nnx.Pytree):
         tree = nnx.state(tree)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.checkpoint import CheckpointManager
@@ -315,8 +316,6 @@ class LRScheduler(Callback):
 def learning_rate_variables(optimizer: Any) -> list:
     """The ``learning_rate`` hyperparameters (``optax.inject_hyperparams``) of an
     ``nnx.Optimizer``'s state; raises when there is none."""
-    from flax import nnx
-
     found = []
     if optimizer is not None:
         for path, var in nnx.to_flat_state(nnx.state(optimizer)):

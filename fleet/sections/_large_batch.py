@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax.nnx.training.optimizer import to_opt_state
 
+from fleet import _compat
 from fleet._errors import FleetConfigError, FleetTypeError, FleetWarning
 from fleet.runtime._leaves import dotted, to_host
 
@@ -410,4 +410,4 @@ def swap_optimizer_state(optimizer: nnx.Optimizer, new_tx: Any) -> None:
             "nnx.Optimizer(model, fleet.distributed_optimizer(tx), wrt=nnx.Param)")
     zeros = jax.tree.map(jnp.zeros_like, like)
     optimizer.tx = new_tx
-    optimizer.opt_state = nnx.data(to_opt_state(new_tx.init(zeros)))
+    optimizer.opt_state = nnx.data(_compat.to_opt_state(new_tx.init(zeros)))

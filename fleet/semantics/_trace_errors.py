@@ -34,6 +34,7 @@ from typing import Any
 import flax
 import jax
 import optax
+from jax.extend.core import Literal, jaxprs_in_params
 
 from fleet import _compat
 from fleet._errors import FleetError
@@ -157,8 +158,6 @@ _PER_REPLICA = ("axis_index", "ppermute", "pshuffle", "all_gather", "reduce_scat
 
 
 def _propagate(jaxpr: Any, varying_in: list[bool], found: list) -> list[bool]:
-    from jax.extend.core import Literal, jaxprs_in_params
-
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     env = {id(v): bool(x) for v, x in zip(jaxpr.invars, varying_in)}
 

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.training.optimizer import OptState
 
 from fleet import _compat
 from fleet.comm import _sync
@@ -239,7 +238,7 @@ def is_buffer(v: nnx.Variable) -> bool:
     averages them over the replicas, the one state fleet averages. Any other
     variable set from per-replica values may be a sum as well as a mean: the
     step refuses it (``fleet.step._program``)."""
-    return isinstance(v, nnx.BatchStat) and not isinstance(v, (nnx.Param, OptState)) and (
+    return isinstance(v, nnx.BatchStat) and not isinstance(v, (nnx.Param, nnx.OptState)) and (
         jnp.issubdtype(jnp.result_type(v.get_raw_value()), jnp.inexact))
 
 

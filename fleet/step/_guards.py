@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
@@ -35,8 +36,6 @@ from fleet.step._roles import REPL, TREE
 
 def foreign_psums(jaxpr: Any) -> int:
     """psums in ``jaxpr`` outside fleet's own collectives (``_sync.FLEET_CALLS``)."""
-    from jax.extend.core import jaxprs_in_params
-
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0
     for eqn in jaxpr.eqns:
@@ -53,8 +52,6 @@ def placeholder_uses(jaxpr: Any) -> list[str]:
     """What reads the gradient placeholders of a sharded step (the outputs of
     ``fleet_shard_grad``): the primitives that take them, or ``"the step's
     output"``. A ``jit`` that returns them passes the mark on to its outputs."""
-    from jax.extend.core import jaxprs_in_params
-
     found: list[str] = []
 
     def walk(jaxpr: Any, marked: set, top: bool = False) -> set:

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.training.optimizer import OptState
 from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
@@ -255,7 +254,7 @@ class Program:
                       shard_grads=len(trace.shard_grads))
         record["counted"] = [
             i for i, (v, x) in enumerate(zip(self.graph.variables, new_state))
-            if not isinstance(v, (nnx.Param, OptState)) and not self.graph.per_replica[i]
+            if not isinstance(v, (nnx.Param, nnx.OptState)) and not self.graph.per_replica[i]
             and not is_key(x) and not _sync.is_varying(x)]
         return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
             jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]

@@ -83,7 +83,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx.training.optimizer import OptState
 
 from fleet._errors import FleetConfigError, FleetError
 from fleet.comm import _sync
@@ -346,7 +345,7 @@ def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode:
         nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     leaves = [plain(v.get_raw_value()) for _, v in with_path]
     owners = ["counter" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric)
-              or not isinstance(v, (nnx.Param, OptState)) else "state" for p, v in with_path]
+              or not isinstance(v, (nnx.Param, nnx.OptState)) else "state" for p, v in with_path]
     return leaves, out, owners, sums
 
 

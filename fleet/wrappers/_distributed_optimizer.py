@@ -293,9 +293,7 @@ class DistributedOptimizer(nnx.Optimizer):
     def _variables(self, model) -> list:
         """What an update writes: the model's ``wrt`` variables, the optimizer
         state and its step counter."""
-        from flax.nnx import filterlib
-
-        wrt = filterlib.to_predicate(self.wrt)
+        wrt = nnx.filterlib.to_predicate(self.wrt)
         out = [v for k, v in module_variables(model).items() if wrt(tuple(k.split(".")), v)]
         out += [v for k, v in module_variables(self).items()
                 if k == "step" or k.startswith("opt_state")]
