@@ -160,7 +160,8 @@ def test_every_module_has_a_layer():
     assert all(any(m == n or m.startswith(n + ".") for n in LAYERS) for m in MODULES)
 
 
-CONFIGURATION = ("fleet.strategy", "fleet.strategy._strategy", "fleet.strategy._paddle_fields")
+CONFIGURATION = ("fleet.strategy", "fleet.strategy._strategy", "fleet.strategy._configs",
+                 "fleet.strategy._paddle_fields")
 
 
 def test_configuration_imports_only_the_errors():

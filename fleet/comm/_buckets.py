@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from fleet.runtime._world import current_strategy
-from fleet.strategy._strategy import DEFAULT_BUCKET_MB, DEFAULT_LAST_BUCKET_MB
+from fleet.strategy._configs import DEFAULT_BUCKET_MB, DEFAULT_LAST_BUCKET_MB
 
 MB = 1 << 20
 

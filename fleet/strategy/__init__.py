@@ -1,37 +1,28 @@
-"""``fleet.strategy``: Paddle's ``DistributedStrategy``, and each section's implementation.
+"""``fleet.strategy``: Paddle's ``DistributedStrategy``: the configuration only.
 
-* ``_strategy.py``: the configuration, ``DistributedStrategy`` and its
-  ``*_configs`` sections. It imports nothing of fleet but its errors: the core
-  reads the configuration, never the other way round. This package's
-  ``__init__`` imports only it. ``_paddle_fields.py``, beside it and as bare,
-  says what each of Paddle 3.3's fields means in fleet (run, mapped, a no-op
-  that warns, refused) and checks the degrees against the replica count.
-* the sections, each built on the core (``fleet.comm._sync``, ``fleet.runtime._world``...),
-  which imports them where it applies them (the wrapped model, the distributed
-  optimizer, the step):
+* ``_strategy.py``: ``DistributedStrategy``, its fields and the sections switched
+  on together; ``_configs.py``: each section's ``*_configs`` dataclass;
+  ``_paddle_fields.py``: what each of Paddle 3.3's fields means in fleet (run,
+  mapped, a no-op that warns, refused) and the degrees checked against the
+  replica count.
 
-  - ``_amp.py``: ``strategy.amp``, the layers' computation dtype and float16
-    loss scaling;
-  - ``_recompute.py``: ``strategy.recompute``, named sub-modules under
-    ``nnx.remat``;
-  - ``_large_batch.py``: ``strategy.lars`` / ``strategy.lamb``;
-  - ``_sharding.py``: ``strategy.sharding`` (ZeRO stages 1 and 2), with its
-    collectives (``_shard_comm.py``), its probe (``_shard_probe.py``) and the
-    whole-tensor norms across slices (``_slices.py``).
-
-  Gradient merge lives in the distributed optimizer (``fleet/wrappers/_distributed_optimizer.py``)
-  and the step; ``fp16_allreduce`` in the buckets (``fleet/comm/_buckets.py``).
+It imports nothing of fleet but its errors: the core reads the configuration,
+never the other way round. The sections' implementations live in
+``fleet/sections/`` (amp, recompute, lars / lamb, sharding, sync_batch_norm,
+check_nan_inf); ``fp16_allreduce`` in the buckets (``fleet/comm/_buckets.py``);
+gradient merge in the distributed optimizer
+(``fleet/wrappers/_distributed_optimizer.py``) and the step.
 """
 
-from fleet.strategy._strategy import (
+from fleet.strategy._configs import (
     AmpConfigs,
-    DistributedStrategy,
     GradientMergeConfigs,
     LambConfigs,
     LarsConfigs,
     RecomputeConfigs,
     ShardingConfigs,
 )
+from fleet.strategy._strategy import DistributedStrategy
 
 __all__ = [
     "AmpConfigs",
