@@ -10,6 +10,6 @@ Example:
     >>> optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
 """
 
-from fleet.sections._large_batch import Adam, Momentum
+from fleet.sections._hparams import Adam, Momentum
 
 __all__ = ["Adam", "Momentum"]

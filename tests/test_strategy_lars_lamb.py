@@ -25,7 +25,8 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fleet
-from fleet.sections._large_batch import Adam, Momentum, hparams_of, swap_optimizer_state, swap_tx
+from fleet.sections._hparams import Adam, Momentum, hparams_of
+from fleet.sections._large_batch import swap_optimizer_state, swap_tx
 from tests import models
 from tests.tiers import slow
 

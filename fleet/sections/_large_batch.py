@@ -1,243 +1,35 @@
 """Paddle's ``strategy.lars`` / ``strategy.lamb``: the user's optimizer, swapped.
 
 Paddle replaces a Momentum optimizer with LARS and an Adam with LAMB, keeping the
-user's learning rate. An optax transformation is two opaque functions, so its
-learning rate cannot be read back: fleet's :func:`Momentum` and :func:`Adam` are
-the optax ones tagged with the values they were built from. A transformation
-from ``optax.inject_hyperparams(optax.sgd)`` / ``(optax.adam)`` is recognised
-too: its hyper-parameters sit in its state, and it is accepted only when the
-same factory rebuilt from them gives bit-identical updates on a probe (a
-schedule, a ``nesterov`` that LAMB lacks or any other optimizer is refused, not
-guessed). The swapped optimizer stays injected, so ``LRScheduler`` still works.
+user's learning rate, read back from the optimizer (``fleet.sections._hparams``).
+The swapped optimizer stays injected, so ``LRScheduler`` still works.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from fleet import _compat
 from fleet._errors import FleetConfigError, FleetTypeError, FleetWarning
 from fleet.runtime._leaves import dotted, to_host
-
-_BUILD = {
-    "momentum": "fleet.optimizer.Momentum(learning_rate=0.1, momentum=0.9)",
-    "adam": "fleet.optimizer.Adam(learning_rate=1e-3)",
-}
-_INJECTED = {
-    "momentum": "optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)",
-    "adam": "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)",
-}
-_OPAQUE = (
-    "an optax transformation that fleet cannot read (fleet needs its learning rate, "
-    "momentum or betas to build the replacement, and an optax transformation such as "
-    "optax.adam(1e-3) does not expose them)"
+from fleet.sections._hparams import (
+    BUILD,
+    INJECTED,
+    OPAQUE,
+    Hparams,
+    TaggedTransformation,
+    hparams_of,
+    number,
+    tag,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Hparams:
-    """What an optimizer was built from. ``kind``: ``"momentum"``, ``"adam"``,
-    ``"sgd"`` (no momentum), or ``"lars"`` / ``"lamb"`` (already swapped);
-    ``injected``: built by ``optax.inject_hyperparams``."""
-
-    kind: str
-    learning_rate: Any
-    momentum: float = 0.0
-    nesterov: bool = False
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    eps_root: float = 0.0
-    injected: bool = False
-
-    def describe(self) -> str:
-        if self.kind in ("lars", "lamb"):
-            return f"a {self.kind.upper()} optimizer (swapped in by strategy.{self.kind})"
-        lr = "<schedule>" if callable(self.learning_rate) else f"{self.learning_rate:.6g}"
-        if self.kind == "adam":
-            if self.injected:
-                return (f"optax.inject_hyperparams(optax.adam)(learning_rate={lr}, b1={self.b1:.6g}, "
-                        f"b2={self.b2:.6g}, eps={self.eps:.6g})")
-            return (f"fleet.optimizer.Adam(learning_rate={lr}, beta1={self.b1:.6g}, "
-                    f"beta2={self.b2:.6g}, epsilon={self.eps:.6g})")
-        if self.kind == "sgd":
-            return f"optax.inject_hyperparams(optax.sgd)(learning_rate={lr}) (no momentum)"
-        args = f"learning_rate={lr}, momentum={self.momentum:.6g}"
-        if self.nesterov:
-            args += ", nesterov=True" if self.injected else ", use_nesterov=True"
-        return (f"optax.inject_hyperparams(optax.sgd)({args})" if self.injected
-                else f"fleet.optimizer.Momentum({args})")
-
-
-class TaggedTransformation(optax.GradientTransformationExtraArgs):
-    """An optax transformation that carries ``fleet_hparams`` (:class:`Hparams`)."""
-
-    fleet_hparams: Hparams
-
-
-# The ``init`` of every transformation the swap built: a wrapper that keeps it
-# (fleet.distributed_optimizer's) is recognised as swapped already.
-_SWAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _tag(tx: optax.GradientTransformation, hparams: Hparams) -> TaggedTransformation:
-    tx = optax.with_extra_args_support(tx)
-    tagged = TaggedTransformation(tx.init, tx.update)
-    tagged.fleet_hparams = hparams
-    if hparams.kind in ("lars", "lamb"):
-        _SWAPPED[tx.init] = hparams
-    return tagged
-
-
-def _number(what: str, value: Any, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise FleetTypeError(f"{what} must be a number, got {value!r} of type "
-                             f"{type(value).__name__}")
-    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-        raise FleetConfigError(f"{what} must be a finite number {'>' if positive else '>='} 0, "
-                               f"got {value}")
-    return float(value)
-
-
-def _learning_rate(where: str, value: Any) -> Any:
-    if callable(value):
-        return value
-    return _number(f"{where}(learning_rate=...)", value, positive=True)
-
-
-def Momentum(learning_rate: float | optax.Schedule, momentum: float = 0.9,
-             use_nesterov: bool = False) -> TaggedTransformation:
-    """Paddle's ``Momentum``: ``optax.sgd(learning_rate, momentum, nesterov)``,
-    tagged so that ``strategy.lars`` can replace it with LARS.
-
-    Args:
-        learning_rate: a positive number or an optax schedule.
-        momentum: the momentum coefficient, in [0, 1).
-        use_nesterov: Nesterov momentum.
-
-    Example:
-        >>> tx = Momentum(learning_rate=0.1, momentum=0.9)
-        >>> tx.fleet_hparams.momentum
-        0.9
-    """
-    learning_rate = _learning_rate("fleet.optimizer.Momentum", learning_rate)
-    momentum = _number("fleet.optimizer.Momentum(momentum=...)", momentum)
-    if momentum >= 1:
-        raise FleetConfigError(f"fleet.optimizer.Momentum(momentum={momentum}) must be below 1 "
-                               "(0.9 is the usual value)")
-    if not isinstance(use_nesterov, bool):
-        raise FleetTypeError(f"fleet.optimizer.Momentum(use_nesterov=...) must be a bool, got "
-                             f"{use_nesterov!r}")
-    return _tag(optax.sgd(learning_rate, momentum, use_nesterov),
-                Hparams("momentum", learning_rate, momentum=momentum, nesterov=use_nesterov))
-
-
-def Adam(learning_rate: float | optax.Schedule, beta1: float = 0.9,
-         beta2: float = 0.999, epsilon: float = 1e-8) -> TaggedTransformation:
-    """Paddle's ``Adam``: ``optax.adam(learning_rate, beta1, beta2, epsilon)``,
-    tagged so that ``strategy.lamb`` can replace it with LAMB.
-
-    Args:
-        learning_rate: a positive number or an optax schedule.
-        beta1, beta2: the moment decay rates, in [0, 1).
-        epsilon: added to the denominator (Paddle's and optax's default: 1e-8).
-
-    Example:
-        >>> tx = Adam(learning_rate=1e-3)
-        >>> tx.fleet_hparams.b2
-        0.999
-    """
-    learning_rate = _learning_rate("fleet.optimizer.Adam", learning_rate)
-    betas = {}
-    for name, value in (("beta1", beta1), ("beta2", beta2)):
-        betas[name] = _number(f"fleet.optimizer.Adam({name}=...)", value)
-        if betas[name] >= 1:
-            raise FleetConfigError(f"fleet.optimizer.Adam({name}={value}) must be below 1")
-    epsilon = _number("fleet.optimizer.Adam(epsilon=...)", epsilon)
-    return _tag(optax.adam(learning_rate, betas["beta1"], betas["beta2"], epsilon),
-                Hparams("adam", learning_rate, b1=betas["beta1"], b2=betas["beta2"],
-                        eps=epsilon))
-
-
-# -- Recognising optax.inject_hyperparams(optax.sgd / optax.adam) -----------------------
-
-_PROBE_PARAMS = {"w": np.array([0.5, -1.5, 2.0], np.float32)}
-_PROBE_GRADS = [{"w": np.array(g, np.float32)}
-                for g in ([0.3, -1.0, 2.0], [-0.7, 0.2, 1.5], [0.05, 0.9, -3.0])]
-_CANDIDATES = {  # hyper-parameter names -> (kind, factory, nesterov values to try)
-    frozenset({"learning_rate"}): ("sgd", optax.sgd, (False,)),
-    frozenset({"learning_rate", "momentum"}): ("momentum", optax.sgd, (False, True)),
-    frozenset({"learning_rate", "b1", "b2", "eps", "eps_root"}): ("adam", optax.adam, (False,)),
-}
-
-
-def _run_probe(tx: optax.GradientTransformation) -> list[np.ndarray]:
-    tx = optax.with_extra_args_support(tx)
-    state = tx.init(_PROBE_PARAMS)
-    out = []
-    for grads in _PROBE_GRADS:
-        updates, state = tx.update(grads, state, _PROBE_PARAMS)
-        out.append(np.asarray(updates["w"]))
-    return out
-
-
-def _injected_hparams(tx: optax.GradientTransformation) -> Hparams | None:
-    """The hyper-parameters of an injected ``optax.sgd`` / ``optax.adam``, or None."""
-    try:
-        state = tx.init(_PROBE_PARAMS)
-    except Exception:  # a transformation that needs other parameters
-        return None
-    if not isinstance(state, (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)):
-        return None
-    if getattr(state, "hyperparams_states", None):  # a scheduled hyper-parameter
-        return None
-    found = _CANDIDATES.get(frozenset(state.hyperparams))
-    if found is None:
-        return None
-    kind, factory, nesterovs = found
-    values = {k: float(v) for k, v in state.hyperparams.items()}
-    try:
-        expected = _run_probe(tx)
-    except Exception:  # not an sgd or adam after all
-        return None
-    for nesterov in nesterovs:
-        extra = {"nesterov": True} if nesterov else {}
-        got = _run_probe(optax.inject_hyperparams(factory)(**values, **extra))
-        if all(np.array_equal(a, b) for a, b in zip(expected, got)):
-            return Hparams(kind, values["learning_rate"], nesterov=nesterov, injected=True,
-                           **{k: v for k, v in values.items() if k != "learning_rate"})
-    return None
-
-
-def hparams_of(tx: Any) -> Hparams | None:
-    """What ``tx`` was built from, or None when fleet cannot tell."""
-    tagged = getattr(tx, "fleet_hparams", None)
-    if isinstance(tagged, Hparams):
-        return tagged
-    try:
-        swapped = _SWAPPED.get(getattr(tx, "init", None))
-    except TypeError:  # no init, or one that cannot be weakly referenced
-        swapped = None
-    if swapped is not None:
-        return swapped
-    inner = getattr(tx, "inner", None)  # a distributed transformation (fleet.wrappers._distributed_optimizer)
-    if inner is not None:
-        return hparams_of(inner)
-    if isinstance(tx, optax.GradientTransformation):
-        return _injected_hparams(tx)
-    return None
-
 
 # -- The swap ---------------------------------------------------------------------------
 
@@ -279,9 +71,9 @@ def decay_mask(section: str, names: tuple[str, ...]) -> Callable[[Any], Any]:
 
 
 def _lars(hp: Hparams, configs: Any) -> TaggedTransformation:
-    coeff = _number("strategy.lars_configs.lars_coeff", configs.lars_coeff, positive=True)
-    decay = _number("strategy.lars_configs.lars_weight_decay", configs.lars_weight_decay)
-    eps = _number("strategy.lars_configs.epsilon", configs.epsilon)
+    coeff = number("strategy.lars_configs.lars_coeff", configs.lars_coeff, positive=True)
+    decay = number("strategy.lars_configs.lars_weight_decay", configs.lars_weight_decay)
+    eps = number("strategy.lars_configs.epsilon", configs.epsilon)
     names = _exclude("lars", configs.exclude_from_weight_decay)
     kwargs = dict(learning_rate=hp.learning_rate, weight_decay=decay,
                   weight_decay_mask=decay_mask("lars", names) if names else True,
@@ -292,11 +84,11 @@ def _lars(hp: Hparams, configs: Any) -> TaggedTransformation:
             optax.lars, static_args=("weight_decay_mask", "trust_ratio_mask"))(**kwargs)
     else:
         tx = optax.lars(**kwargs)
-    return _tag(tx, dataclasses.replace(hp, kind="lars"))
+    return tag(tx, dataclasses.replace(hp, kind="lars"))
 
 
 def _lamb(hp: Hparams, configs: Any) -> TaggedTransformation:
-    decay = _number("strategy.lamb_configs.lamb_weight_decay", configs.lamb_weight_decay)
+    decay = number("strategy.lamb_configs.lamb_weight_decay", configs.lamb_weight_decay)
     names = _exclude("lamb", configs.exclude_from_weight_decay)
     kwargs = dict(learning_rate=hp.learning_rate, b1=hp.b1, b2=hp.b2, eps=hp.eps,
                   eps_root=hp.eps_root, weight_decay=decay,
@@ -305,7 +97,7 @@ def _lamb(hp: Hparams, configs: Any) -> TaggedTransformation:
         tx = optax.inject_hyperparams(optax.lamb, static_args=("mask",))(**kwargs)
     else:
         tx = optax.lamb(**kwargs)
-    return _tag(tx, dataclasses.replace(hp, kind="lamb"))
+    return tag(tx, dataclasses.replace(hp, kind="lamb"))
 
 
 def _wrong_inner(section: str, given: str) -> FleetConfigError:
@@ -313,8 +105,8 @@ def _wrong_inner(section: str, given: str) -> FleetConfigError:
                                          else ("adam", "an", "Adam", "LAMB"))
     return FleetConfigError(
         f"strategy.{section} replaces {article} {name} optimizer with {replacement} (as Paddle "
-        f"requires {name}); got {given}. Build it with {_BUILD[want]} (or "
-        f"{_INJECTED[want]}), or turn strategy.{section} off"
+        f"requires {name}); got {given}. Build it with {BUILD[want]} (or "
+        f"{INJECTED[want]}), or turn strategy.{section} off"
     )
 
 
@@ -350,7 +142,7 @@ def swap_tx(tx: Any, strategy: Any) -> Any:
     if hp is not None and hp.kind == section:
         return tx
     if hp is None:
-        raise _wrong_inner(section, _OPAQUE)
+        raise _wrong_inner(section, OPAQUE)
     if hp.kind != ("momentum" if lars else "adam"):
         raise _wrong_inner(section, hp.describe())
     return _lars(hp, strategy.lars_configs) if lars else _lamb(hp, strategy.lamb_configs)
