@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -102,14 +103,18 @@ def test_the_input_shapes_come_from_inputs_or_the_last_batch(make_world, tmp_pat
 def test_a_program_from_a_newer_jax_names_both_versions(make_world, tmp_path):
     """jax reads the programs of its own version and earlier ones, not later ones
     (jax 0.10.2 cannot read what jax 0.12 exports, measured); the weights file
-    records the exporting jax, so fleet says which to use."""
+    records the exporting jax, so fleet says which to use. A program that this jax
+    cannot read although its checksum matches (issue 38: checked before it is read)
+    is a FleetError whose cause is jax's own error."""
     make_world(1)
     model = fleet.Model(ConvNet(nnx.Rngs(0)),
                         inputs=[fleet.static.InputSpec([None, 8, 8, 1], "float32")])
     model.save(tmp_path / "infer", training=False)
     weights = fleet.load(tmp_path / "infer.pdiparams")
     assert weights["jax"] == jax.__version__
-    (tmp_path / "infer.jaxexport").write_bytes(b"a program this jax cannot read")
+    program = b"a program this jax cannot read"  # intact: its checksum recorded with it
+    (tmp_path / "infer.jaxexport").write_bytes(program)
+    weights["program"] = {"size": len(program), "crc32": zlib.crc32(program)}
     fleet.save({**weights, "jax": "99.0.0"}, tmp_path / "infer.pdiparams")
     with pytest.raises(fleet.FleetError, match=(
             rf"infer\.jaxexport was exported by jax 99\.0\.0, and this is jax "
@@ -117,6 +122,11 @@ def test_a_program_from_a_newer_jax_names_both_versions(make_world, tmp_path):
             r"99\.0\.0 or later, or save it again here")):
         fleet.load_inference(tmp_path / "infer")
     fleet.save({**weights, "jax": jax.__version__}, tmp_path / "infer.pdiparams")
-    with pytest.raises(Exception) as raised:  # the same version: jax's own error, unchanged
+    with pytest.raises(fleet.FleetError, match=(  # the same version: jax's error, as the cause
+            rf"jax {jax.__version__.replace('.', '[.]')} cannot read .*infer\.jaxexport \(\w+"
+            r".*\), although it is the file that was saved \(its size and checksum match\)")
+                       ) as raised:
         fleet.load_inference(tmp_path / "infer")
-    assert not isinstance(raised.value, fleet.FleetError)
+    assert "99.0.0" not in str(raised.value)
+    assert raised.value.__cause__ is not None
+    assert not isinstance(raised.value.__cause__, fleet.FleetError)

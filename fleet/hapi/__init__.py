@@ -19,7 +19,9 @@ Files: ``_model.py`` (Model), ``_steps.py`` (the per-replica steps),
 ``_loops.py`` (an epoch's loop), ``_inputs.py`` (datasets, loaders, batches,
 argument checks), ``_metric.py`` (metrics), ``_callbacks.py`` (callbacks),
 ``_progbar.py`` (progress bar), ``_config.py`` (a run's callbacks, assembled),
-``_saving.py`` (save / load), ``_summary.py`` (summary).
+``_saving.py`` (save / load), ``_export.py`` (the inference model:
+``save(path, training=False)``, ``load_inference``), ``_export_check.py`` (its
+checks: the program's checksum, the weights' fit), ``_summary.py`` (summary).
 
 It builds on the whole package below it (the core, ``io``, ``checkpoint``);
 nothing below imports it.

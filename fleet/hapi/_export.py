@@ -10,8 +10,27 @@ Two files, Paddle's pair:
 * ``{path}.jaxexport``: ``jax.export.Exported.serialize()``; the program takes
   the weights (a list of arrays) and the network's inputs;
 * ``{path}.pdiparams``: those weights, written with :func:`fleet.save`
-  (``{"names": [...], "weights": [...], "jax": version}``: the variables' dotted
-  names and values, in the program's order, and the jax that exported them).
+  (``{"names": [...], "weights": [...], "jax": version, "program": {"size": n,
+  "crc32": crc}}``: the variables' dotted names and values, in the program's
+  order, the jax that exported them, and the size and CRC-32 of the
+  ``.jaxexport`` bytes written beside it).
+
+The ``.pdiparams`` is written first, then the ``.jaxexport``, each atomically:
+a save that dies between them leaves a pair whose record does not match its
+program, which :func:`load_inference` refuses rather than runs.
+
+:func:`load_inference` checks the pair before it runs anything
+(:mod:`fleet.hapi._export_check`): ``.pdiparams`` as :func:`fleet.load` checks
+every file; the ``.jaxexport``'s size and CRC-32 against the record before jax
+deserializes it (a file cut short, a changed byte, a program from another save
+are refused, naming both checksums); then each weight's shape and dtype against
+what the program takes (another model's weights are refused, naming the weight
+and both shapes). Each of these refusals is a :class:`fleet.FleetCheckpointError`.
+
+The ``"program"`` record was added in issue 38 and changes nothing else: the
+``.jaxexport`` is still exactly ``Exported.serialize()``'s bytes, an earlier
+fleet reads a new pair (it ignores the record), and a pair exported before the
+record existed loads unchecked, with a :class:`fleet.FleetWarning` that says so.
 
 A program loads on the jax that exported it and on later ones (jax's
 compatibility window), not on an earlier one: jax 0.10 cannot read what jax 0.12
@@ -36,7 +55,9 @@ from flax import nnx
 
 from fleet import checkpoint
 from fleet._errors import FleetConfigError, FleetError
-from fleet.checkpoint import _atomic
+from fleet.checkpoint import FleetCheckpointError, _atomic
+from fleet.checkpoint._errors import first_line
+from fleet.hapi import _export_check
 from fleet.runtime import _world
 from fleet.runtime._leaves import dotted
 from fleet.static import dims
@@ -93,10 +114,12 @@ def export(network: nnx.Module, specs: list, path: str) -> None:
 
     leaf_specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]
     exported = jax.export.export(jax.jit(forward), platforms=PLATFORMS)(leaf_specs, *specs)
+    program = bytes(exported.serialize())
     if _world.is_first_worker():  # both written atomically, as fleet.save writes
-        checkpoint.save({"names": names, "weights": values, "jax": jax.__version__},
+        checkpoint.save({"names": names, "weights": values, "jax": jax.__version__,
+                         _export_check.RECORD: _export_check.record(program)},
                         path + WEIGHTS_SUFFIX)
-        _atomic.write(os.path.abspath(path + EXPORT_SUFFIX), bytes(exported.serialize()))
+        _atomic.write(os.path.abspath(path + EXPORT_SUFFIX), program)
     _world.barrier_worker()
 
 
@@ -107,6 +130,19 @@ def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
     It runs the saved program (on this machine's default backend, CPU or CUDA, and
     on any batch size) with the saved weights; the model's Python class is not
     needed. Paddle's ``paddle.jit.load``.
+
+    Raises:
+        FleetCheckpointError: a file is damaged or the two do not belong together:
+            the program's size or CRC-32 is not the one recorded in ``.pdiparams``
+            (checked before jax reads the program), or a weight's shape or dtype is
+            not what the program takes (the message names it).
+        FleetError: a file is missing, or jax cannot read the program (one exported
+            by a newer jax: the message names both versions).
+
+    Example:
+        >>> predict = fleet.load_inference("out/infer")  # doctest: +SKIP
+        >>> predict(np.ones((5, 784), np.float32)).shape
+        (5, 10)
     """
     path = os.fspath(path)
     for suffix in (EXPORT_SUFFIX, WEIGHTS_SUFFIX):
@@ -115,15 +151,15 @@ def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
                 f"no {path + suffix!r}: pass the path given to Model.save(path, "
                 f"training=False) (it writes {path}{EXPORT_SUFFIX} and {path}{WEIGHTS_SUFFIX})")
     saved = checkpoint.load(path + WEIGHTS_SUFFIX)
-    weights = [jax.numpy.asarray(w) for w in saved["weights"]]
+    names, values = _export_check.weights_of(path, saved)
+    program, checked = _export_check.read_program(path, EXPORT_SUFFIX, saved)
     newer = _newer_jax(saved.get("jax"))  # (None: saved by fleet before issue 35)
     try:
-        with open(path + EXPORT_SUFFIX, "rb") as f:
-            exported = jax.export.deserialize(bytearray(f.read()))
-    except Exception as e:  # noqa: BLE001 (flatbuffers' and jax's own errors)
-        if newer:
-            raise _too_new(path, newer) from e
-        raise
+        exported = jax.export.deserialize(bytearray(program))
+    except Exception as e:  # noqa: BLE001 (the last resort: damage was ruled out above)
+        raise _unreadable(path, saved.get("jax"), newer, checked, e) from e
+    _export_check.check_weights(path, exported, names, values)
+    weights = [jax.numpy.asarray(w) for w in values]
     call = jax.jit(exported.call)
 
     def predict(*inputs: Any) -> Any:
@@ -136,6 +172,26 @@ def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
 
     predict.exported = exported  # type: ignore[attr-defined]  # its shapes and platforms
     return predict
+
+
+def _unreadable(path: str, saved: Any, newer: str | None, checked: bool,
+                e: Exception) -> FleetError:
+    """The error for a program jax cannot deserialize (its cause is jax's error)."""
+    if newer:
+        return _too_new(path, newer)
+    if checked:
+        by = (f"it was exported by jax {saved} (jax reads the programs of earlier versions "
+              f"for a while, not forever): load it with jax {saved}, or export it again here"
+              if isinstance(saved, str) and saved != jax.__version__
+              else "export it again")
+        return FleetError(
+            f"jax {jax.__version__} cannot read {path}{EXPORT_SUFFIX} ({first_line(e)}), "
+            f"although it is the file that was saved (its size and checksum match); {by} "
+            "with Model.save(path, training=False)")
+    return FleetCheckpointError(
+        f"fleet.load_inference: jax cannot read {path}{EXPORT_SUFFIX} ({first_line(e)}); it "
+        f"has no checksum (exported before fleet recorded one), so it is most likely damaged "
+        f"(cut short or changed on disk): {_export_check.AGAIN}")
 
 
 def _version(text: str) -> tuple[int, ...]:
