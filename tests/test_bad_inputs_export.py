@@ -210,3 +210,24 @@ def test_a_weights_file_of_another_kind_is_refused(saved):
             r"infer\.pdiparams holds \['a\.kernel'\], not the inference weights Model\.save\("
             r"path, training=False\) writes .*a \.pdparams file saved for training")):
         fleet.load_inference(path)
+
+
+@pytest.mark.parametrize("given, found", [
+    (np.ones((5, 4), np.float32), r"given float32\[5, 4\]"),
+    (np.ones((5, 3), np.float64), r"given float64\[5, 3\]"),
+    (np.ones((3,), np.float32), r"given float32\[3\]"),
+])
+def test_inputs_the_program_does_not_take_are_named_at_the_call(saved, given, found):
+    """A loaded program called with another shape, dtype or rank than it was saved
+    for: fleet's error (input 1, its shape with the batch named, what was given),
+    not jax's Shape mismatch; any batch size still runs."""
+    path, expected, _, _ = saved
+    predict = fleet.load_inference(path)
+    with pytest.raises(fleet.FleetError, match=r"input 1 of the program .*infer\.jaxexport "
+                       r"must be float32\[.*, 3\] \(a named dimension takes any size\), "
+                       + found):
+        predict(given)
+    with pytest.raises(fleet.FleetError, match=r"takes 1 input\(s\) \(float32\[.*, 3\]\), "
+                                               r"given 2"):
+        predict(X, X)
+    np.testing.assert_allclose(np.asarray(predict(X[:2])), expected[:2], atol=1e-6)

@@ -137,7 +137,8 @@ def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
             (checked before jax reads the program), or a weight's shape or dtype is
             not what the program takes (the message names it).
         FleetError: a file is missing, or jax cannot read the program (one exported
-            by a newer jax: the message names both versions).
+            by a newer jax: the message names both versions); at a call, inputs of
+            another number, rank, dtype or fixed dimension than the program takes.
 
     Example:
         >>> predict = fleet.load_inference("out/infer")  # doctest: +SKIP
@@ -163,6 +164,7 @@ def load_inference(path: str | os.PathLike) -> Callable[..., Any]:
     call = jax.jit(exported.call)
 
     def predict(*inputs: Any) -> Any:
+        _export_check.check_inputs(path, exported, inputs)
         try:
             return call(weights, *inputs)
         except Exception as e:  # noqa: BLE001 (StableHLO deserialization: at the first call)
