@@ -200,6 +200,7 @@ from fleet.launch import _tables
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
 from fleet.launch._config import resolve
+from fleet.launch._log_dir import make_log_dir
 
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
 
@@ -225,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         given = parse_args(argv)
         config = resolve(given)
+        make_log_dir(config.log_dir)
     except FleetConfigError as e:
         print(f"fleetrun: error: {e}", file=sys.stderr)
         return 2
