@@ -119,9 +119,10 @@ def test_os_exit_right_after_an_async_save_is_said_by_the_next_manager(make_worl
 
 
 def test_a_stale_lock_is_taken_over_with_a_warning(make_world, tmp_path):
-    """The lock file names a writer whose process is gone (no flock held on it): the
-    next manager warns, naming that pid and host and the step it never finished,
-    and the directory is this process's from then on."""
+    """The lock file names a writer of this host whose process is gone (no flock
+    held on it): the next manager warns, naming that pid and host and the step it
+    never finished, and the directory is this process's from then on. (A writer of
+    another host: tests/test_launch_faults.py, issue 38.)"""
     make_world(1)
     ckpt = tmp_path / "ckpt"
     with CheckpointManager(ckpt, async_save=False) as manager:
@@ -129,10 +130,10 @@ def test_a_stale_lock_is_taken_over_with_a_warning(make_world, tmp_path):
     dead = subprocess.Popen(["true"])  # (a pid that has ended)
     dead.wait()
     (ckpt / ".fleet-lock").write_text(json.dumps({
-        "host": "node7", "pid": dead.pid, "job": "job-before", "processes": 2,
+        "host": socket.gethostname(), "pid": dead.pid, "job": "job-before", "processes": 2,
         "since": "2026-11-24 09:00:00", "saving": 2}))
     with pytest.warns(FleetWarning, match=rf"CheckpointManager: {ckpt} was left locked by pid "
-                                          rf"{dead.pid} on host node7 \(job job-before, process 0 "
+                                          rf"{dead.pid} on host {HOST} \(job job-before, process 0 "
                                           r"of 2, since 2026-11-24 09:00:00\), which ended without "
                                           r"closing its CheckpointManager.*takes the directory over; "
                                           r"the save of step 2 was begun and never finished"):

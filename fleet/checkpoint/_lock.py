@@ -15,7 +15,18 @@ it ends (``kill -9``, ``os._exit``), so whether the writer lives is asked of the
 lock itself, never of a pid that may have been reused since: a file whose lock
 can be taken but that still names a writer was left by a process that ended
 without closing its manager. That lock is stale; the next manager takes it
-over (:func:`take` returns the old holder, for a warning). Closing the manager
+over (:func:`take` returns the old holder, for a warning) when it names this
+host.
+
+A stale lock that names *another* host is refused (:class:`OtherHost`) unless the
+caller allows it: a free ``flock`` proves the writer gone only where the file
+system carries ``flock`` across hosts (a local disk seen by one host; NFSv4; Lustre
+mounted with ``-o flock``; GPFS; CephFS). NFSv3 mounted with ``local_lock=flock``
+or ``nolock``, and some FUSE file systems, keep each host's locks to itself: there
+a live writer on another host leaves the lock free here, and taking it over would
+make two writers of one directory. The user who knows that writer is gone (or
+that the file system shares locks) says so (``FLEET_CHECKPOINT_TAKE_OVER``, read
+by :mod:`fleet.checkpoint._open`). Closing the manager
 empties the file and drops the lock; the file itself stays (deleting it would
 let two writers lock two files of one name).
 
@@ -26,7 +37,7 @@ next manager that this step was begun and never finished
 
 Where the file system has no ``flock`` (``ENOLCK``, ``EOPNOTSUPP``), the pid
 decides on the writer's own host (alive or not), and a writer on another host
-counts as alive.
+is refused as above (:class:`OtherHost`) unless the caller allows it.
 
 :func:`remove_if_abandoned` asks the same of any file: ``fleet.save`` holds a
 lock on its temporary file while it writes (:func:`hold`), so that a later save
@@ -42,6 +53,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 
 NAME = ".fleet-lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
@@ -70,6 +82,15 @@ class Holder:
         return self.host == socket.gethostname() and self.pid == os.getpid()
 
 
+class OtherHost(Exception):
+    """The directory's lock was left by a writer on another host (:attr:`holder`):
+    this host cannot tell whether it still runs (see the module)."""
+
+    def __init__(self, holder: Holder):
+        super().__init__(str(holder))
+        self.holder = holder
+
+
 class Busy(Exception):
     """The directory's lock is held by a live writer (:attr:`holder`; ``None``
     if it has not written its name yet)."""
@@ -92,9 +113,7 @@ def _read(fd: int) -> Holder | None:
 
 
 def _alive(holder: Holder) -> bool:
-    """Without ``flock``: whether ``holder`` may still run (another host: assumed so)."""
-    if holder.host != socket.gethostname():
-        return True
+    """Without ``flock``: whether ``holder``, a writer on this host, still runs."""
     try:
         os.kill(holder.pid, 0)
     except ProcessLookupError:
@@ -102,6 +121,10 @@ def _alive(holder: Holder) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _elsewhere(holder: Holder) -> bool:
+    return holder.host != socket.gethostname()
 
 
 def _flock(fd: int) -> bool:
@@ -151,13 +174,18 @@ class DirectoryLock:
             os.close(fd)
 
 
-def take(directory: str, job: str | None, processes: int) -> tuple[DirectoryLock, Holder | None]:
+def take(directory: str, job: str | None, processes: int,
+         other_host: Callable[[Holder], bool] | None = None,
+         ) -> tuple[DirectoryLock, Holder | None]:
     """Locks ``directory`` (which exists) for this process, writing for ``job``;
     returns the lock and the writer of a stale lock it took over (``None`` if
-    there was none).
+    there was none). ``other_host(holder)``: whether a stale lock that names
+    another host may be taken over (default: never).
 
     Raises:
         Busy: a live writer holds it (waits up to 2 s for a new writer's name).
+        OtherHost: no live writer holds it as far as this host can tell, but it
+            names a writer on another host, and ``other_host`` does not allow it.
         OSError: the file cannot be created or written (a read-only directory).
     """
     path = os.path.join(directory, NAME)
@@ -170,7 +198,10 @@ def take(directory: str, job: str | None, processes: int) -> tuple[DirectoryLock
             if e.errno not in _NO_FLOCK:
                 raise
             old = _read(fd)
-            taken = old is None or not _alive(old)
+            taken = old is None or _elsewhere(old) or not _alive(old)
+        if taken and old is not None and _elsewhere(old) and not (other_host
+                                                                  and other_host(old)):
+            raise OtherHost(old)
         if not taken:
             deadline = time.monotonic() + 2.0
             while old is None and time.monotonic() < deadline:  # (it has just taken it)

@@ -12,7 +12,11 @@ must not be those of a live one). On process 0 of the job it
    another live job writes is refused, naming that job's host and pid; a
    stale lock (its writer ended without closing its manager: killed,
    ``os._exit``) is taken over with a :class:`fleet.FleetWarning` naming the dead
-   pid and host;
+   pid and host. A stale lock that names another host is refused, naming that
+   host, pid and lock file, unless ``FLEET_CHECKPOINT_TAKE_OVER`` is ``1`` or that
+   host's name (:data:`TAKE_OVER`): whether its writer is gone, this host can tell
+   only where the file system shares ``flock`` across hosts (see
+   :mod:`fleet.checkpoint._lock`);
 3. finds the steps whose save began and never finished: a partial
    ``<step>.orbax-checkpoint-tmp-*`` directory, or the step a stale lock says its
    writer was saving (an asynchronous save cut off before anything reached the
@@ -29,6 +33,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import warnings
 
 import jax
@@ -60,6 +65,32 @@ def _unwritable(directory: str, why: str, e: BaseException) -> FleetCheckpointEr
         "a writable directory (or remount it writable). To read a step of a read-only "
         f"directory, fleet.load reads each of its parts: fleet.load('{directory}/<step>/model')"
     )
+
+
+#: Set to ``1``, or to the host a stale lock names, to take over a lock that a
+#: writer on another host left (see the module).
+TAKE_OVER = "FLEET_CHECKPOINT_TAKE_OVER"
+
+
+def _other_host(directory: str, holder: _lock.Holder) -> FleetCheckpointError:
+    lock_file = os.path.join(directory, _lock.NAME)
+    return FleetCheckpointError(
+        f"CheckpointManager: {directory} is locked by {holder}, another host than this "
+        f"one ({socket.gethostname()}), which ended without closing its manager or still "
+        f"runs: this host cannot tell. No process here holds the lock file {lock_file}, "
+        "but a file system that keeps each host's flock to itself (NFSv3 mounted with "
+        "local_lock=flock or nolock, some FUSE file systems) or has none shows a live "
+        f"writer's lock as free. If pid {holder.pid} no longer runs on {holder.host} "
+        f"(ssh {holder.host} ps -p {holder.pid}), take the directory over: set "
+        f"{TAKE_OVER}={holder.host} (or {TAKE_OVER}=1 for any host) in this job's "
+        "environment, or delete the lock file; else give this job another directory"
+    )
+
+
+def _allows_other_host(holder: _lock.Holder) -> bool:
+    """Whether :data:`TAKE_OVER` lets this job take over ``holder``'s stale lock."""
+    value = os.environ.get(TAKE_OVER, "").strip()
+    return value in ("1", holder.host)
 
 
 def _busy(directory: str, holder: _lock.Holder | None) -> FleetCheckpointError:
@@ -116,12 +147,12 @@ def _take(directory: str) -> tuple[_lock.DirectoryLock, _lock.Holder | None]:
     of a reference cycle): it is collected before this process is refused."""
     job = _world.world().env.job_id if _world.is_initialized() else None
     try:
-        return _lock.take(directory, job, jax.process_count())
+        return _lock.take(directory, job, jax.process_count(), _allows_other_host)
     except _lock.Busy as e:
         if e.holder is None or not e.holder.is_this_process:
             raise
     gc.collect()  # (a dropped manager's finalizer releases its lock)
-    return _lock.take(directory, job, jax.process_count())
+    return _lock.take(directory, job, jax.process_count(), _allows_other_host)
 
 
 def _open_here(directory: str) -> tuple[_lock.DirectoryLock | None, str, list[str]]:
@@ -133,6 +164,8 @@ def _open_here(directory: str) -> tuple[_lock.DirectoryLock | None, str, list[st
         return None, str(e), []
     except _lock.Busy as e:
         return None, str(_busy(directory, e.holder)), []
+    except _lock.OtherHost as e:
+        return None, str(_other_host(directory, e.holder)), []
     except OSError as e:
         why = _disk.unwritable(e)
         if why is None:

@@ -10,7 +10,8 @@ The stages are separate and each can be used alone::
 What the folder holds, one idea a file:
 
 * ``_main.py``: the ``fleetrun`` command and its manual; ``__main__.py``: ``python
-  -m fleet.launch``.
+  -m fleet.launch``; ``_log_dir.py``: ``--log_dir`` made and written to once before
+  any start.
 * ``_args.py``: the command line and ``FLEETRUN_*`` variables -> :class:`LaunchConfig`.
 * ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults)
   and :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
@@ -29,8 +30,11 @@ What the folder holds, one idea a file:
 * ``_spawn.py``: ``fleet.spawn``'s adapter: ``multiprocessing`` children that send
   their result or traceback over a pipe; ``_spawn_options.py``: its options.
 
-What it may import: the standard library and fleet's core modules (``fleet._errors``,
-``fleet.runtime._env``, ``fleet.runtime._worker``, ``fleet.runtime._xla_flags``), at module level. The core
+What it may import: the standard library and fleet's lower layers, at module level:
+the core (``fleet._errors``, ``fleet.runtime._env``, ``fleet.runtime._worker``,
+``fleet.runtime._xla_flags``), ``fleet.io._main_guard`` (``fleet.spawn`` needs the
+``__main__`` guard as a DataLoader's workers do) and ``fleet.checkpoint._disk`` (what
+an ``errno`` says of a directory). The core
 never imports ``fleet.launch`` (``tests/test_launch_config.py`` checks); only
 ``fleet/__init__.py`` re-exports :func:`spawn`.
 """

@@ -27,6 +27,7 @@ from fleet._errors import FleetConfigError
 from fleet.launch import _tables
 from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, worker_base_environ
 from fleet.launch._failure import Failure, signal_name
+from fleet.launch._log_dir import make_log_dir
 from fleet.launch._rendezvous import Stopped
 from fleet.launch._rendezvous_join import meet
 from fleet.launch._stop import die_with_parent
@@ -148,7 +149,7 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
     when the launcher itself gets signal N (SIGINT, SIGTERM, SIGHUP).
     """
     out = sys.stdout if out is None else out
-    os.makedirs(config.log_dir, exist_ok=True)
+    make_log_dir(config.log_dir)  # (fleetrun's main has checked it already)
     heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     restart = 0
     devices = (f"GPU {','.join(config.gpus)}" if config.gpus is not None else

@@ -106,6 +106,9 @@ fleet's, resolved) and its first worker's Paddle variables (every variable with
 ``FLEET_JAX_HEARTBEAT_TIMEOUT`` (set by the launcher to at least 100 s and 30 s more
 than ``--progress_timeout``) and ``FLEET_JAX_INIT_TIMEOUT`` (yours to set; JAX's
 default is 300 s) are passed by ``fleet.init`` to ``jax.distributed.initialize``.
+Before that, a worker other than rank 0 waits up to ``FLEET_JAX_INIT_TIMEOUT`` for
+the coordinator's port to answer a TCP connect, then ends with an error naming the
+address and the variables it came from (``fleet/runtime/_coordinator.py``).
 
 Output
 ------
@@ -154,7 +157,8 @@ Failures
   node 0's own address is refused on node 0 at once; the other nodes end at
   their ``--join_timeout``, having warned when the address is their own.
 * Bad input fails before any worker starts (exit code 2): a missing script, a
-  taken ``--master`` port, GPU ids that do not exist, ``--node_rank`` outside
+  ``--log_dir`` that cannot be written (a read-only file system), a taken
+  ``--master`` port, GPU ids that do not exist, ``--node_rank`` outside
   ``--nnodes``, more processes than the machine holds (more than its visible
   GPUs; more than 8 CPU processes per CPU core without ``--allow_oversubscribe``).
 
@@ -200,6 +204,7 @@ from fleet.launch import _tables
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
 from fleet.launch._config import resolve
+from fleet.launch._log_dir import make_log_dir
 
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
 
@@ -225,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         given = parse_args(argv)
         config = resolve(given)
+        make_log_dir(config.log_dir)
     except FleetConfigError as e:
         print(f"fleetrun: error: {e}", file=sys.stderr)
         return 2

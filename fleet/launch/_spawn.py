@@ -29,6 +29,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fleet._errors import FleetConfigError
+from fleet.io import _main_guard
 from fleet.launch import _tables
 from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, resolve, worker_base_environ
 from fleet.launch._failure import Failure, WorkerFailedError
@@ -79,6 +81,7 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         [0, 10]
     """
     check_picklable(func, args)
+    _check_main_guard(nprocs)
     config = resolve(config_from_options(nprocs, options))
     if options.get("print_config"):
         print(_tables.config_table(config.table()), flush=True)
@@ -96,6 +99,29 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         while not context.join():
             pass
     return context
+
+
+def _check_main_guard(nprocs: int) -> None:
+    """Refuses a call from the main script's code outside its ``__main__`` guard.
+
+    Each process starts with ``spawn``, which imports the main script again (as
+    ``__mp_main__``): an unguarded ``fleet.spawn(...)`` line runs again there, and
+    Python refuses to start processes from a process that is starting (a
+    ``RuntimeError`` only the child's stderr shows; the parent would see "process
+    0 exited with code 1"). The DataLoader's workers have the same need
+    (``fleet/io/_main_guard.py`` finds the line)."""
+    found = _main_guard.unguarded_line()
+    if found is None:
+        return
+    path, line = found
+    raise FleetConfigError(
+        f"fleet.spawn(nprocs={nprocs}) is called from line {line} of {path}, outside an "
+        "`if __name__ == \"__main__\":` block. Its processes start with spawn, which "
+        "imports the script again in each of them, where that line would run again "
+        "(Python refuses, and every process dies before it runs the function). Put the "
+        "call under the guard: def main(): fleet.spawn(train, ...)  then  "
+        "if __name__ == \"__main__\": main()"
+    )
 
 
 class SpawnContext:
@@ -146,7 +172,8 @@ class SpawnContext:
             return False
         self._stop()  # the others; else leftover children of the workers, and the heartbeats
         if outcome.failure is not None:
-            raise _failed(outcome.failure)
+            worker = next(w for w in self._supervisor.workers if w.rank == outcome.failure.rank)
+            raise _failed(outcome.failure, getattr(worker, "began", True))
         return True
 
     def _stop(self) -> None:
@@ -155,23 +182,31 @@ class SpawnContext:
         shutil.rmtree(self._heartbeat_dir, ignore_errors=True)
 
 
-def _failed(failure: Failure) -> WorkerFailedError:
+def _failed(failure: Failure, began: bool = True) -> WorkerFailedError:
     where = f"fleet.spawn: process {failure.rank} (pid {failure.pid})"
     tb = failure.error
     message = (f"{where} raised an exception; the other processes were stopped. "
                f"Its traceback:\n\n{tb}" if tb else
                f"{where} {failure.how}; the other processes were stopped")
+    if not began and failure.returncode is not None:
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        message += (" (it ended before it called the function: it failed while starting, "
+                    "e.g. in the import of the main script"
+                    f"{f' {main}' if main else ''} that spawn runs again in each process; "
+                    "its own stderr, above, says why)")
     return WorkerFailedError(message, rank=failure.rank, exitcode=failure.exit_code,
                              worker_traceback=tb)
 
 
 class SpawnedWorker(Worker):
-    """A worker of ``fleet.spawn``: a ``multiprocessing`` child that sends ``("ok",
-    value)`` or ``("error", traceback)`` over a pipe before it ends."""
+    """A worker of ``fleet.spawn``: a ``multiprocessing`` child that sends ``("began",
+    None)`` once it runs, then ``("ok", value)`` or ``("error", traceback)`` over a
+    pipe before it ends."""
 
     def __init__(self, spec: WorkerSpec, process: Any, reader: Any, results: list[Any]):
         super().__init__(spec, process.pid)
         self.process, self._reader, self._results = process, reader, results
+        self.began = False  # the child said it runs _child_main (its start went well)
 
     def _wait_for_exit(self) -> int:
         sentinel = self.process.sentinel
@@ -193,7 +228,9 @@ class SpawnedWorker(Worker):
             except (EOFError, OSError):
                 reader.close()
                 return
-            if kind == "ok":
+            if kind == "began":
+                self.began = True
+            elif kind == "ok":
                 self._results[self.spec.local_rank] = value
             else:
                 self.error = value
@@ -216,6 +253,8 @@ def _environ(environ: dict[str, str]):
 def _child_main(func: Callable[..., Any], args: tuple, conn: Any, parent_pid: int) -> None:
     os.setsid()  # its own process group: the parent stops it with all its children
     die_with_parent(parent_pid)
+    with contextlib.suppress(Exception):
+        conn.send(("began", None))
     try:
         result = func(*args)
         _heartbeat.mark_finished()

@@ -56,6 +56,32 @@ PADDLE_ALIASES = {
 }
 
 
+def _lookup(environ: Mapping[str, str], name: str) -> tuple[str, str | None]:
+    """``(variable, value)``: fleet's ``name``, or its Paddle alias where ``name`` is
+    unset or empty (the variable named is the one the value came from)."""
+    value = environ.get(name)
+    if value in (None, "") and name in PADDLE_ALIASES:
+        alias = PADDLE_ALIASES[name]
+        if environ.get(alias):
+            return alias, environ[alias]
+    return name, value or None
+
+
+def coordinator_source(environ: Mapping[str, str] | None = None) -> str:
+    """The variable(s) the coordinator's address was read from, as
+    :meth:`WorkerEnv.from_environ` reads it: ``FLEET_COORDINATOR``, else the first
+    of the trainer endpoints (and ``PADDLE_MASTER`` where it says the same)."""
+    environ = os.environ if environ is None else environ
+    name, value = _lookup(environ, "FLEET_COORDINATOR")
+    if value is None:
+        name, value = _lookup(environ, "FLEET_TRAINER_ENDPOINTS")
+        value = (value or "").split(",")[0]
+    names = [name]
+    if environ.get("PADDLE_MASTER") and environ["PADDLE_MASTER"] == value:
+        names.insert(0, "PADDLE_MASTER")
+    return " / ".join(names)
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerEnv:
     """This process's place in the job, as its launcher described it."""
@@ -124,20 +150,18 @@ class WorkerEnv:
         environ = os.environ if environ is None else environ
 
         def get(name: str) -> str | None:
-            value = environ.get(name)
-            if value in (None, "") and name in PADDLE_ALIASES:
-                value = environ.get(PADDLE_ALIASES[name])
-            return value or None
+            return _lookup(environ, name)[1]
 
         def get_int(name: str, default: int) -> int:
-            value = get(name)
+            source, value = _lookup(environ, name)
             if value is None:
                 return default
             try:
                 return int(value)
             except ValueError:
+                also = f" (Paddle's name for {name})" if source != name else ""
                 raise FleetConfigError(
-                    f"environment variable {name}={value!r} is not an integer; "
+                    f"environment variable {source}={value!r}{also} is not an integer; "
                     "it is set by the launcher (fleetrun / fleet.spawn): unset it or "
                     "give an integer"
                 ) from None

@@ -24,7 +24,7 @@ import jax
 
 from fleet import _compat
 from fleet._errors import FleetConfigError
-from fleet.runtime import _cluster
+from fleet.runtime import _cluster, _coordinator
 from fleet.runtime._env import WorkerEnv
 from fleet.runtime._heartbeat import mark_failed, mark_finished
 
@@ -172,6 +172,9 @@ def initialize_distributed(env: WorkerEnv) -> None:
             f"process, rank {env.rank} of {env.world_size}, has computed already); move "
             "fleet.init(is_collective=True) to the top of your script"
         )
+    if "coordinator_address" in kwargs:  # a stale address must not end in JAX's C++ abort
+        _coordinator.wait_for_coordinator(
+            env, kwargs.get("initialization_timeout", _coordinator.JAX_INIT_TIMEOUT))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     install_fail_fast()  # a failing worker must not wait in JAX's shutdown barrier
     try:
