@@ -113,8 +113,8 @@ examples:
   fleetrun --nnodes 2 --node_rank 1 --master 10.0.0.1:6070 train.py   # the same on node 1
 
 The script calls fleet.init(is_collective=True) first. The full manual (the
-workers' environment, failures, ports and trust) is the README's section
-"Several processes and machines", and `python -m pydoc fleet.launch`."""
+workers' environment, failures, ports and trust) is docs/launch.md, and
+`python -m pydoc fleet.launch`."""
 ALIASES = {"gpus": ("devices", "selected_gpus"), "ips": ("cluster_node_ips",)}
 
 
