@@ -16,7 +16,8 @@ before its rounds (a step reads the world's strategy). Every variant donates
 its parameters and optimizer state (fleet by default). Variants run
 interleaved, round after round, each timing ``--steps`` steps; the table shows
 the median ms per step and the median of the per-round ratios against each
-baseline and against the faster of the two.
+baseline and against the faster of the two. While it runs (minutes on CPU), a
+line on stderr names each compilation and each round.
 
     .venv/bin/python benchmarks/step_overhead.py [--rounds 10] [--steps 10]
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -57,6 +59,11 @@ MODELS = {  # name -> (constructor, input shape per example, global batch)
 }
 
 
+def progress(what: str, began: float) -> None:
+    """A line on stderr, so that the minutes before the table are not silent."""
+    print(f"  ... {what}, {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+
+
 def measure(name: str) -> None:
     make, shape, batch = MODELS[name]
     x, y = batch_of(shape, batch)
@@ -72,13 +79,17 @@ def measure(name: str) -> None:
         "fleet, check_nan_inf": make_fleet(make, x, y, fleet.DistributedStrategy(
             check_nan_inf=True)),
     }
-    for run in variants.values():  # compile and warm up
+    began = time.perf_counter()
+    for i, (v, run) in enumerate(variants.items()):  # compile and warm up
+        progress(f"{name}: compiling {i + 1}/{len(variants)} {v}", began)
         use(run)
         for _ in range(3):
             run()
         jax.block_until_ready(run())
     times = {v: [] for v in variants}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        progress(f"{name}: round {r + 1}/{args.rounds} ({len(variants)} variants x "
+                 f"{args.steps} steps)", began)
         for v, run in variants.items():
             use(run)
             t0 = time.perf_counter()

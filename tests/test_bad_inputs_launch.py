@@ -84,7 +84,7 @@ def test_too_many_processes_are_refused_before_any_starts(jobs, script):
     assert (f"fleetrun: error: --nproc_per_node {asked} asks for {asked} CPU processes but "
             f"this machine has {cores} CPU core(s); at most {limit} (8 per core) start "
             "without --allow_oversubscribe") in job.output
-    assert "Local start" not in job.output and not job.log_dir.exists()  # nothing started
+    assert "output follows" not in job.output and not job.log_dir.exists()  # nothing started
     assert job_processes(job.job_id) == []
     # Forced, the count passes the checks (nothing is started here).
     config = resolve(LaunchConfig(training_script=script, nproc_per_node=limit + 1,

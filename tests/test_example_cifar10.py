@@ -201,6 +201,36 @@ def test_offline_says_so_and_names_the_options(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_offline_advice_is_given_once_and_the_failure_is_remembered(tmp_path, monkeypatch):
+    """Issue 38, item 5: the banner gave the --data-dir advice twice (its own and the
+    error's), and every run waited for the network again. OfflineError.what is the
+    error without the advice; the cache remembers the failure for data.RETRY_AFTER
+    seconds, for that URL only."""
+    monkeypatch.setitem(sys.modules, "data", data)
+    train = _load("cifar10_example_train_offline", EXAMPLE / "train.py")
+    url = closed_port_url()
+    with pytest.raises(data.OfflineError) as caught:
+        data.download(url, tmp_path / data.ARCHIVE, data.MD5)
+    assert caught.value.what.startswith(f"cannot reach {url} (") and "--data-dir" not in (
+        caught.value.what)
+    assert str(caught.value).count("--data-dir") == 1
+    banner = train.offline_banner(caught.value.what)
+    assert banner.count("--data-dir") == 1 and "cannot reach" in banner
+
+    assert data.recent_offline(tmp_path, url) is None
+    data.remember_offline(tmp_path, url, caught.value.what)
+    recent = data.recent_offline(tmp_path, url)
+    assert recent.startswith(caught.value.what + ", 0 min ago; a run tries again 60 min")
+    assert str(tmp_path / data.FAILED_MARK) in recent
+    assert data.locate(tmp_path) is None  # the mark is not the data
+    assert data.recent_offline(tmp_path, url + "?mirror") is None  # another URL: try it
+    assert data.recent_offline(tmp_path, url, within=0) is None  # an old failure: try again
+    data.forget_offline(tmp_path)
+    assert data.recent_offline(tmp_path, url) is None
+    assert train.plural(1, "device") == "1 device" and train.plural(2, "process") == (
+        "2 processes")
+
+
 # -- the script ------------------------------------------------------------------------------
 
 def run_script(args, devices, cwd, timeout=120, check=True):

@@ -133,6 +133,7 @@ def test_runs_on_one_process_and_through_fleetrun_alike(small_idx, tmp_path):
             "--log-freq", "8", "--verbose", "2"]
     single = run([*args, "--metrics-out", str(tmp_path / "single.json")], devices=2)
     assert "test accuracy:" in single.stdout and "samples/s" in single.stdout
+    assert "images, 2 devices, 1 process)" in single.stdout  # not "1 processes" (issue 38)
     # Paddle's console (issue 23): its opening line, Epoch N/M, steps with ms/step
     lines = single.stdout.splitlines()
     assert lines.count("The loss value printed in the log is the current step, and the "

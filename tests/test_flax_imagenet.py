@@ -1,11 +1,11 @@
-"""Flax's ImageNet example, converted the way the README says (issue 21, acceptance 3).
+"""Flax's ImageNet example, converted the way docs/from_pmap.md says (issue 21, acceptance 3).
 
 The original structure, on one device: a Linen ResNet whose BatchNorm layers
 take ``axis_name="batch"``, a ``TrainState`` with ``batch_stats``, a warmup +
 cosine learning rate read in the step, an L2 penalty computed from ``params``
 inside the loss, ``lax.pmean`` of the gradients and of the metrics, and
 ``jax.pmap(train_step, axis_name="batch")`` over a batch reshaped to
-``[devices, rows, ...]``. Its converted form (README, "From a jax.pmap
+``[devices, rows, ...]``. Its converted form (docs/from_pmap.md, "From a jax.pmap
 script") runs on 4 devices through ``fleet.distributed_step`` and trains the
 same model: within the float noise floor of the original itself (Flax's own
 data parallelism, the original pmapped over 4 devices, and the original against
@@ -143,7 +143,7 @@ def run_original(devices=1):
     return jax.tree.map(lambda a: a[0], state), history
 
 
-# -- converted (README, "From a jax.pmap script") --------------------------------------
+# -- converted (docs/from_pmap.md) --------------------------------------
 
 def train_step(state, batch, lr_fn):
     def loss_fn(params):
@@ -231,7 +231,7 @@ PARTLY_CONVERTED = {  # what is left of the original -> what the first call says
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("left", list(PARTLY_CONVERTED))
 def test_each_step_of_the_conversion_left_out_is_named(make_world, left):
-    """The original train_step under fleet with one more step of the README's list
+    """The original train_step under fleet with one more step of docs/from_pmap.md's list
     done each time: the first call names what is left and what to write."""
     axis_name, kwargs, message = PARTLY_CONVERTED[left]
     make_world(4)

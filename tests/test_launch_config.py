@@ -38,13 +38,13 @@ VALUES = {"nproc_per_node": "3", "gpus": "0,1", "cpu_devices": "2", "nnodes": "2
           "progress_timeout": "12.5", "node_ip": "10.0.0.2", "started_port": "6170",
           "first_step_min": "4", "uneven_grace": "1.5", "silence_warning": "7.5",
           "verbose_env": None,  # None: an on/off flag (its variable: 1)
-          "allow_oversubscribe": None, "join_timeout": "45"}
+          "allow_oversubscribe": None, "join_timeout": "45", "print_config": None}
 PARSED = {"nproc_per_node": 3, "gpus": ("0", "1"), "cpu_devices": 2, "nnodes": 2,
           "node_rank": 1, "master": "10.0.0.1:6070", "ips": ("10.0.0.1", "10.0.0.2"),
           "log_dir": "mylogs", "max_restarts": 4, "job_id": "exp7", "progress_timeout": 12.5,
           "node_ip": "10.0.0.2", "started_port": 6170, "first_step_min": 4.0,
           "uneven_grace": 1.5, "silence_warning": 7.5, "verbose_env": True,
-          "allow_oversubscribe": True, "join_timeout": 45.0}
+          "allow_oversubscribe": True, "join_timeout": 45.0, "print_config": True}
 
 
 def test_every_option_is_tested():

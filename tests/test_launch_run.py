@@ -51,7 +51,7 @@ def assert_same_params(path, reference):
 def test_trains_like_single_card(jobs, tmp_path, reference, nproc, devices, entry):
     out = tmp_path / "params.npz"
     command = [FLEETRUN] if entry == "fleetrun" else [sys.executable, "-m", "fleet.launch"]
-    job = jobs("--nproc_per_node", str(nproc), "--cpu-devices", str(devices),
+    job = jobs("--print_config", "--nproc_per_node", str(nproc), "--cpu-devices", str(devices),
                str(SCRIPTS / "train_linear.py"), str(out), entry=command)
     assert job.wait(timeout=120) == 0, job.output
     assert_same_params(out, reference)
@@ -292,7 +292,7 @@ def test_seed_command_lines_on_two_launchers(jobs, tmp_path, reference, seed):
     out = tmp_path / "params.npz"
     port = free_port()
     job_id = f"test-{uuid.uuid4().hex[:10]}"
-    gpu_env = {"CUDA_VISIBLE_DEVICES": "0,1", "XLA_FLAGS": ""}
+    gpu_env = {"CUDA_VISIBLE_DEVICES": "0,1", "XLA_FLAGS": "", "FLEETRUN_PRINT_CONFIG": "1"}
     nodes = []
     for node, ip in enumerate(("127.0.0.1", "127.0.0.2")):
         if seed == "002":

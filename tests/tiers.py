@@ -1,4 +1,4 @@
-"""The suite's two tiers (README, "Tests").
+"""The suite's two tiers (docs/tests.md).
 
 ``python -m pytest -q`` runs the default tier: every package, every table on 1
 and 4 devices (the tables of what fleet does across replicas only -- randomness,

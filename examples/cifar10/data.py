@@ -50,7 +50,12 @@ class DataError(Exception):
 
 
 class OfflineError(DataError):
-    """The download server cannot be reached."""
+    """The download server cannot be reached. ``what`` says so without the advice."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; this machine looks offline. "
+                         + OFFLINE_HINT.format(archive=ARCHIVE, dirname=DIRNAME))
+        self.what = what
 
 
 class ChecksumError(DataError):
@@ -70,6 +75,40 @@ def md5_of(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+#: A download that could not reach the server is remembered in the cache for this
+#: many seconds: the runs in between train on generated data at once (a banner says
+#: so) instead of waiting for the network again.
+RETRY_AFTER = 3600
+FAILED_MARK = ".download-failed"
+
+
+def remember_offline(root: str | os.PathLike, url: str, what: str) -> None:
+    """Notes in ``root`` that ``url`` could not be reached now (``what`` says why)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / FAILED_MARK).write_text(f"{int(time.time())} {url}\n{what}\n")  # floor: age >= 0
+
+
+def recent_offline(root: str | os.PathLike, url: str, within: float = RETRY_AFTER) -> str | None:
+    """Why the last download from ``url`` into ``root`` failed, with its age, if it
+    failed less than ``within`` seconds ago; else ``None`` (try again)."""
+    mark = Path(root) / FAILED_MARK
+    try:
+        head, what = mark.read_text().split("\n", 2)[:2]
+        stamp, was = head.split(" ", 1)
+        age = time.time() - float(stamp)
+    except (OSError, ValueError):
+        return None
+    if was != url or not 0 <= age < within:
+        return None
+    return (f"{what}, {age / 60:.0f} min ago; a run tries again {within / 60:.0f} min after "
+            f"that, or at once if you delete {mark}")
+
+
+def forget_offline(root: str | os.PathLike) -> None:
+    (Path(root) / FAILED_MARK).unlink(missing_ok=True)
 
 
 def locate(data_dir: str | os.PathLike) -> Path | None:
@@ -222,10 +261,7 @@ def download(url: str, dest: str | os.PathLike, md5: str | None, *, timeout: flo
             raise DataError(f"downloading {url} failed: HTTP {e.code} {e.reason}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise OfflineError(
-                f"cannot reach {url} ({reason}); this machine looks offline. "
-                + OFFLINE_HINT.format(archive=ARCHIVE, dirname=DIRNAME)
-            ) from None
+            raise OfflineError(f"cannot reach {url} ({reason})") from None
         with response:
             length = response.headers.get("Content-Length")
             length = int(length) if length is not None else None

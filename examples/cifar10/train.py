@@ -14,6 +14,13 @@ it is downloaded, MD5-checked and written atomically (see ``data.py``). When the
 download fails with no ``--data-dir`` given (a machine without the network), the
 script trains on generated data instead, says so in a banner at the start and
 ends every accuracy line with "(synthetic data)"; with ``--data-dir`` it fails.
+The cache remembers a download that could not reach the server for an hour: the
+runs in between go to generated data at once, and the banner says when the next
+run tries again.
+
+Two speeds: the progress bar's last line (``samples/s``) counts the whole epoch,
+the first step's compilation included; the validation line's ``images/s`` counts
+the epoch after that first step (the rate of the steps that follow).
 
 Training: random crop (4 pixels of zero padding) and horizontal flip, drawn per
 image from ``(seed, epoch, image index)`` on the device, so every split of the
@@ -204,9 +211,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 SYNTHETIC = " (synthetic data)"
 
 
+def plural(n: int, word: str) -> str:
+    """``1 device``, ``2 devices``, ``1 process``, ``2 processes``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+
+
 def offline_banner(reason: str) -> str:
+    """The banner of a run on generated data: ``reason`` says why (without advice:
+    the banner gives it once)."""
     rule = "=" * 78
-    return (f"{rule}\nNO CIFAR-10 ON THIS MACHINE: TRAINING ON GENERATED DATA\n{reason}\n"
+    return (f"{rule}\nNO CIFAR-10 ON THIS MACHINE: TRAINING ON GENERATED DATA\n{reason}.\n"
             "Every number below is measured on generated CIFAR-shaped images, not on "
             "CIFAR-10.\nFor the real data, run once with the network, or pass "
             f"--data-dir DIR with {data.ARCHIVE} (or {data.DIRNAME}/) in DIR.\n{rule}")
@@ -226,14 +240,24 @@ def load_data(args, world) -> tuple[dict, str]:
     root = Path(args.data_dir) if explicit else data.default_cache()
     found, problem = data.locate(root), None
     if found is None:
-        if world.env.local_rank == 0:  # one download per machine; the others wait
+        # A failed download into the cache is remembered for an hour (data.RETRY_AFTER).
+        recent = None if explicit else data.recent_offline(root, args.url)
+        if world.env.local_rank == 0 and recent is not None:
+            problem = f"the last download failed: {recent}"
+        elif world.env.local_rank == 0:  # one download per machine; the others wait
             print(f"CIFAR-10 is not in {root}: downloading {args.url}", flush=True)
             try:
                 data.download(args.url, root / data.ARCHIVE, args.md5)
+                data.forget_offline(root)
+            except data.OfflineError as e:
+                if explicit:
+                    sys.exit(f"error: {e}")
+                problem = e.what
+                data.remember_offline(root, args.url, e.what)
             except data.DataError as e:
                 if explicit:
                     sys.exit(f"error: {e}")
-                problem = str(e)
+                problem = str(e).rstrip(".")
         fleet.barrier_worker()
         found = data.locate(root)
     # Every process trains on the same kind of data, or none trains.
@@ -284,7 +308,8 @@ def main(argv=None) -> dict:
               "; BatchNorm over the global batch")
         print(f"CIFAR-10{note}: {args.model}{bn}; {len(train_set)} training and "
               f"{len(test_set)} test images; "
-              f"{world.num_replicas} devices in {fleet.worker_num()} processes; global batch "
+              f"{plural(world.num_replicas, 'device')} in "
+              f"{plural(fleet.worker_num(), 'process')}; global batch "
               f"{global_batch}", flush=True)
 
     history, global_step, start_epoch = [], 0, 0
@@ -354,7 +379,8 @@ def main(argv=None) -> dict:
         if first:
             print(f"[validation] epoch {epoch + 1}/{args.epochs} accuracy/loss: "
                   f"{record['val_accuracy']:.4f}/{record['val_loss']:.4f} ({count} images; "
-                  f"training {images_per_sec:.0f} images/s){note}", flush=True)
+                  f"training {images_per_sec:.0f} images/s after the compiling first step)"
+                  f"{note}", flush=True)
         save(epoch + 1, force=True)  # the loader stands at the next epoch's start
     if manager is not None:
         manager.close()

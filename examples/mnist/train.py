@@ -34,6 +34,11 @@ from fleet.io import TensorDataset
 NAMES = {"mnist": "MNIST", "fashion": "Fashion-MNIST"}
 
 
+def plural(n: int, word: str) -> str:
+    """``1 device``, ``2 devices``, ``1 process``, ``2 processes``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+
+
 class MLP(nnx.Module):
     """Flatten -> Linear(784, 512) -> ReLU -> Dropout(0.2) -> Linear(512, 10)."""
 
@@ -111,8 +116,9 @@ def main(argv=None) -> dict:
     }
     if fleet.is_first_worker():
         print(f"test accuracy: {result['acc']:.4f}  loss: {result['loss'][0]:.4f}  "
-              f"({NAMES[args.dataset]}, {len(test_set)} images, {summary['devices']} devices, "
-              f"{summary['processes']} processes{', bfloat16 amp' if args.amp else ''})",
+              f"({NAMES[args.dataset]}, {len(test_set)} images, "
+              f"{plural(summary['devices'], 'device')}, "
+              f"{plural(summary['processes'], 'process')}{', bfloat16 amp' if args.amp else ''})",
               flush=True)
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(summary, indent=2))

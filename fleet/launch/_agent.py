@@ -70,17 +70,21 @@ class SignalCatcher:
 class LogFollower:
     """Echoes the new lines of a log file, each prefixed with the rank that wrote it."""
 
-    def __init__(self, path: str, offset: int, prefix: str, out: IO[str]):
+    def __init__(self, path: str, offset: int, prefix: str, out: IO[str],
+                 skip: Callable[[str], bool] | None = None):
         self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
         self._file.seek(offset)
         self._prefix, self._out, self._partial = prefix, out, b""
+        self._skip = skip or (lambda line: False)
 
     def poll(self, final: bool = False) -> None:
         data = self._file.read()
         if data:
             *lines, self._partial = (self._partial + data).split(b"\n")
-            for line in lines:
-                self._out.write(self._prefix + line.decode("utf-8", "replace") + "\n")
+            for raw in lines:
+                line = raw.decode("utf-8", "replace")
+                if not self._skip(line):
+                    self._out.write(self._prefix + line + "\n")
         if final and self._partial:
             self._out.write(self._prefix + self._partial.decode("utf-8", "replace") + "\n")
             self._partial = b""
@@ -129,12 +133,18 @@ def start_workers(config: LaunchConfig, specs: list[WorkerSpec],
 
 
 def watch(supervisor: Supervisor, config: LaunchConfig, signals: SignalCatcher,
-          out: IO[str]) -> Outcome:
-    """Runs the supervisor with worker 0's log echoed to ``out`` as it is written."""
+          out: IO[str], restart: int = 0) -> Outcome:
+    """Runs the supervisor with worker 0's log echoed to ``out`` as it is written, after
+    the start's one line (``_tables.start_line``; the INFO line under ``--print_config``)."""
     first = supervisor.workers[0]  # echoed as it is: one rank's lines, nothing mixes
-    log.info("rank %d's output follows (every worker's: %s)", first.rank,
-             os.path.join(config.log_dir, "workerlog.N"))
-    follower = LogFollower(first.log_path, first.log_offset, "", out)
+    if config.tables:
+        log.info("rank %d's output follows (every worker's: %s)", first.rank,
+                 os.path.join(config.log_dir, "workerlog.N"))
+    else:
+        out.write(_tables.start_line(config, first.rank, restart) + "\n")
+        out.flush()
+    skip = None if config.tables else _tables.quiet_line
+    follower = LogFollower(first.log_path, first.log_offset, "", out, skip)
     try:
         return supervisor.run(signals=signals, tick=follower.poll)
     finally:
@@ -152,11 +162,13 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
     make_log_dir(config.log_dir)  # (fleetrun's main has checked it already)
     heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     restart = 0
-    devices = (f"GPU {','.join(config.gpus)}" if config.gpus is not None else
-               f"CPU, {config.cpu_devices} devices each" if config.cpu_devices is not None else
-               "each with the devices JAX finds here: no --gpus or --cpu_devices given")
-    log.info("Run collective mode: %d processes on node %d of %d (%s), %d in the job",
-             config.nproc_per_node, config.node_rank, config.nnodes, devices, config.world_size)
+    if config.tables:  # Paddle's opening line; by default the start's one line says it
+        devices = (f"GPU {','.join(config.gpus)}" if config.gpus is not None else
+                   f"CPU, {config.cpu_devices} devices each" if config.cpu_devices is not None
+                   else "each with the devices JAX finds here: no --gpus or --cpu_devices given")
+        log.info("Run collective mode: %d processes on node %d of %d (%s), %d in the job",
+                 config.nproc_per_node, config.node_rank, config.nnodes, devices,
+                 config.world_size)
     try:
         with SignalCatcher() as signals:
             if config.nnodes > 1:
@@ -192,13 +204,14 @@ def _attempt(config: LaunchConfig, restart: int, heartbeat_dir: str, signals: Si
     for name in os.listdir(heartbeat_dir):
         os.unlink(os.path.join(heartbeat_dir, name))
     specs = plan_workers(config, restart, heartbeat_dir)
-    log.info(
-        "Local start %d processes%s. First process distributed environment "
-        "info (Only For Debug):\n%s", len(specs), f" (restart {restart})" if restart else "",
-        _tables.env_table(specs[0].environ, config.verbose_env),
-    )
+    if config.tables:
+        log.info(
+            "Local start %d processes%s. First process distributed environment "
+            "info (Only For Debug):\n%s", len(specs), f" (restart {restart})" if restart else "",
+            _tables.env_table(specs[0].environ, config.verbose_env),
+        )
     supervisor = start_workers(config, specs, restart)
-    outcome = watch(supervisor, config, signals, out)
+    outcome = watch(supervisor, config, signals, out, restart)
     if outcome.signum is not None:
         log.warning("got %s: stopping all %d workers", signal_name(outcome.signum), len(specs))
         supervisor.stop(hurry=signals.another())

@@ -85,7 +85,11 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
                      "came"),
     "verbose_env": (_flag, False, "print every variable of the first worker, not only "
                                   "Paddle's table (its four variables, and "
-                                  "FLAGS_selected_gpus on GPUs)"),
+                                  "FLAGS_selected_gpus on GPUs); implies --print_config"),
+    "print_config": (_flag, False, "print Paddle's launcher tables at start: the "
+                                   "configuration arguments and the first worker's "
+                                   "distributed environment (default: one line saying "
+                                   "what starts where)"),
 }
 # --help shows the options in these groups, in this order (torchrun's shape).
 GROUPS = {
@@ -94,7 +98,7 @@ GROUPS = {
                          "join_timeout"),
     "failures and stuck workers": ("max_restarts", "progress_timeout", "first_step_min",
                                    "uneven_grace", "silence_warning"),
-    "output": ("log_dir", "job_id", "verbose_env"),
+    "output": ("log_dir", "job_id", "print_config", "verbose_env"),
 }
 DESCRIPTION = """\
 Starts a data-parallel job: the training script once per process (one per GPU,
@@ -109,8 +113,8 @@ examples:
   fleetrun --nnodes 2 --node_rank 1 --master 10.0.0.1:6070 train.py   # the same on node 1
 
 The script calls fleet.init(is_collective=True) first. The full manual (the
-workers' environment, failures, ports and trust) is the README's section
-"Several processes and machines", and `python -m pydoc fleet.launch`."""
+workers' environment, failures, ports and trust) is docs/launch.md, and
+`python -m pydoc fleet.launch`."""
 ALIASES = {"gpus": ("devices", "selected_gpus"), "ips": ("cluster_node_ips",)}
 
 

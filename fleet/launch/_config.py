@@ -63,7 +63,10 @@ class LaunchConfig:
             before a warning line, and between the next ones (0: none).
         allow_oversubscribe: start more CPU processes than
             ``_devices.PROCESSES_PER_CORE`` (8) per CPU core.
-        verbose_env: print every variable of the first worker, not only Paddle's.
+        verbose_env: print every variable of the first worker, not only Paddle's
+            (implies ``print_config``).
+        print_config: print Paddle's two tables at start (the configuration
+            arguments and the first worker's environment) instead of one line.
         join_timeout: seconds the nodes of a multi-node job wait for each other
             before the first start (``fleet/launch/_rendezvous.py``).
     """
@@ -89,6 +92,12 @@ class LaunchConfig:
     allow_oversubscribe: bool = False
     verbose_env: bool = False
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    print_config: bool = False
+
+    @property
+    def tables(self) -> bool:
+        """Whether the launcher prints Paddle's tables (else one line per start)."""
+        return self.print_config or self.verbose_env
 
     @property
     def world_size(self) -> int:

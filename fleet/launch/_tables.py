@@ -1,8 +1,20 @@
-"""The two tables the launcher prints, in the layout of Paddle's launcher."""
+"""What the launcher prints at a start: one line by default, or (``--print_config``)
+the two tables in the layout of Paddle's launcher.
+
+torchrun prints nothing before the script's output; Paddle's launcher prints a
+26-row configuration table (parameter-server rows included) and the first worker's
+variables. fleetrun's default is one line that says what starts where and where
+the logs go; ``--print_config`` (``FLEETRUN_PRINT_CONFIG=1``) or ``--verbose_env``
+brings Paddle's tables back (``tests/test_launch_output.py``).
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
+
+from fleet.launch._config import LaunchConfig
 
 _NAME_WIDTH, _VALUE_WIDTH = 40, 45
 # The rows of Paddle's own table, in its order; the others only with --verbose_env.
@@ -38,3 +50,48 @@ def env_table(environ: Mapping[str, str], verbose: bool = False) -> str:
         lines.append(f"    |{name:>{_NAME_WIDTH}}  {value:^{_VALUE_WIDTH}}|")
     lines.append("    +" + "=" * width + "+")
     return "\n".join(lines)
+
+
+def devices_phrase(config: LaunchConfig) -> str:
+    """What each process of a resolved config computes on, in words."""
+    n = config.nproc_per_node
+    processes = f"{n} process{'es' if n != 1 else ''}"
+    if config.gpus is not None:
+        return f"{processes}, GPU {','.join(config.gpus)} (one each)"
+    if config.cpu_devices is not None:
+        each = config.cpu_devices
+        return f"{processes} x {each} CPU device{'s' if each != 1 else ''}"
+    return f"{processes}, each with the devices JAX finds"
+
+
+def start_line(config: LaunchConfig, first_rank: int, restart: int) -> str:
+    """The one line fleetrun prints at each start of its workers.
+
+    Example:
+        >>> start_line(LaunchConfig(nproc_per_node=2, cpu_devices=2, nnodes=1,
+        ...                         node_rank=0, log_dir="log"), 0, 0)  # doctest: +NORMALIZE_WHITESPACE
+        "fleetrun: 2 processes x 2 CPU devices on this host, job default; rank 0's output
+        follows (every rank's: log/workerlog.N)"
+    """
+    where = ("on this host" if config.nnodes == 1 else
+             f"on node {config.node_rank} of {config.nnodes} ({config.world_size} processes "
+             "in the job)")
+    again = f"restart {restart}: " if restart else ""
+    logs = os.path.join(config.log_dir, "workerlog.N")
+    return (f"fleetrun: {again}{devices_phrase(config)} {where}, job {config.job_id}; "
+            f"rank {first_rank}'s output follows (every rank's: {logs})")
+
+
+# gloo (inside jaxlib) writes this line to stdout once per communicator it connects,
+# with no switch to turn it off (jax-ml/jax#32673). The console's echo leaves it out
+# when every peer came; the worker's log keeps it, and a short count is echoed.
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)")
+
+
+def quiet_line(line: str) -> bool:
+    """Whether the console's echo of a worker's log leaves ``line`` out: gloo's
+    "connected to K of K peers" note (the worker's log file keeps it)."""
+    found = _GLOO_CONNECTED.fullmatch(line.strip())
+    return found is not None and found.group(1) == found.group(2)

@@ -76,7 +76,7 @@ class DistributedStrategy:
             statistics, the one deliberate difference from one device); not set
             (``None``), a step that runs one in training mode raises and asks.
         amp, recompute, gradient_merge, lars, lamb, sharding (+ ``*_configs``):
-            Paddle's feature sections (see the README's Strategy section).
+            Paddle's feature sections (see docs/strategy.md).
         Paddle's other fields (``hybrid_configs``, ``a_sync``, ``dgc``...): kept
             with Paddle's defaults; each is mapped, a no-op that warns, or refused
             (``fleet/strategy/_paddle_fields.py``, ``docs/strategy_fields.md``).
