@@ -8,11 +8,12 @@ Four changes turn a single-device Flax + Optax script into a data-parallel one::
     optimizer = fleet.distributed_optimizer(optimizer)
     train_step = fleet.distributed_step(train_step)       # 4 (instead of jax.jit)
 
-The public API is this module; everything else is private. Beside it, the
-parallel core (``fleet/_*.py``: the job, the model's gradients, the optimizer,
-the step) builds on ``fleet/strategy/`` and on nothing above it; ``io``,
-``checkpoint``, ``launch`` and ``hapi`` build on the core. ``README.md``'s "Where
-things are" names each file; ``tests/test_layers.py`` keeps the layers.
+The public API is this module; everything else is private. The package is in
+folders by layer, lowest first: the configuration (``fleet/strategy/``), the
+runtime, gradient communication, the strategy sections, the wrappers, what a
+step means across replicas, the step, then ``io``, ``checkpoint``, ``launch``
+and ``hapi``. ``docs/architecture.md`` draws them and the path of one step call;
+``tests/test_layers.py`` keeps the layers.
 """
 
 # First, before anything starts JAX's CPU client: a thread pool large enough that

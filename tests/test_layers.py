@@ -114,7 +114,7 @@ def test_no_import_inside_a_function_but_the_commented_lazy_ones():
     assert found == []
 
 
-#: The package's layers, lowest first (README, "Architecture"): a module imports
+#: The package's layers, lowest first (docs/architecture.md): a module imports
 #: only from its own layer and those before it. A layer is a folder (its
 #: ``__init__`` included) or one of the root's modules.
 LAYERS = (

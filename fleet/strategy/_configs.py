@@ -49,7 +49,7 @@ def _names(owner: str, value: tuple) -> None:
 
 @dataclasses.dataclass
 class AmpConfigs:
-    """Mixed precision (Paddle's ``amp_configs``; see the README's Strategy section).
+    """Mixed precision (Paddle's ``amp_configs``; see docs/strategy.md).
 
     Parameters stay float32; the wrapped model computes in ``dtype``; gradients
     are reduced and applied in float32. ``float16`` uses dynamic loss scaling
