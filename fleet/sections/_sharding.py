@@ -61,7 +61,8 @@ from fleet import _compat
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm import _sync
 from fleet.comm._buckets import strategy_buckets
-from fleet.comm._shard_comm import Layout, fleet_shard_grad, gather, own_slice, reduce_slices
+from fleet.comm._hooks import reduce_slices
+from fleet.comm._shard_comm import Layout, fleet_shard_grad, gather, own_slice
 from fleet.runtime._world import DATA_AXIS, current_strategy, world
 from fleet.sections import _finite, _slices
 
