@@ -11,13 +11,15 @@ one place, :func:`gradient_hook`:
 * :func:`fp16_compress` (``strategy.fp16_allreduce``): float leaves divided by
   the replica count first, so that a 16-bit sum cannot overflow, summed in the
   16-bit wire dtype and cast back, as torch's ``bf16_compress_hook``;
-* :class:`ReduceScatter` (``strategy.sharding``, ZeRO): each leaf as
+* :class:`~fleet.comm._shard_comm.ReduceScatter` (``strategy.sharding``, ZeRO): each leaf as
   ``(degree, chunk)`` rows, reduce-scattered, so each replica keeps the mean of
   its own chunk (its slice); in the wire dtype too under ``fp16_allreduce``;
 * :class:`Divided`: another hook's result divided by the step's gradient divisor
   (float16 amp's loss scale, gradient merge's average).
 
-:class:`AllGather` (ZeRO's gather of the updated slices) is the way back.
+:class:`~fleet.comm._shard_comm.AllGather` (ZeRO's gather of the updated
+slices) is the way back; :func:`zero_backward` is a wrapped model's bucket
+backward under sharding (stage 2 reduces now, stage 1 after the backward pass).
 
 Each collective is one ``jit`` named ``fleet_*`` in the jaxpr (``fleet_bucket``,
 ``fleet_scatter``, ``fleet_gather``), casts included, so that the step's guards
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fleet.comm._buckets import Bucket, Hook, plan_leaves, reduce_buckets, strategy_buckets
-from fleet.comm._shard_comm import ReduceScatter
+from fleet.comm._shard_comm import ReduceScatter, fleet_shard_grad
 from fleet.runtime._world import DATA_AXIS
 
 # --------------------------------------------------------------------------- collectives
@@ -117,3 +119,20 @@ def reduce_slices(leaves: Sequence, cfg: Any, divisor: Any = None) -> list:
     step's :class:`fleet.sections._sharding.Config`."""
     return reduce_buckets(plan_leaves(leaves, strategy_buckets()), leaves,
                           gradient_hook(cfg.wire, divisor, shard=cfg))
+
+
+def zero_backward(trace: Any, keys: Sequence, cts: list) -> list:
+    """A wrapped model's bucket backward under ``strategy.sharding`` (``trace``:
+    the step's :class:`fleet.comm._sync.SyncTrace`): stage 2 reduce-scatters the
+    bucket now, stage 1 keeps the local gradients for the optimizer
+    (:mod:`fleet.sections._sharding`); both return placeholders."""
+    cfg = trace.shard
+    if cfg.stage == 2:
+        values = reduce_slices(cts, cfg, trace.grad_divisor)
+        trace.record_finite([f"gradient of {k!r}" for k in keys], values)
+    else:
+        values = cts
+    held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
+    for k, i, v in zip(keys, trace.hold(held), values):
+        trace.shard_grads[i] = (k, v, cfg.stage == 2)
+    return held

@@ -46,7 +46,7 @@ from fleet import _compat
 from fleet._compat import is_differentiated
 from fleet._errors import FleetError
 from fleet.comm._buckets import Bucket, BucketConfig, plan_leaves, reduce_buckets
-from fleet.comm._hooks import fleet_bucket, gradient_hook
+from fleet.comm._hooks import fleet_bucket, gradient_hook, zero_backward
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 
@@ -109,7 +109,7 @@ class SyncTrace:
         hook (:func:`fleet.comm._hooks.gradient_hook`); under ``strategy.sharding``
         by ZeRO's backward, which keeps slices and returns placeholders."""
         if self.shard is not None:
-            return self.shard.backward(self, keys, cts)
+            return zero_backward(self, keys, cts)
         out = gradient_hook(wire, self.grad_divisor)(bucket, cts)
         self.record_finite([f"gradient of {k!r}" for k in keys], out)
         return out
