@@ -16,11 +16,11 @@
     ``nnx.remat``;
   - ``_large_batch.py``: ``strategy.lars`` / ``strategy.lamb``;
   - ``_sharding.py``: ``strategy.sharding`` (ZeRO stages 1 and 2), with its
-    collectives (``_shard_comm.py``), its probe (``_shard_probe.py``) and the
+    collectives (``fleet/comm/_shard_comm.py``), its probe (``_shard_probe.py``) and the
     whole-tensor norms across slices (``_slices.py``).
 
   Gradient merge lives in the distributed optimizer (``fleet/wrappers/_distributed_optimizer.py``)
-  and the step; ``fp16_allreduce`` in the buckets (``fleet/comm/_buckets.py``).
+  and the step; ``fp16_allreduce`` is a communication hook (``fleet/comm/_hooks.py``).
 """
 
 from fleet.strategy._strategy import (
