@@ -7,7 +7,9 @@ import pytest
 from flax import nnx
 
 import fleet
-from fleet.comm._buckets import MB, BucketConfig, plan_buckets
+from fleet.comm import _hooks
+from fleet.comm._buckets import MB, BucketConfig, plan_buckets, reduce_buckets
+from fleet.comm._shard_comm import ReduceScatter
 from tests import models
 from tests.jaxpr_utils import count_buckets, count_primitives
 
@@ -81,3 +83,30 @@ def test_data_parallel_arguments_set_the_buckets(make_world):
     jaxpr = fleet.distributed_step(models.nnx_train_step).make_jaxpr(model, optimizer, x, x)
     assert count_buckets(jaxpr) == 8
     assert count_primitives(jaxpr) == 8
+
+
+def test_plan_breaks_where_the_kind_changes():
+    """ZeRO's all-gather plans with the one planner, one dtype per bucket."""
+    kinds = ["float32", "float32", "bfloat16", "float32"]
+    assert plan_buckets([B] * 4, BucketConfig(1, 1), kinds) == [[0, 1], [2], [3]]
+    assert plan_buckets([B] * 4, BucketConfig(1, 1)) == [[0, 1, 2, 3]]
+
+
+def test_the_loop_calls_the_hook_once_per_bucket_in_plan_order():
+    seen = []
+
+    def hook(bucket, leaves):
+        seen.append((bucket.index, bucket.members, list(leaves)))
+        return [x * 10 for x in leaves]
+
+    out = reduce_buckets([[3, 1], [0]], [1, 2, 3, 4, 5], hook)
+    assert out == [10, 20, 3, 40, 5]  # leaf 2 and 4 are in no bucket: unchanged
+    assert seen == [(0, (3, 1), [4, 2]), (1, (0,), [1])]
+
+
+def test_the_strategy_picks_the_hook():
+    divisor = np.float32(2)
+    assert _hooks.gradient_hook(None) is _hooks.mean_all_reduce
+    assert _hooks.gradient_hook("bfloat16") == _hooks.fp16_compress("bfloat16")
+    assert _hooks.gradient_hook(None, divisor) == _hooks.Divided(_hooks.mean_all_reduce, divisor)
+    assert _hooks.gradient_hook("float16", shard="cfg") == ReduceScatter("cfg")

@@ -2,14 +2,15 @@
 (:mod:`fleet.comm._buckets`).
 
 A wrapped model reduces its gradients in the backward pass, one custom-VJP
-call per bucket (:mod:`fleet.comm._sync`); its bucket is one ``jax.lax.psum`` of the
-bucket's leaves as a list. fleet does not concatenate a bucket into one buffer:
-that costs a copy of the bucket before and after the collective, which XLA
-cannot remove across it, and XLA already merges the list's all-reduces -- on
-CPU all of them, on GPU up to ``--xla_gpu_all_reduce_combine_threshold_bytes``
-(30 MiB by default, about fleet's default 32 MB bucket), so on GPU each default
-bucket runs as about one NCCL all-reduce. To make fleet's buckets the exact
-unit, set that flag to the bucket size in ``XLA_FLAGS``.
+call per bucket (:mod:`fleet.comm._sync`); its bucket is one ``jax.lax.psum``
+of the bucket's leaves as a list (:func:`fleet.comm._hooks.mean_all_reduce`).
+fleet does not concatenate a bucket into one buffer: that costs a copy of the
+bucket before and after the collective, which XLA cannot remove across it, and
+XLA already merges the list's all-reduces -- on CPU all of them, on GPU up to
+``--xla_gpu_all_reduce_combine_threshold_bytes`` (30 MiB by default, about
+fleet's default 32 MB bucket), so on GPU each default bucket runs as about one
+NCCL all-reduce. To make fleet's buckets the exact unit, set that flag to the
+bucket size in ``XLA_FLAGS``.
 
 :func:`reduce_gradients` (the distributed optimizer, ``apply_collective_grads``,
 ``fused_allreduce_gradients``) averages only the leaves that still *vary*
@@ -22,11 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from fleet._errors import FleetError
-from fleet.comm._buckets import BucketConfig, plan_buckets, strategy_buckets
-from fleet.comm._sync import current, is_varying, mean_over_replicas
+from fleet.comm._buckets import BucketConfig, plan_leaves, reduce_buckets, strategy_buckets
+from fleet.comm._hooks import gradient_hook
+from fleet.comm._sync import current, is_varying
 from fleet.runtime._world import is_initialized, world
 
 
@@ -34,14 +35,9 @@ def allreduce_mean(leaves: list, config: BucketConfig) -> list:
     """Averages varying ``leaves`` over the ``data`` axis, one psum per bucket
     (in ``config.wire_dtype`` if set); invariant leaves (equal on every replica
     already) come back as they are."""
-    out = list(leaves)
     todo = [i for i, x in enumerate(leaves) if is_varying(x)]
-    nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
-    for bucket in plan_buckets(nbytes, config):
-        idx = [todo[j] for j in bucket]
-        for i, y in zip(idx, mean_over_replicas([leaves[i] for i in idx], config.wire_dtype)):
-            out[i] = y
-    return out
+    return reduce_buckets(plan_leaves(leaves, config, todo), leaves,
+                          gradient_hook(config.wire_dtype))
 
 
 def reduce_gradients(grads: Any, config: BucketConfig | None = None) -> Any:

@@ -1,7 +1,10 @@
-"""ZeRO's collectives (``strategy.sharding``, :mod:`fleet.sections._sharding`): a bucket's
-reduce-scatter of gradients into slices, the all-gather of the updates, and a
+"""ZeRO's collectives and hooks (``strategy.sharding``, :mod:`fleet.sections._sharding`):
+a bucket's reduce-scatter of gradients into slices (:class:`ReduceScatter`, the
+hook :func:`fleet.comm._hooks.gradient_hook` picks under sharding), the
+all-gather of the updated slices (:class:`AllGather`, :func:`gather`), and a
 replica's own slice of a full array. Each collective is a ``jit`` named
-``fleet_*`` in the jaxpr, which the step's guards know as fleet's own.
+``fleet_*`` in the jaxpr, which the step's guards know as fleet's own; the
+buckets are planned and looped over in :mod:`fleet.comm._buckets`.
 
 A slice: a full array flattened, padded with zeros to ``degree * chunk`` and cut
 into ``degree`` rows of ``chunk`` (a :class:`fleet.sections._sharding.Layout`); replica
@@ -19,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fleet.comm._buckets import plan_buckets, strategy_buckets
+from fleet.comm._buckets import MB, Bucket, BucketConfig, plan_leaves, reduce_buckets
 from fleet.runtime._world import DATA_AXIS
 
 
@@ -51,8 +54,6 @@ def fleet_shard_grad(specs: tuple) -> list:
     gradient exists only as slices (see :mod:`fleet.sections._sharding`). A ``jit``
     named so in the jaxpr: the step refuses a program that reads them."""
     return [jnp.zeros(shape, dtype) for shape, dtype in specs]
-
-
 
 
 def _shard_index(layout_degree: int) -> Any:
@@ -101,47 +102,43 @@ def fleet_gather(*slices: Any) -> list:
     return list(jax.lax.all_gather(list(slices), DATA_AXIS, to="invarying"))
 
 
-def reduce_slices(leaves: Sequence, cfg: Any, divisor: Any = None) -> list:
-    """The reduced (mean) gradient slices of per-replica local gradients, one
-    reduce-scatter per gradient bucket (``fuse_grad_size_in_MB``); ``cfg`` is the
+@dataclasses.dataclass(frozen=True)
+class ReduceScatter:
+    """ZeRO's hook (``strategy.sharding``): the mean of this replica's slice of
+    each leaf (per-replica local gradients in, slices out). ``shard`` is the
     step's :class:`fleet.sections._sharding.Config`."""
-    layouts = [cfg.layout(jnp.shape(x)) for x in leaves]
-    scatter = cfg.degree == cfg.replicas == jax.lax.axis_size(DATA_AXIS)
-    out: list = [None] * len(leaves)
-    nbytes = [x.size * x.dtype.itemsize for x in leaves]
-    for bucket in plan_buckets(nbytes, strategy_buckets()):
-        rows = [padded_rows(leaves[i], layouts[i]) for i in bucket]
+
+    shard: Any
+
+    def __call__(self, bucket: Bucket, leaves: list) -> list:
+        cfg = self.shard
+        rows = [padded_rows(x, cfg.layout(jnp.shape(x))) for x in leaves]
+        scatter = cfg.degree == cfg.replicas == jax.lax.axis_size(DATA_AXIS)
         if scatter or jax.lax.axis_size(DATA_AXIS) == cfg.replicas:
-            reduced = fleet_scatter(*rows, wire=cfg.wire, scatter=scatter)
-        else:  # the single-device trace of the step (fleet.step._guards.check_on_one_device)
-            reduced = [r[0] for r in rows]
-        for i, s in zip(bucket, reduced):
-            out[i] = s if divisor is None else s / divisor.astype(s.dtype)
-    return out
+            return fleet_scatter(*rows, wire=cfg.wire, scatter=scatter)
+        return [r[0] for r in rows]  # the single-device trace (fleet.step._guards)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGather:
+    """ZeRO's way back: full arrays from the replicas' slices; ``layouts`` are
+    those of the whole list the plan was made for (``bucket.members`` index it)."""
+
+    layouts: tuple[Layout, ...]
+
+    def __call__(self, bucket: Bucket, slices: list) -> list:
+        out = []
+        for i, r in zip(bucket.members, fleet_gather(*slices)):
+            lay = self.layouts[i]
+            if r.shape[0] != lay.replicas:  # the single-device trace
+                r = jnp.tile(r, (lay.replicas, 1))
+            out.append(r[:lay.degree].reshape(-1)[:lay.size].reshape(lay.shape))
+        return out
 
 
 def gather(slices: Sequence, layouts: Sequence[Layout], gather_bytes: int) -> list:
     """Full arrays from the replicas' slices, in all-gather buckets of
-    ``gather_bytes`` (``segment_broadcast_MB``)."""
-    out: list = [None] * len(slices)
-    bucket: list[int] = []
-    size = 0
-    buckets = []
-    for i, s in enumerate(slices):
-        nbytes = s.size * s.dtype.itemsize
-        if bucket and (size + nbytes > gather_bytes
-                       or s.dtype != slices[bucket[0]].dtype):
-            buckets.append(bucket)
-            bucket, size = [], 0
-        bucket.append(i)
-        size += nbytes
-    if bucket:
-        buckets.append(bucket)
-    for bucket in buckets:
-        rows = fleet_gather(*[slices[i] for i in bucket])
-        for i, r in zip(bucket, rows):
-            lay = layouts[i]
-            if r.shape[0] != lay.replicas:  # the single-device trace
-                r = jnp.tile(r, (lay.replicas, 1))
-            out[i] = r[:lay.degree].reshape(-1)[:lay.size].reshape(lay.shape)
-    return out
+    ``gather_bytes`` (``segment_broadcast_MB``), one dtype per bucket."""
+    size = gather_bytes / MB
+    plan = plan_leaves(slices, BucketConfig(size, size), by_dtype=True)
+    return reduce_buckets(plan, slices, AllGather(tuple(layouts)))

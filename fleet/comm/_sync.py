@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,7 +45,8 @@ from flax.typing import MISSING, Missing
 from fleet import _compat
 from fleet._compat import is_differentiated
 from fleet._errors import FleetError
-from fleet.comm._buckets import BucketConfig, plan_buckets
+from fleet.comm._buckets import Bucket, BucketConfig, plan_leaves, reduce_buckets
+from fleet.comm._hooks import fleet_bucket, gradient_hook, zero_backward
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 
@@ -94,6 +94,25 @@ class SyncTrace:
             self.finite.extend(
                 (n, jnp.all(jnp.isfinite(x))) for n, x in zip(names, leaves)
                 if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+    def take_accumulated(self, keys: Sequence, cts: Sequence) -> list:
+        """``cts`` plus what ``no_sync`` accumulated for their keys, which is then
+        consumed (the step leaves zeros)."""
+        out = [ct + self.accum_in[k] if k in self.accum_in else ct for k, ct in zip(keys, cts)]
+        for k in keys:
+            if k in self.accum_in:
+                self.accum_out[k] = None
+        return out
+
+    def reduce_bucket(self, bucket: Bucket, keys: Sequence, cts: list, wire: str | None) -> list:
+        """A wrapped model's bucket of local gradients, reduced by this step's
+        hook (:func:`fleet.comm._hooks.gradient_hook`); under ``strategy.sharding``
+        by ZeRO's backward, which keeps slices and returns placeholders."""
+        if self.shard is not None:
+            return zero_backward(self, keys, cts)
+        out = gradient_hook(wire, self.grad_divisor)(bucket, cts)
+        self.record_finite([f"gradient of {k!r}" for k in keys], out)
+        return out
 
 
 class _Local(threading.local):
@@ -163,31 +182,14 @@ def fleet_pmean(*leaves: Any) -> list:
     return [s / jax.lax.axis_size(DATA_AXIS) for s in jax.lax.psum(list(leaves), DATA_AXIS)]
 
 
-@functools.partial(jax.jit, static_argnames="wire")
-def fleet_bucket(*leaves: Any, wire: str | None = None) -> list:
-    """One bucket's average over the replicas: a ``jit`` named ``fleet_bucket`` in
-    the jaxpr (so the buckets can be counted), inlined by XLA.
-
-    With ``wire`` (``strategy.fp16_allreduce``) float leaves are divided by the
-    replica count first, so that a 16-bit sum cannot overflow (torch's
-    ``bf16_compress_hook``), summed in ``wire`` and cast back."""
-    n = jax.lax.axis_size(DATA_AXIS)
-    if wire is None:
-        out = jax.lax.psum(list(leaves), DATA_AXIS)
-        return [s / n if jnp.issubdtype(s.dtype, jnp.inexact) else s // n for s in out]
-    floats = [jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
-    sent = [(x / n).astype(wire) if f else x for x, f in zip(leaves, floats)]
-    out = jax.lax.psum(sent, DATA_AXIS)
-    return [s.astype(x.dtype) if f else s // n for s, x, f in zip(out, leaves, floats)]
-
-
 def mean_over_replicas(leaves: list, wire: str | None = None) -> list:
     """Average of varying leaves over the replicas: one bucket."""
     return list(fleet_bucket(*leaves, wire=wire))
 
 
-def _make_bucket_sync(keys: tuple, wire: str | None):
-    """A custom-VJP identity over one bucket of leaves (see the module docstring)."""
+def _make_bucket_sync(bucket: Bucket, keys: tuple, wire: str | None):
+    """A custom-VJP identity over one bucket of leaves (see the module docstring);
+    backward, the trace's hook reduces the bucket."""
 
     @jax.custom_vjp
     def sync(*leaves):
@@ -197,22 +199,10 @@ def _make_bucket_sync(keys: tuple, wire: str | None):
         return sync(*leaves), None
 
     def bwd(_, cts):
-        trace = current()
+        # (outside a step, an empty trace: nothing to add, divide or check)
+        trace = current() or SyncTrace(num_replicas=0)
         cts = [ct if is_varying(ct) else jax.lax.pcast(ct, DATA_AXIS, to="varying") for ct in cts]
-        if trace is not None:
-            cts = [ct + trace.accum_in[k] if k in trace.accum_in else ct for k, ct in zip(keys, cts)]
-        if trace is not None:
-            for k in keys:
-                if k in trace.accum_in:
-                    trace.accum_out[k] = None  # consumed
-        if trace is not None and trace.shard is not None:  # strategy.sharding
-            return trace.shard.backward(trace, keys, cts)
-        out = mean_over_replicas(list(cts), wire)
-        if trace is not None and trace.grad_divisor is not None:
-            out = [g / trace.grad_divisor.astype(g.dtype) for g in out]
-        if trace is not None:
-            trace.record_finite([f"gradient of {k!r}" for k in keys], out)
-        return tuple(out)
+        return tuple(trace.reduce_bucket(bucket, keys, trace.take_accumulated(keys, cts), wire))
 
     sync.defvjp(fwd, bwd)
     return sync
@@ -227,14 +217,13 @@ def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list
             and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if trace is None or not todo:
         return out
-    nbytes = [leaves[i].size * jnp.result_type(leaves[i]).itemsize for i in todo]
-    for bucket in plan_buckets(nbytes, buckets):
-        idx = [todo[j] for j in bucket]
-        sync = _make_bucket_sync(tuple(keys[i] for i in idx), buckets.wire_dtype)
+
+    def synced(bucket: Bucket, xs: list) -> Sequence:
         trace.wrapped_syncs += 1
-        for i, y in zip(idx, sync(*[leaves[i] for i in idx])):
-            out[i] = y
-    return out
+        keyed = tuple(keys[i] for i in bucket.members)
+        return _make_bucket_sync(bucket, keyed, buckets.wire_dtype)(*xs)
+
+    return reduce_buckets(plan_leaves(leaves, buckets, todo), leaves, synced)
 
 
 class PerReplica:

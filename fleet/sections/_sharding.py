@@ -9,9 +9,10 @@ the replica's ``(chunk,)`` slice. Scalars (Adam's count) stay replicated.
 
 One step, inside the per-device body:
 
-1. the wrapped model's bucket backward (:mod:`fleet.comm._sync`) gets each
-   replica's local gradients. Stage 2 reduce-scatters them there, bucket by
-   bucket (``jax.lax.psum_scatter``), so a bucket's reduced slice is the only
+1. the wrapped model's bucket backward (:mod:`fleet.comm._sync`,
+   :func:`fleet.comm._hooks.zero_backward`) gets each replica's local
+   gradients. Stage 2 reduce-scatters them there, bucket by bucket
+   (``jax.lax.psum_scatter``), so a bucket's reduced slice is the only
    gradient memory kept past it; stage 1 keeps the whole local gradient and
    reduce-scatters it, in the same buckets, after the backward pass (when the
    optimizer updates; an optimization barrier keeps XLA from scheduling the
@@ -61,7 +62,8 @@ from fleet import _compat
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm import _sync
 from fleet.comm._buckets import strategy_buckets
-from fleet.comm._shard_comm import Layout, fleet_shard_grad, gather, own_slice, reduce_slices
+from fleet.comm._hooks import reduce_slices
+from fleet.comm._shard_comm import Layout, gather, own_slice
 from fleet.runtime._world import DATA_AXIS, current_strategy, world
 from fleet.sections import _finite, _slices
 
@@ -78,20 +80,6 @@ class Config:
 
     def layout(self, shape: Sequence[int]) -> Layout:
         return Layout(tuple(shape), self.degree, self.replicas)
-
-    def backward(self, trace: _sync.SyncTrace, keys: tuple, cts: list) -> tuple:
-        """A wrapped model's bucket backward under sharding (called by
-        :mod:`fleet.comm._sync`): stage 2 reduce-scatters the bucket now, stage 1 keeps
-        the local gradients for the optimizer; both return placeholders."""
-        if self.stage == 2:
-            values = reduce_slices(cts, self, trace.grad_divisor)
-            trace.record_finite([f"gradient of {k!r}" for k in keys], values)
-        else:
-            values = cts
-        held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
-        for k, i, v in zip(keys, trace.hold(held), values):
-            trace.shard_grads[i] = (k, v, self.stage == 2)
-        return tuple(held)
 
 
 def config(replicas: int | None = None) -> Config | None:

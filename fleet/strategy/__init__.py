@@ -9,7 +9,7 @@
 It imports nothing of fleet but its errors: the core reads the configuration,
 never the other way round. The sections' implementations live in
 ``fleet/sections/`` (amp, recompute, lars / lamb, sharding, sync_batch_norm,
-check_nan_inf); ``fp16_allreduce`` in the buckets (``fleet/comm/_buckets.py``);
+check_nan_inf); ``fp16_allreduce`` is a communication hook (``fleet/comm/_hooks.py``);
 gradient merge in the distributed optimizer
 (``fleet/wrappers/_distributed_optimizer.py``) and the step.
 """
