@@ -111,6 +111,9 @@ class Program:
                     "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
                     "wrt=nnx.Param)) to the step and update with it")
             self.records[plan] = record
+        else:  # new shapes of a known plan (jit traces again): the single-device check again
+            self.replay(functools.partial(self.body, plan, record={}, probe=True), plan, args,
+                        specs)
         out_specs = (state_specs, [P() if r == "replicated" or s else P(DATA_AXIS)
                                    for r, s in zip(record["out"], record["summed"])])
         if plan.check_nan_inf:  # the chain: agreed over the replicas
