@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from tests import jobs, models
+from tests import jobs, models, tiers
 from tests.test_contract_multiprocess import WORKER
 from tests.tiers import slow
 
@@ -89,6 +89,36 @@ def test_bad_input(make_world, case, call, error, message):
     make_world(4)
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("n", tiers.replicas(2, 4))
+def test_a_refused_batch_is_refused_again_after_a_good_call(make_world, n):
+    """Issue 38, row 2: a batch whose arguments' row counts differ fails as the
+    single-device step and is refused. The single-device check ran once per plan,
+    so after a good call the same bad batch (new shapes of a known plan) reached
+    the per-replica trace: a raw TypeError about the replicas' shapes (4, 1),
+    (2, 1) on 2 replicas, and on 4 a step that ran, broadcasting y's replica row
+    over x's (the single device refuses it). It is now checked at every new
+    shape: the same FleetError each time, nothing changed by a refused call,
+    and good calls train as nnx.jit's single-device step."""
+    make_world(n)
+    (x, y), (x2, y2) = models.batches("linear", 2, 8)
+    model = _model()
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    refused = (r"fails as a single-device step on the global batch \(batch shapes "
+               r"\[\(8, 10\), \(4, 1\)\]\), so it is refused here too: TypeError: .*"
+               r"\(8, 1\), \(4, 1\)")
+    for _ in range(2):
+        with pytest.raises(fleet.FleetError, match=refused):
+            step(model, opt, x, y[:4])
+    step(model, opt, x, y)
+    for _ in range(2):
+        with pytest.raises(fleet.FleetError, match=refused):
+            step(model, opt, x2, y2[:4])
+    step(model, opt, x2, y2)
+    _, want = models.nnx_reference("linear", [(x, y), (x2, y2)])
+    assert models.max_diff(models.flat_params(model), want) < 1e-5
 
 
 def test_nan_in_the_batch_is_named_with_check_nan_inf(make_world):

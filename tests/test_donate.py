@@ -21,6 +21,7 @@ from flax.training import train_state
 
 import fleet
 from fleet.sections import _finite
+from fleet.step import _donate
 from tests import models
 from tests.tiers import slow
 
@@ -31,6 +32,13 @@ def leaves(*objs):
 
 def copies(*objs):
     return [jnp.copy(x) for x in leaves(*objs)]
+
+
+def buffers(*objs) -> list:
+    """Where each state leaf's shards live on the devices (addresses only: no
+    reference to the arrays is kept, which would make the step donate copies)."""
+    return [tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+            for x in leaves(*objs)]
 
 
 def same_bits(got, want) -> bool:
@@ -46,20 +54,28 @@ def train_setup(make_world, strategy=None):
 
 
 def test_a_step_donates_the_old_state(make_world):
-    """The parameters and the optimizer state the step replaced are deleted (their
-    buffers hold the new state); the new state is what a step without donation
-    gives, bitwise."""
+    """The parameters and the optimizer state the step replaced are donated: the
+    new state lies in their buffers (with donate=False, in new ones); the new
+    state is what a step without donation gives, bitwise. (Issue 38 changed the
+    spec from "the old arrays are deleted", read from arrays the test held:
+    a held array is now kept, test_a_kept_array_keeps_its_value.)"""
     make_world(4)
     data = models.batches("linear", 3, 8)
     results = {}
     for donate in (True, False):
         model, opt = train_setup(make_world)
         step = fleet.distributed_step(models.nnx_train_step, donate=donate)
-        for x, y in data:
-            old = leaves(model, opt)
+        for i, (x, y) in enumerate(data):
+            old = buffers(model, opt)
             step(model, opt, x, y)
-            arrays = [a for a in old if isinstance(a, jax.Array)]
-            assert arrays and all(a.is_deleted() == donate for a in arrays), donate
+            new = buffers(model, opt)
+            assert len(old) == 14
+            if i == 0:  # (fleet.distributed_model's arrays share one buffer on CPU devices)
+                continue
+            if donate:
+                assert new == old
+            else:
+                assert set(new).isdisjoint(old)
         results[donate] = [np.asarray(a) for a in leaves(model, opt)]
     assert same_bits(results[True], results[False])
 
@@ -88,6 +104,55 @@ def test_a_linen_train_state_is_not_donated(make_world):
     assert not any(a.is_deleted() for a in arrays(new))
 
 
+def kept_arrays(model, opt) -> list:
+    """What a user keeps from before a step: a kernel and its Adam first moment."""
+    return [model._linear1.kernel[...], opt.opt_state[0].mu["_linear1"]["kernel"][...]]
+
+
+def test_a_kept_array_keeps_its_value(make_world):
+    """Issue 38, row 1: a parameter and an Adam moment read before a step and held
+    read their old values after it, as under nnx.jit (which donates nothing),
+    instead of raising JAX's "Array has been deleted": fleet donates a copy of
+    each held leaf. The step trains as the single-device nnx.jit step; once the
+    arrays are let go, the next call donates every leaf again."""
+    make_world(4)
+    data = models.batches("linear", 3, 8)
+    model, opt = train_setup(make_world)
+    step = fleet.distributed_step(models.nnx_train_step)
+    ref_model = models.LinearNet(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref_model, optax.adam(models.LR), wrt=nnx.Param)
+    ref_step = nnx.jit(models.nnx_train_step)
+    (x, y), (x2, y2), (x3, y3) = data
+    step(model, opt, x, y)
+    ref_step(ref_model, ref_opt, x, y)
+    for run, objs in ((step, (model, opt)), (ref_step, (ref_model, ref_opt))):
+        kept = kept_arrays(*objs)
+        want = [np.array(a) for a in kept]
+        run(*objs, x2, y2)
+        assert not any(a.is_deleted() for a in kept)
+        assert same_bits(kept, want)  # the old values
+        assert not same_bits(kept_arrays(*objs), want)  # (the step changed them)
+        del kept
+    old = buffers(model, opt)
+    step(model, opt, x3, y3)
+    assert buffers(model, opt) == old  # nothing held: every leaf donated again
+    ref_step(ref_model, ref_opt, x3, y3)
+    assert models.max_diff(models.flat_params(model), models.flat_params(ref_model)) < 1e-5
+
+
+def test_a_held_state_leaf_is_found_by_its_reference_count():
+    """fleet.step._donate.unheld copies the jax.Arrays that something besides the
+    state list and their variable holds, and only those; with none held, it
+    returns the list itself."""
+    variables = [{"value": jnp.arange(3.0) + i} for i in range(3)]
+    state = [v["value"] for v in variables]
+    assert _donate.unheld(state) is state
+    held = variables[1]["value"]
+    got = _donate.unheld(state)
+    assert got[0] is state[0] and got[2] is state[2] and got[1] is not held
+    assert same_bits([got[1]], [held]) and got[1].sharding == held.sharding
+
+
 class Twins(nnx.Module):
     """Two layers of one shape, whose kernels may start as one jax.Array."""
 
@@ -103,8 +168,9 @@ class Twins(nnx.Module):
 def test_a_jax_array_held_twice_is_not_donated_and_trains(make_world):
     """The same jax.Array in two variables (a device_put that returned its input),
     and in a tree argument too: XLA cannot donate one buffer twice, nor donate it
-    and read it in the same call. fleet passes it undonated; the step trains as
-    with two separate copies, and the other leaves are donated."""
+    and read it in the same call. The array is held twice, so fleet donates a copy
+    of it (fleet.step._donate.unheld) and the array itself is kept; the step
+    trains as with two separate copies, and the other leaves are donated."""
     make_world(4)
     data = models.batches("linear", 3, 8)
 
@@ -121,10 +187,12 @@ def test_a_jax_array_held_twice_is_not_donated_and_trains(make_world):
         extra = {"k": kernel}
         opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
         run = fleet.distributed_step(step)
-        other = model.out.kernel.get_value()
-        for x, y in data:
+        for i, (x, y) in enumerate(data):
+            if i == 1:  # (after the first call: see test_a_step_donates_the_old_state)
+                where = buffers(model.out)
             run(model, opt, extra, x, y)
-        assert not kernel.is_deleted() and other.is_deleted()
+        assert not kernel.is_deleted()
+        assert buffers(model.out) == where  # the other leaves: donated
         assert model.a.kernel.get_value() is not model.b.kernel.get_value()
         params[shared] = [np.asarray(a) for a in leaves(model, opt)]
     assert same_bits(params[True], params[False])
@@ -168,12 +236,12 @@ def test_check_nan_inf_keeps_the_old_state_bitwise_with_donation(make_world):
     (x, y), (x2, y2) = models.batches("linear", 2, 8)
     step(model, opt, x, y)
     step.wait()
-    before, old = copies(model, opt), leaves(model, opt)
+    before, old = copies(model, opt), buffers(model, opt)
     with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
                                                r"holds NaN or infinity after call 2 of the step; "
                                                r"the state was left as it was before this call"):
         step(model, opt, nan_batch(x2), y2)
-        assert all(a.is_deleted() for a in old if isinstance(a, jax.Array))
+        assert buffers(model, opt) == old  # (the old state's buffers, donated)
         step(model, opt, x2, y2)  # raises here if the flags are back, else at wait()
         step.wait()
     assert same_bits(leaves(model, opt), before)

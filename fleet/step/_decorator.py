@@ -58,10 +58,11 @@ Buffers a step changes from its replica's rows (batch-norm statistics) are
 averaged over the replicas, so replicated state stays equal everywhere.
 
 The NNX objects' old state is donated to the step (``fleet.step._donate``): XLA writes
-the new state into its buffers, so an array read from a variable before a call
-is deleted by it (``donate=False`` keeps it); pytree arguments are never
-donated. A call does not wait for the device, ``strategy.check_nan_inf``
-included: its error is raised at a later call or at :meth:`DistributedStep.wait`
+the new state into its buffers. An array read from a variable before a call
+and still held keeps its value, as under ``nnx.jit`` (fleet donates a copy of
+it); ``donate=False`` donates nothing; pytree arguments are never donated.
+A call does not wait for the device, ``strategy.check_nan_inf`` included: its
+error is raised at a later call or at :meth:`DistributedStep.wait`
 (``fleet.sections._finite``).
 
 The step compiles once per input shape (and once more for the steps under
@@ -393,11 +394,12 @@ def distributed_step(
             buffers) to XLA, which writes the new state into its buffers, as
             ``jax.jit(..., donate_argnums=...)`` does: a device holds that state
             once instead of twice at the step boundary. An array read from a
-            variable before the call (``w = model.kernel.value``) is deleted by
-            the call (reading it raises); take a copy (``np.asarray(w)``,
-            ``jnp.copy(w)``) to keep it. Arrays passed as pytrees (a Linen
-            ``TrainState``) are never donated. ``donate=False`` keeps the old
-            arrays alive (the state is then held twice during the step).
+            variable before the call and still held (``w = model.kernel.value``,
+            an optimizer moment) keeps its value, as under ``nnx.jit``: fleet
+            donates a device copy of that leaf instead (held twice during the
+            step, as without donation). Arrays passed as pytrees (a Linen
+            ``TrainState``) are never donated. ``donate=False`` donates nothing
+            (the state is then held twice during the step).
 
     Example:
         >>> @fleet.distributed_step  # doctest: +SKIP

@@ -5,23 +5,29 @@ state, buffers; ``fleet.step._graph.GraphCache``), so the old ones are dead once
 step has run. fleet donates them (``jax.jit(..., donate_argnums=...)``): XLA
 writes the new state into the old buffers, and a device holds the parameters
 and the optimizer state once at the step boundary instead of twice. An old
-array a user kept (``w = model.kernel.value`` before the step) is deleted by
-the step, as with any donating ``jax.jit``; ``distributed_step(fn,
-donate=False)`` keeps old arrays alive. Arrays passed as pytrees (a Linen
-``TrainState``) belong to the user and are never donated.
+array a user kept (``w = model.kernel.value`` before the step, an optimizer's
+moment) keeps its value, as under ``nnx.jit``, which does not donate:
+:func:`unheld` finds the state leaves something besides their variable holds
+(their reference count, one pass over the leaves, about 30 ns each) and
+donates a copy of each instead (a device copy, and that leaf held twice for the
+step, as without donation). ``distributed_step(fn, donate=False)`` donates
+nothing. Arrays passed as pytrees (a Linen ``TrainState``) belong to the user
+and are never donated.
 
 One buffer cannot be donated twice, nor donated and passed again in the same
 call (XLA refuses both): a state leaf that is the same ``jax.Array`` as another
 state leaf (tied weights, a ``device_put`` that returned its input) or as an
-array among the other arguments is passed undonated. :func:`split` cuts the
-state into the donated and the kept leaves; :func:`assemble`, inside the
-traced program, puts them back in order.
+array among the other arguments is held twice, so :func:`unheld` donates a copy
+of it; any other such leaf (not a ``jax.Array``) is passed undonated.
+:func:`split` cuts the state into the donated and the kept leaves;
+:func:`assemble`, inside the traced program, puts them back in order.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from itertools import chain, repeat
+from sys import getrefcount
 from typing import Any
 
 import jax
@@ -31,12 +37,41 @@ ALL = "all"  # layout: every state leaf donated
 NONE = "none"  # layout: every state leaf kept (donate=False)
 
 
+def _alone() -> int:
+    """What ``getrefcount`` reads, through ``map`` over a list, for an object that
+    only that list and one other holder (its variable) hold: measured, as it
+    differs between Python versions."""
+    holder = {"value": object()}
+    return max(map(getrefcount, [holder["value"]]))
+
+
+ALONE = _alone()
+
+
+def unheld(state: list) -> list:
+    """``state`` (the NNX state leaves, a list that the caller and the variables
+    alone hold), with a copy in place of each ``jax.Array`` that something else
+    holds as well (the user's ``w = model.kernel.value``, a tied weight, an
+    argument of the call): the copy is donated, the held array keeps its value.
+    One ``getrefcount`` a leaf when nothing else holds one."""
+    if max(map(getrefcount, state), default=0) <= ALONE:
+        return state
+    counts = list(map(getrefcount, state))  # (read before a new list holds them too)
+    return [jax.device_put(x, may_alias=False) if n > ALONE and isinstance(x, jax.Array) else x
+            for x, n in zip(state, counts)]
+
+
 def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
     """``(layout, donated, kept)``: the state leaves that can be donated and the
     rest; ``layout`` (hashable, a static argument of the program) says which
-    list each leaf comes from. ``others`` are the call's other arguments."""
+    list each leaf comes from. ``others`` are the call's other arguments.
+    ``state`` must be a list that only the caller holds (:func:`unheld`)."""
     if not donate:
         return NONE, [], state
+    return _split(unheld(state), others)
+
+
+def _split(state: list, others: Any) -> tuple[Any, list, list]:
     if not state:  # (no NNX state, a Linen step: nothing to look for in the others)
         return ALL, state, []
     ids = list(map(id, state))
@@ -53,9 +88,12 @@ def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
 def split_flat(state: list, flat: list, donate: bool) -> tuple[Any, list, list]:
     """:func:`split`, for other arguments given as one flat list of arrays and
     scalars (a recalled call's batch and replicated values: ``fleet.step._recall``)."""
-    if donate and len(set(map(id, state + flat))) == len(state) + len(flat):
+    if not donate:
+        return NONE, [], state
+    state = unheld(state)
+    if len(set(map(id, state + flat))) == len(state) + len(flat):
         return ALL, state, []
-    return split(state, [flat], donate)
+    return _split(state, [flat])
 
 
 def _leaves(others: tuple) -> list:

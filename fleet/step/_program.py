@@ -56,11 +56,11 @@ class Program:
 
     def run(self, plan: Plan, state, trees, batch, repl, chain=None):
         """The global program (``jit`` traces it): the per-replica body under
-        ``shard_map``, its outputs combined. The first trace of a plan probes the
-        body and checks the step (fleet.step._guards). Returns the new state, the
-        outputs, and the chain: with ``check_nan_inf`` the one this call leaves
-        (the state is selected on the device: fleet.sections._finite), else the one
-        given (``None``)."""
+        ``shard_map``, its outputs combined. Each trace checks the step on one
+        device (new shapes too); a plan's first probes the body (fleet.step._guards).
+        Returns the new state, the outputs, and the chain: with ``check_nan_inf``
+        the one this call leaves (the state is selected on the device:
+        fleet.sections._finite), else the one given (``None``)."""
         state_specs = [P(DATA_AXIS) if pr else P() for pr in self.graph.per_replica]
         tree_specs = P() if plan.tree_shards is None else tree_layout(
             plan.tree_shards, P(DATA_AXIS), P())
@@ -69,11 +69,11 @@ class Program:
         if plan.check_nan_inf:  # the chain goes in: the body selects the state
             specs, args = (*specs, P()), (*args, chain)
         record = self.records.get(plan)
+        _guards.check_closures(self.fn)  # (at every trace: new shapes of a plan too)
+        probe_body = functools.partial(self.body, plan, record={}, probe=True)
+        reference = self.replay(probe_body, plan, args, specs)
         if record is None:
             strategy = world().strategy
-            _guards.check_closures(self.fn)
-            probe_body = functools.partial(self.body, plan, record={}, probe=True)
-            reference = self.replay(probe_body, plan, args, specs)
             record = {}
             jaxpr = self.probe(plan, record, args, specs)
             check_randomness(plan, jaxpr, reference, batch, record["marked"])

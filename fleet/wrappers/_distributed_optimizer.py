@@ -24,6 +24,7 @@ between single-device and distributed runs.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -384,7 +385,8 @@ class MergePosition:
     merging optimizer's cycle of ``k_steps`` calls (a step holds one)."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple] = {}  # id(optimizer) -> (count array, its value)
+        # id(optimizer) -> (its count array, weakly: a held one is copied at each donation)
+        self._seen: dict[int, tuple] = {}  # and the count (see fleet.step._donate.unheld)
 
     def find(self, objs: tuple, no_sync: bool) -> tuple[Any, int]:
         """``strategy.gradient_merge``: the optimizer that merges, and where this
@@ -398,8 +400,8 @@ class MergePosition:
         for opt in merging:
             value = opt.merge_count.get_raw_value()
             seen = self._seen.get(id(opt))
-            if seen is None or seen[0] is not value:
-                seen = (value, int(np.asarray(value.addressable_shards[0].data)))
+            if seen is None or seen[0]() is not value:
+                seen = (weakref.ref(value), int(np.asarray(value.addressable_shards[0].data)))
                 self._seen[id(opt)] = seen
             positions.append(seen[1])
         if len(set(positions)) > 1:
@@ -413,7 +415,7 @@ class MergePosition:
         for opt in objs:
             seen = self._seen.get(id(opt))
             if isinstance(opt, DistributedOptimizer) and seen is not None:
-                self._seen[id(opt)] = (opt.merge_count.get_raw_value(),
+                self._seen[id(opt)] = (weakref.ref(opt.merge_count.get_raw_value()),
                                        (seen[1] + 1) % opt.merge_k)
 
 
