@@ -294,10 +294,9 @@ class Model:
 
         ``training=False``: writes the inference model, ``{path}.jaxexport`` (the
         forward pass in evaluation mode, serialized by ``jax.export`` for CPU and
-        CUDA, any batch size) and ``{path}.pdiparams`` (its weights, and the size
-        and CRC-32 of the program, which :func:`fleet.load_inference` checks before
-        it reads the program), for :func:`fleet.load_inference`, which runs it
-        without the model's class.
+        CUDA, any batch size) and ``{path}.pdiparams`` (its weights, and the
+        program's size and CRC-32, checked before it is read), for
+        :func:`fleet.load_inference`, which runs it without the model's class.
         The input shapes are ``fleet.Model(inputs=[...])``'s, or the last batch's.
 
         Every process must call it (the first one writes, the others wait).
