@@ -292,12 +292,11 @@ class Model:
         """``training=True``: writes ``{path}.pdparams`` (the network's variables) and
         ``{path}.pdopt`` (the optimizer's state), one file each, for :meth:`load`.
 
-        ``training=False``: writes the inference model, ``{path}.jaxexport`` (the
-        forward pass in evaluation mode, serialized by ``jax.export`` for CPU and
-        CUDA, any batch size) and ``{path}.pdiparams`` (its weights, and the
-        program's size and CRC-32, checked before it is read), for
-        :func:`fleet.load_inference`, which runs it without the model's class.
-        The input shapes are ``fleet.Model(inputs=[...])``'s, or the last batch's.
+        ``training=False``: writes the inference model, ``{path}.jaxexport`` (the forward
+        pass in evaluation mode, serialized by ``jax.export`` for CPU and CUDA, any batch
+        size) and ``{path}.pdiparams`` (its weights, and the program's size and CRC-32,
+        checked before it is read), for :func:`fleet.load_inference`, which runs it
+        without the model's class, on ``fleet.Model(inputs=...)``'s or the last shapes.
 
         Every process must call it (the first one writes, the others wait).
         """
