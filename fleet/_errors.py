@@ -1,4 +1,4 @@
-"""The one base class for fleet's own errors.
+"""The one base class for fleet's own errors, and how a message names an argument.
 
 Every message says what was given, what is allowed and what to do.
 """
@@ -32,3 +32,11 @@ class FleetAttributeError(FleetError, AttributeError):
 
 class FleetWarning(UserWarning):
     """A warning from fleet (tests turn these into errors)."""
+
+
+def nth(position: int) -> str:
+    """``"the 3rd argument"`` for position 2: a message counts arguments from 1, as
+    a reader does (``batch_argnums`` and JAX's ``args[2]`` count from 0)."""
+    n = position + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"the {n}{suffix} argument"

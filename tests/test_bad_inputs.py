@@ -58,7 +58,7 @@ CASES = [
                        r"\[\(8, 10\), \(4, 1\)\]\)"),
     ("a batch of 0 rows",
      lambda: fleet.distributed_step(_loss_step)(_model(), X8[:0], Y8[:0]),
-     fleet.FleetConfigError, r"argument 1 is a batch of 0 rows"),
+     fleet.FleetConfigError, r"the 2nd argument is a batch of 0 rows"),
     ("batch_argnums out of range",
      lambda: fleet.distributed_step(_loss_step, batch_argnums=(1, 5))(_model(), X8, Y8),
      fleet.FleetConfigError, r"batch_argnums=\(1, 5\) names position\(s\) \[5\].*3 positional"),
@@ -68,12 +68,12 @@ CASES = [
     ("a batch of strings (issue 22)",
      lambda: fleet.distributed_step(lambda m, x, names: _loss_step(m, x, Y8))(
          _model(), X8, np.array(["a"] * 8)),
-     fleet.FleetTypeError, r"argument 2 is a numpy array of dtype <U1 \(shape \(8,\)\); a "
+     fleet.FleetTypeError, r"the 3rd argument is a numpy array of dtype <U1 \(shape \(8,\)\); a "
                            r"step takes numbers .*strings and objects cannot enter"),
     ("a batch of objects (issue 22)",
      lambda: fleet.distributed_step(lambda m, x, o: _loss_step(m, x, Y8))(
          _model(), X8, np.array([object()] * 8)),
-     fleet.FleetTypeError, r"argument 2 is a numpy array of dtype object"),
+     fleet.FleetTypeError, r"the 3rd argument is a numpy array of dtype object"),
     ("a closed-over batch split over the devices (issue 21)",
      lambda: _closed_over_batch(),
      fleet.FleetError, r"the step reads 'targets', a jax\.Array of shape \(8, 1\) split over "
@@ -157,8 +157,8 @@ def test_a_scalar_argument_that_differs_by_process(tmp_path):
     code, log, seconds = job.returncode, job.text(), job.seconds
     assert code != 0, log[-3000:]
     assert "the step ran" not in log
-    assert ("step argument 2 is 1.0 on process 1 but 100.0 on process 0" in log
-            or "step argument 2 is 100.0 on process 0 but 1.0 on process 1" in log), log[-3000:]
+    assert ("the step's 3rd argument is 1.0 on process 1 but 100.0 on process 0" in log
+            or "the step's 3rd argument is 100.0 on process 0 but 1.0 on process 1" in log), log[-3000:]
     print(f"per-process scalar: job ended in {seconds:.1f} s")
 
 

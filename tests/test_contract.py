@@ -121,7 +121,7 @@ def test_unwrapped_nnx_model_is_refused(make_world):
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = fleet.distributed_step(models.nnx_train_step)
     with pytest.raises(fleet.FleetError,
-                       match=r"differentiates argument 0 \(LinearNet\) variable '_linear1.*"
+                       match=r"differentiates the 1st argument \(LinearNet\) variable '_linear1.*"
                              r"sums such gradients over the 4 replicas.*distributed_model"):
         step(model, optimizer, *models.batches("linear", 1, 8)[0])
 
@@ -319,7 +319,7 @@ def _own_psum_step(model, optimizer, x, y):
 
 
 @pytest.mark.parametrize("fn, match", [
-    (_l2_step, r"differentiates argument 0 \(DataParallel\[LinearNet\]\) variable "
+    (_l2_step, r"differentiates the 1st argument \(DataParallel\[LinearNet\]\) variable "
                r"'_linear1\.bias'.* through a read outside the wrapped model's call .*"
                r"optax\.add_decayed_weights"),
     (_own_psum_step, r"the step sums over the 4 replicas itself \(a jax\.lax\.psum or pmean "

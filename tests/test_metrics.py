@@ -357,7 +357,7 @@ def test_a_positional_scalar_that_no_reduction_combines_is_named_by_position(mak
         metric.update(model(x)[:, 1], jnp.std(model(x)[:, 0]) > 0)
 
     make_world(4)
-    with pytest.raises(fleet.FleetError, match=r"updates metric Masked \(argument at position 1\)"
+    with pytest.raises(fleet.FleetError, match=r"updates metric Masked \(the 2nd argument\)"
                        r" with a bool scalar"):
         fleet.distributed_step(step)(MLP(nnx.Rngs(0)), Masked(), np.ones((BATCH, 6), np.float32),
                                      np.ones(BATCH, bool))

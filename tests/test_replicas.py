@@ -225,7 +225,7 @@ def test_the_strategy_checks_replicas_while_training(make_world):
     model._linear1.bias.set_raw_value(different_on_each_device(bias, world))
     step(model, optimizer, *data[2])  # not a check step
     with pytest.raises(fleet.FleetError, match=r"differ across replicas after call 4: "
-                                               r"argument 0 \(.*\) variable '_linear1.bias'"):
+                                               r"the 1st argument \(.*\) variable '_linear1.bias'"):
         step(model, optimizer, *data[2])
 
 

@@ -319,7 +319,7 @@ def test_detects_a_counter_averaged_under_sharding_stage_2(make_world):
     make_world(4, strategy(**SHARDING[2]))
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param))
-    with pytest.raises(fleet.FleetError, match=r"call 1: argument 2 \(Seen\) variable 'count' "
+    with pytest.raises(fleet.FleetError, match=r"call 1: the 3rd argument \(Seen\) variable 'count' "
                                                r"differs.*norm 4 distributed vs 16 on one"):
         run_detect(fleet.distributed_step(step), model, opt, Seen())
 
@@ -336,7 +336,7 @@ def test_detects_a_summed_loss_under_gradient_merge(make_world):
     make_world(4, strategy(**MERGE))
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
-    with pytest.raises(fleet.FleetError, match=r"call 1: argument 0 \(DataParallel.*variable "
+    with pytest.raises(fleet.FleetError, match=r"call 1: the 1st argument \(DataParallel.*variable "
                                                r"'.*' differs.*loss summed over the batch"):
         run_detect(fleet.distributed_step(step, out_reduce="sum"), model, opt)
 
@@ -375,7 +375,7 @@ def test_detects_a_counter_averaged(make_world):
         return models.nnx_train_step(model, opt, x, y)
 
     make_world(4, strategy())
-    with pytest.raises(fleet.FleetError, match=r"call 1: argument 2 \(Seen\) variable 'count' "
+    with pytest.raises(fleet.FleetError, match=r"call 1: the 3rd argument \(Seen\) variable 'count' "
                                                r"differs.*norm 4 distributed vs 16 on one"
                                                r".*all_reduce\(\.\.\., 'avg'\)"):
         run_detect(fleet.distributed_step(step), *sgd_model(), Seen())
@@ -392,7 +392,7 @@ def test_detects_a_closed_over_array_sliced_by_the_batch(make_world):
         return loss
 
     make_world(4, strategy())
-    with pytest.raises(fleet.FleetError, match=r"call 1: argument 0 \(DataParallel.*variable "
+    with pytest.raises(fleet.FleetError, match=r"call 1: the 1st argument \(DataParallel.*variable "
                                                r"'_linear1.bias' differs.*closed-over array"):
         run_detect(fleet.distributed_step(step), *sgd_model())
 
@@ -430,7 +430,7 @@ def test_detects_metric_counts_with_the_metrics_fix_off(make_world, monkeypatch)
     make_world(4, strategy())
     model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(fleet.FleetError, match=r"call 1: argument 2 \(Accuracy\) variable "
+    with pytest.raises(fleet.FleetError, match=r"call 1: the 3rd argument \(Accuracy\) variable "
                                                r"'(count|total)' differs"):
         run_detect(fleet.distributed_step(step), model, opt, nnx.metrics.Accuracy(),
                    kind="cnn")
@@ -443,7 +443,7 @@ def test_detects_a_summed_loss_declared_sum(make_world):
         return loss
 
     make_world(4, strategy())
-    with pytest.raises(fleet.FleetError, match=r"call 1: argument 0 \(DataParallel.*variable "
+    with pytest.raises(fleet.FleetError, match=r"call 1: the 1st argument \(DataParallel.*variable "
                                                r"'.*' differs.*loss summed over the batch"):
         run_detect(fleet.distributed_step(step, out_reduce="sum"), *sgd_model())
 

@@ -57,7 +57,7 @@ import jax
 from flax import nnx
 
 from fleet import _compat
-from fleet._errors import FleetError
+from fleet._errors import FleetError, nth
 from fleet.comm import _sync
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
@@ -92,8 +92,8 @@ _local = threading.local()  # .stack: the Updates of the steps being traced
 def _argument(path: tuple) -> str:
     """An update's argument, from its path in ``(args, kwargs)``."""
     where, key, rest = path[0].idx, path[1], dotted(path[2:])
-    name = f"{key.key!r}" if where else f"at position {key.idx}"
-    return f"argument {name}" + (f" (leaf {rest})" if rest else "")
+    name = f"argument {key.key!r}" if where else nth(key.idx)
+    return name + (f" (leaf {rest})" if rest else "")
 
 
 def _global(x: Any, updates: Updates, metric: str, argument: str) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fleet._errors import FleetConfigError, FleetTypeError
+from fleet._errors import FleetConfigError, FleetTypeError, nth
 from fleet.runtime._world import DATA_AXIS, World, world
 from fleet.sections import _sharding
 
@@ -41,7 +41,7 @@ def global_batch(position: int, value: Any, w: World) -> Any:
     def check(x: Any) -> Any:
         if isinstance(x, np.ndarray) and x.dtype.kind not in "biufc":
             raise FleetTypeError(
-                f"argument {position} is a numpy array of dtype {x.dtype} (shape "
+                f"{nth(position)} is a numpy array of dtype {x.dtype} (shape "
                 f"{x.shape}); a step takes numbers (bool, int, float, complex arrays): "
                 "strings and objects cannot enter a JAX program. Keep them out of the "
                 "step's arguments (fleet.io's DataLoader leaves them on the host)"
@@ -51,7 +51,7 @@ def global_batch(position: int, value: Any, w: World) -> Any:
         shape = tuple(np.shape(x))
         if shape and shape[0] == 0:
             raise FleetConfigError(
-                f"argument {position} is a batch of 0 rows (shape {shape}); "
+                f"{nth(position)} is a batch of 0 rows (shape {shape}); "
                 "a step needs at least one row per replica: skip empty batches, or use "
                 "drop_last=True in the sampler"
             )
@@ -59,13 +59,13 @@ def global_batch(position: int, value: Any, w: World) -> Any:
             what = "process-local" if is_local else "global"
             if shape == (2,) and getattr(x, "dtype", None) == np.uint32:
                 raise FleetConfigError(
-                    f"argument {position} is a uint32 array of shape (2,), a raw PRNG key "
+                    f"{nth(position)} is a uint32 array of shape (2,), a raw PRNG key "
                     "(jax.random.PRNGKey), which the step would take as batch rows: pass a "
                     "typed key instead, jax.random.key(seed) (or jax.random.wrap_key_data("
                     "raw_key)); each replica then draws its own rows of the single-device "
                     "draw")
             raise FleetConfigError(
-                f"argument {position} is split over replicas along its leading axis, but "
+                f"{nth(position)} is split over replicas along its leading axis, but "
                 f"its {what} shape {shape} has a leading axis that is not "
                 f"a multiple of the {replicas} replicas; use a batch size that is a "
                 f"multiple of {replicas} (or drop_last=True in the sampler), or pass "

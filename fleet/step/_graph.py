@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fleet import _compat
+from fleet._errors import nth
 from fleet.comm import _sync
 from fleet.runtime._leaves import dotted
 from fleet.sections import _sharding
@@ -96,7 +97,7 @@ class GraphCache:
         self.variables = [v for _, v in with_path]
         index = [int(dotted(p[:1])) for p, _ in with_path]
         self.names = [
-            f"argument {positions[i]} ({type(objs[i]).__name__}) variable {dotted(p[1:])!r}"
+            f"{nth(positions[i])} ({type(objs[i]).__name__}) variable {dotted(p[1:])!r}"
             for i, (p, _) in zip(index, with_path)
         ]
         self.state_treedef = jax.tree_util.tree_structure(state)

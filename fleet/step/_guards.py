@@ -24,7 +24,7 @@ import numpy as np
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
-from fleet._errors import FleetError
+from fleet._errors import FleetError, nth
 from fleet.comm import _sync
 from fleet.runtime._agree import agree
 from fleet.runtime._leaves import dotted
@@ -197,7 +197,7 @@ def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) 
         return []
     tree_pos = [i for i, k in enumerate(kinds) if k == TREE]
     names = list(state_names) + [
-        f"argument {tree_pos[i]} leaf {dotted(p)!r}"
+        f"{nth(tree_pos[i])} leaf {dotted(p)!r}"
         for i, t in enumerate(trees) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
     deps: dict[int, frozenset] = {id(v): frozenset([i])
                                   for i, v in enumerate(body.invars[:len(names)])}
@@ -227,7 +227,7 @@ def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:
         for pos, a, b in zip(positions, json.loads(mine), theirs):
             if a != b:
                 raise FleetError(
-                    f"step argument {pos} is {a} on process {jax.process_index()} but "
+                    f"the step's {nth(pos)[4:]} is {a} on process {jax.process_index()} but "
                     f"{b} on process {rank}; a scalar passed to the step is replicated "
                     "and must be equal on every process (compute it the same way on "
                     "all of them, or pass per-process values as batch rows)"
