@@ -23,6 +23,7 @@ Rounds are interleaved (each round starts every variant once, back to back);
 the table shows the median seconds and the median of the per-round ratios.
 
     .venv/bin/python benchmarks/first_step.py [--rounds 5] [--layers 16,48]
+        [--compare-with ../fleet-base]   # fleet from another checkout, same rounds
 """
 
 from __future__ import annotations
@@ -138,41 +139,49 @@ def child(variant: str, layers: int) -> dict:
     return {"seconds": time.perf_counter() - t0, "traces": traces[0]}
 
 
-def run_child(variant: str, layers: int, devices: int) -> dict:
+def run_child(variant: str, layers: int, devices: int, script: str = __file__) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                         + f" --xla_force_host_platform_device_count={devices}")
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a fresh compile every time
     done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(layers)],
+        [sys.executable, os.path.abspath(script), "--child", variant, "--layers", str(layers)],
         env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise SystemExit(f"{variant} ({layers} layers) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(layers: int, rounds: int, devices: int) -> None:
-    got = {v: [] for v in VARIANTS}
+def measure(layers: int, rounds: int, devices: int, other: str | None) -> None:
+    runs = {v: (v, __file__) for v in VARIANTS}
+    if other:  # fleet from another checkout, in the same rounds
+        runs[f"fleet at {os.path.basename(os.path.abspath(other))}"] = (
+            "fleet", os.path.join(other, "benchmarks", "first_step.py"))
+    got = {v: [] for v in runs}
     traces = {}
     for _ in range(rounds):
-        for v in VARIANTS:
-            r = run_child(v, layers, devices)
+        for v, (variant, script) in runs.items():
+            r = run_child(variant, layers, devices, script)
             got[v].append(r["seconds"])
             traces[v] = r["traces"]
     a, b = (np.array(got[v]) for v in VARIANTS[:2])
     print(f"\n{layers}-layer Transformer (width {WIDTH}, {HEADS} heads, {TOKENS} tokens), Adam, "
           f"global batch {BATCH}, {devices} CPU devices, {rounds} rounds, a fresh process each")
-    print(f"{'variant':30s} {'first step s':>12s} {'vs (a)':>7s} {'vs (b)':>7s} "
-          f"{'vs (a) rounds':>14s} {'traces':>6s}")
-    for v in VARIANTS:
+    print(f"{'variant':30s} {'first step s':>12s} {'min s':>6s} {'vs (a)':>7s} {'vs (b)':>7s} "
+          f"{'min vs (a)':>10s} {'min vs (b)':>10s} {'traces':>6s}")
+    for v in runs:
         t = np.array(got[v])
-        print(f"{v:30s} {np.median(t):12.2f} {np.median(t / a):7.3f} {np.median(t / b):7.3f} "
-              f"{(t / a).min():6.3f}-{(t / a).max():<7.3f} {traces[v]:6d}")
+        print(f"{v:30s} {np.median(t):12.2f} {t.min():6.2f} {np.median(t / a):7.3f} "
+              f"{np.median(t / b):7.3f} {t.min() / a.min():10.3f} {t.min() / b.min():10.3f} "
+              f"{traces[v]:6d}")
+    for v in runs:
+        print(f"  {v}: " + " ".join(f"{x:.2f}" for x in got[v]))
     print("  (first step s: the median over rounds of the wall time from the first call to "
-          "its outputs being ready; vs (a), vs (b): the median over rounds of the per-round "
-          "ratios; traces: how often the step function was called while the first call "
-          "traced it)")
+          "its outputs being ready; min s: the fastest round's; vs (a), vs (b): the median "
+          "over rounds of the per-round ratios; min vs: the ratio of the fastest rounds, the "
+          "least disturbed by other load; traces: how often the step function was called "
+          "while the first call traced it; then each round's seconds)")
 
 
 def main() -> None:
@@ -181,13 +190,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", default="16", help="comma-separated depths, e.g. 16,48")
     parser.add_argument("--devices", type=int, default=4, help="CPU devices to fake")
+    parser.add_argument("--compare-with", metavar="CHECKOUT",
+                        help="also time fleet from another checkout of the repository (one "
+                             "holding this benchmark), e.g. the base commit's")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, int(args.layers))))
         return
     for layers in args.layers.split(","):
-        measure(int(layers), args.rounds, args.devices)
+        measure(int(layers), args.rounds, args.devices, args.compare_with)
 
 
 if __name__ == "__main__":
