@@ -41,6 +41,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
+from fleet import _compat
 from fleet._errors import FleetError
 from fleet.step import _guards
 from fleet.step._graph import Plan
@@ -99,10 +100,15 @@ def probe_view(closed: ClosedJaxpr, outputs: int) -> ClosedJaxpr:
 
 
 def evaluate(closed: ClosedJaxpr, shape: Any, args: tuple) -> Any:
-    """The probe's program on ``args`` (in the trace that calls it), its outputs
-    in the probe body's structure."""
-    return jax.tree.unflatten(jax.tree.structure(shape),
-                              jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
+    """The real program in the probe's jaxpr, on ``args`` (in the trace that calls
+    it): the probe's own outputs and what only they need left out (so the
+    program lowered is the one a trace of the real body makes), its outputs in
+    the structure of the probe body's, but the first."""
+    probed = len(jax.tree.leaves(shape[0]))
+    total = len(closed.jaxpr.outvars)
+    real, used = _compat.without_dead_code(closed, [i >= probed for i in range(total)])
+    flat = [x for x, u in zip(jax.tree.leaves(args), used) if u]
+    return jax.tree.unflatten(jax.tree.structure(shape[1:]), jaxpr_as_fun(real)(*flat))
 
 
 def ungroup(replicated: list, rest: list, decided: list[str]) -> list:

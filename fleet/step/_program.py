@@ -149,7 +149,7 @@ class Program:
         decided = _first_trace.forms(record["out"], record["summed"], _COMBINE)
         if not _first_trace.reusable(record, both["forms"], decided):
             return record, None
-        _, new_state, replicated, rest, *checked = _first_trace.evaluate(closed, shape, args)
+        new_state, replicated, rest, *checked = _first_trace.evaluate(closed, shape, args)
         return record, (new_state, _first_trace.ungroup(replicated, rest, decided), checked)
 
     def out_specs(self, plan: Plan, record: dict, state_specs: list) -> tuple:
