@@ -21,13 +21,14 @@ compiled program is the one the third trace made (a CNN with Adam on 4 CPU
 devices, with and without ``check_nan_inf``: the optimized HLO is the same but
 for one instruction's name).
 
-Measured (``benchmarks/first_step.py``: a 16-layer Transformer, Adam, 4 CPU
-devices, a fresh process per first call, 5 interleaved rounds on a shared
-2-core machine): the first finished step took 11.74 s (fastest round 9.74 s)
-against 12.08 s (11.45 s) with three traces; the hand-written
-``jax.jit(jax.shard_map(...))`` step 8.20 s (6.61 s), ``nnx.jit`` 6.70 s
-(5.51 s). In one such first call: the reference trace 1.8 s, the probe 1.9 s,
-evaluating its jaxpr 0.5 s, the guards' walks 0.1 s; lowering and compiling
+Measured (``benchmarks/first_step.py --rounds 4 --compare-with <base checkout>``:
+a 16-layer Transformer, Adam, 4 CPU devices, a fresh process per first call,
+interleaved rounds on a shared 2-core machine): the first finished step took
+9.28 s against 9.78 s with three traces (1.38x against 1.45x the hand-written
+``jax.jit(jax.shard_map(...))`` step's 6.73 s; ``nnx.jit``: 5.52 s). At 48
+layers (3 rounds, one of them disturbed) the two were within the noise. In
+one such first call: the reference trace 1.8 s, the probe 1.9 s, evaluating
+its jaxpr 0.5 s, the guards' walks 0.1 s; lowering and compiling
 take the rest. What remains over the hand-written step is the reference trace
 and a fleet trace's own cost (the NNX graph, the buckets' custom VJPs, the
 probe's records).
