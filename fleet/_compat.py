@@ -83,6 +83,7 @@ from jax._src import config as jax_config
 from jax._src import core as jax_core
 from jax._src import distributed, xla_bridge
 from jax._src.interpreters import ad
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib import _jax
 from jax.extend import backend as jax_backend
 from jax.extend import core as extend_core
@@ -140,6 +141,15 @@ def bind_equation(eqn: Any, invals: Sequence) -> Any:
     ``get_bind_params``."""
     with eqn.ctx.manager:
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def without_dead_code(closed: Any, used_outputs: Sequence[bool]) -> tuple[Any, list[bool]]:
+    """``closed`` (a ``ClosedJaxpr``) reduced to the equations its used outputs
+    need, and which of its inputs it still reads: JAX's own dead-code
+    elimination (``jax._src.interpreters.partial_eval.dce_jaxpr``, which jit runs
+    too), used on the probe's program (``fleet.step._first_trace.evaluate``)."""
+    jaxpr, used_inputs = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs))
+    return closed.replace(jaxpr=jaxpr), list(used_inputs)
 
 
 def threefry() -> Any:
@@ -336,6 +346,8 @@ def check() -> None:
                        "fold_in, random_bits")
     if not callable(getattr(jax.extend.random, "define_prng_impl", None)):
         missing.append("jax.extend.random.define_prng_impl")
+    if not callable(getattr(_pe, "dce_jaxpr", None)):
+        missing.append("jax._src.interpreters.partial_eval.dce_jaxpr")
     if not callable(getattr(jax_config, "traceback_filtering", None)):
         missing.append("jax._src.config.traceback_filtering")
     for name in COLLECTIVES:

@@ -9,7 +9,10 @@ finite flags: the body selects the state it leaves, :mod:`fleet.sections._finite
 :func:`summed_inside`). The first trace of a plan probes the
 body (a trace that records what it did: the outputs' kinds, the gradient syncs,
 the optimizer calls) and checks the step against the contract
-(``fleet.step._guards``) before the real trace.
+(``fleet.step._guards``) before the real program runs; the probe's body holds
+the real program's tail, so the probe's program is, most often, the real one
+(``fleet.step._first_trace``: a first call traces the step twice, the one-device
+reference and the probe).
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ from fleet.runtime._leaves import dotted, is_key
 from fleet.runtime._world import DATA_AXIS, world
 from fleet.sections import _finite, _sharding
 from fleet.semantics import _metrics, _outputs, _random, _random_guards, _trace_errors
-from fleet.step import _guards, _roles
+from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
-from fleet.wrappers import _data_parallel
 from fleet.wrappers._distributed_optimizer import enter_trace, leave_accumulators
 
 _SHARD_GRADS_READ = (
@@ -69,58 +71,23 @@ class Program:
         if plan.check_nan_inf:  # the chain goes in: the body selects the state
             specs, args = (*specs, P()), (*args, chain)
         record = self.records.get(plan)
-        _guards.check_closures(self.fn)  # (at every trace: new shapes of a plan too)
-        probe_body = functools.partial(self.body, plan, record={}, probe=True)
-        reference = self.replay(probe_body, plan, args, specs)
+        first = None
         if record is None:
-            strategy = world().strategy
-            record = {}
-            jaxpr = self.probe(plan, record, args, specs)
-            check_randomness(plan, jaxpr, reference, batch, record["marked"])
-            scaled = _scaled_reference(plan, reference, probe_body, args, specs)
-            self.resolve_scalars(plan, record, jaxpr, reference, scaled)
-            self.resolve_metrics(plan, record, jaxpr, scaled)
-            if _guards.foreign_psums(jaxpr):
-                summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
-                # Gradients of replicated state that no wrapped model synced: JAX summed
-                # them. A distributed optimizer that got them, with no wrapped model in
-                # the step, divides them by N (raw parameters, functional optax style).
-                if record["wrapped_syncs"] or not record["tx_calls"]:
-                    unsynced = [name for name, v, synced in zip(
-                        self.graph.names, self.graph.variables, self.graph.synced)
-                        if name in summed and isinstance(v, nnx.Param) and not synced]
-                    raise FleetError(_guards.implicit_sum(
-                        plan.mesh.devices.size, summed, bool(record["wrapped_syncs"]),
-                        unsynced))
-                record["auto_sum"] = True
-                if strategy.amp:
-                    raise FleetError(
-                        "strategy.amp sets the computation dtype of a wrapped model's layers, "
-                        "and this step trains raw parameters (no wrapped model): wrap an NNX "
-                        "model with fleet.distributed_model, or turn strategy.amp off")
-            if record["shard_grads"]:
-                used = _guards.placeholder_uses(jaxpr)
-                if used:
-                    raise FleetError(_SHARD_GRADS_READ.format(what=", ".join(used[:3])))
-            merge = strategy.gradient_merge_configs
-            if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
-                    and plan.grad_merge is None):
-                raise FleetError(
-                    f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
-                    "distributed optimizer, and this step differentiates the wrapped model "
-                    "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
-                    "wrt=nnx.Param)) to the step and update with it")
+            record, first = self.first_trace(plan, args, specs, state_specs, trees, batch)
             self.records[plan] = record
-        out_specs = (state_specs, [P() if r == "replicated" or s else P(DATA_AXIS)
-                                   for r, s in zip(record["out"], record["summed"])])
-        if plan.check_nan_inf:  # the chain: agreed over the replicas
-            out_specs = (*out_specs, P())
+        else:  # a known plan's new shapes are checked on one device too
+            _guards.check_closures(self.fn)
+            self.replay(functools.partial(self.body, plan, record={}, probe=True), plan, args,
+                        specs)
         self.trace_count += 1
-        run = jax.shard_map(
-            functools.partial(self.body, plan, record=record, probe=False),
-            mesh=plan.mesh, in_specs=specs, out_specs=out_specs, check_vma=True,
-        )
-        new_state, out_leaves, *checked = run(*args)
+        if first is not None:  # the probe's program is the real one (fleet.step._first_trace)
+            new_state, out_leaves, checked = first
+        else:
+            new_state, out_leaves, *checked = jax.shard_map(
+                functools.partial(self.body, plan, record=record, probe=False),
+                mesh=plan.mesh, in_specs=specs, out_specs=self.out_specs(plan, record, state_specs),
+                check_vma=True,
+            )(*args)
         # Stacked per-replica values are combined here, outside the per-device body,
         # so the body's only collectives are the gradient buckets and buffer means
         # (and, with check_nan_inf, the sums of summed_inside, divided here as
@@ -135,27 +102,97 @@ class Program:
         out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
         return new_state, out, (checked[0] if checked else chain)
 
-    def probe(self, plan: Plan, record: dict, args: tuple, specs: tuple) -> Any:
-        """The jaxpr of the body's probe (``record`` filled). A trace that fails on
-        JAX's replica typing alone (it traces untyped) raises the error
-        :func:`fleet.semantics._trace_errors.typing_failure` makes of it."""
-        def traced(check_vma: bool, into: dict) -> Any:
+    def first_trace(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,
+                    trees: list, batch: list) -> tuple[dict, tuple | None]:
+        """A plan's first trace: the one-device reference, then the probe, which
+        checks the step (fleet.step._guards) and records what it did. Returns the
+        record and, when the probe's program is the real one (fleet.step._first_trace),
+        its new state, outputs (in order) and chain (a list, empty without
+        check_nan_inf); else ``None``."""
+        strategy = world().strategy
+        _guards.check_closures(self.fn)
+        probe_body = functools.partial(self.body, plan, record={}, probe=True)
+        reference = self.replay(probe_body, plan, args, specs)
+        record, both = {}, {}
+        closed, shape = self.probe(plan, record, args, specs, state_specs, both)
+        jaxpr = _first_trace.probe_view(closed, both["outputs"])
+        check_randomness(plan, jaxpr, reference, batch, record["marked"])
+        scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
+        self.resolve_scalars(plan, record, jaxpr, reference, scaled)
+        self.resolve_metrics(plan, record, jaxpr, scaled)
+        if _guards.foreign_psums(jaxpr):
+            summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
+            # Gradients of replicated state that no wrapped model synced: JAX summed
+            # them. A distributed optimizer that got them, with no wrapped model in
+            # the step, divides them by N (raw parameters, functional optax style).
+            if record["wrapped_syncs"] or not record["tx_calls"]:
+                unsynced = [name for name, v, synced in zip(
+                    self.graph.names, self.graph.variables, self.graph.synced)
+                    if name in summed and isinstance(v, nnx.Param) and not synced]
+                raise FleetError(_guards.implicit_sum(
+                    plan.mesh.devices.size, summed, bool(record["wrapped_syncs"]),
+                    unsynced))
+            record["auto_sum"] = True
+            if strategy.amp:
+                raise FleetError(
+                    "strategy.amp sets the computation dtype of a wrapped model's layers, "
+                    "and this step trains raw parameters (no wrapped model): wrap an NNX "
+                    "model with fleet.distributed_model, or turn strategy.amp off")
+        if record["shard_grads"]:
+            used = _guards.placeholder_uses(jaxpr)
+            if used:
+                raise FleetError(_SHARD_GRADS_READ.format(what=", ".join(used[:3])))
+        merge = strategy.gradient_merge_configs
+        if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
+                and plan.grad_merge is None):
+            raise FleetError(
+                f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
+                "distributed optimizer, and this step differentiates the wrapped model "
+                "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
+                "wrt=nnx.Param)) to the step and update with it")
+        decided = _first_trace.forms(record["out"], record["summed"], _COMBINE)
+        if not _first_trace.reusable(record, both["forms"], decided):
+            return record, None
+        new_state, replicated, rest, *checked = _first_trace.evaluate(closed, shape, args)
+        return record, (new_state, _first_trace.ungroup(replicated, rest, decided), checked)
+
+    def out_specs(self, plan: Plan, record: dict, state_specs: list) -> tuple:
+        """The real body's out_specs: the state's, each output's (the chain's)."""
+        out_specs = (state_specs, [P() if r == "replicated" or s else P(DATA_AXIS)
+                                   for r, s in zip(record["out"], record["summed"])])
+        if plan.check_nan_inf:  # the chain: agreed over the replicas
+            out_specs = (*out_specs, P())
+        return out_specs
+
+    def probe(self, plan: Plan, record: dict, args: tuple, specs: tuple, state_specs: list,
+              both: dict) -> tuple[Any, Any]:
+        """The jaxpr of the body's probe (``record`` filled), with the real
+        program's tail (``both`` filled: fleet.step._first_trace), and its output
+        shapes. A trace that fails on JAX's replica typing alone (it traces
+        untyped) raises the error :func:`fleet.semantics._trace_errors.typing_failure`
+        makes of it."""
+        def traced(check_vma: bool, into: dict, real: dict | None) -> Any:
+            out_specs = P(DATA_AXIS)  # (the probe returns the undeclared scalars)
+            if real is not None:  # then the new state, the outputs by spec, the chain
+                out_specs = (out_specs, state_specs, P(), P(DATA_AXIS),
+                             *([P()] if plan.check_nan_inf else []))
             return jax.make_jaxpr(jax.shard_map(
-                functools.partial(self.body, plan, record=into, probe=True),
-                mesh=plan.mesh, in_specs=specs, out_specs=P(DATA_AXIS),
-                check_vma=check_vma))(*args)  # (the body returns the undeclared scalars)
+                functools.partial(self.body, plan, record=into, probe=True, both=real),
+                mesh=plan.mesh, in_specs=specs, out_specs=out_specs,
+                check_vma=check_vma), return_shape=True)(*args)
 
         try:
-            return traced(True, record)
+            return traced(True, record, both)
         except FleetError:
             raise
         except Exception as e:
-            typing = _trace_errors.typing_failure(e, lambda: traced(False, {}))
+            typing = _trace_errors.typing_failure(e, lambda: traced(False, {}, None)[0])
             if typing is None:
                 raise
             raise typing from None
 
-    def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe):
+    def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe,
+             both=None):
         per_replica = self.graph.per_replica
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
@@ -203,21 +240,44 @@ class Program:
             )
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                  [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]]
-        if probe:  # returns the undeclared varying scalars, for fleet.semantics._outputs
-            return self.probe_record(record, trace, new_state, names, leaves, reduces, treedef)
-        reduces = record["out"]  # (the probe's, each scalar's combination decided)
+        tail = functools.partial(self.leave, plan, trace, recorder, keys, names, new_state,
+                                 original, leaves, chain)
+        if not probe:
+            return tail(record["out"])  # (the probe's, each scalar's combination decided)
+        # The probe returns the undeclared varying scalars, for fleet.semantics._outputs
+        n_finite = len(trace.finite)
+        probed = self.probe_record(record, trace, new_state, names, leaves, reduces, treedef)
+        if both is None:
+            return probed
+        del trace.finite[n_finite:]  # (the tail records the outputs' flags itself)
+        both["outputs"] = len(probed)
+        assumed = [r if r != _roles.SCALAR else "mean" for r in reduces]  # (most are)
+        both["forms"] = _first_trace.forms(assumed, summed_inside(plan, leaves, assumed),
+                                           _COMBINE)
+        new_state, out_leaves, *checked = _first_trace.named_tail(lambda: tail(assumed))()
+        return (probed, new_state,
+                [x for x, f in zip(out_leaves, both["forms"]) if f == _first_trace.REPLICATED],
+                [x for x, f in zip(out_leaves, both["forms"]) if f != _first_trace.REPLICATED],
+                *checked)
+
+    def leave(self, plan: Plan, trace: Any, recorder: Any, keys: Any, names: list,
+              new_state: list, original: list, leaves: list, chain: Any, reduces: list) -> tuple:
+        """The body's end: the outputs summed inside, their finite flags, the state
+        selected by the chain (check_nan_inf), the outputs stacked or replicated;
+        returns the new state, the outputs and (check_nan_inf) the chain."""
         summed = summed_inside(plan, leaves, reduces)
         if any(summed):  # (their flags are then the same on every replica: no agreement)
             sums = iter(_sync.psum([x for x, s in zip(leaves, summed) if s]))
             leaves = [next(sums) if s else x for x, s in zip(leaves, summed)]
         trace.record_finite(names, leaves)
-        out_leaves = [x if r == "replicated" or s else (x[None] if r in _COMBINE
-                                                        or isinstance(r, tuple) else x)
-                      for x, r, s in zip(leaves, reduces, summed)]
+        out_leaves = [x if r == "replicated" or s else (
+            x[None] if r in _COMBINE or isinstance(r, tuple) else x)
+            for x, r, s in zip(leaves, reduces, summed)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
             chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite]), chain)
             new_state = recorder.select(chain == 0, new_state, original)
-        new_state = [x[None] if pr else x for x, pr in zip(keys.leave(new_state), per_replica)]
+        new_state = [x[None] if pr else x
+                     for x, pr in zip(keys.leave(new_state), self.graph.per_replica)]
         if plan.check_nan_inf:
             return new_state, out_leaves, chain
         return new_state, out_leaves
@@ -229,7 +289,7 @@ class Program:
         try:
             return _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
         except FleetError as e:
-            raise _with_copies_hint(e, self.graph.objs) from e.__cause__
+            raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
 
     def probe_record(self, record: dict, trace: Any, new_state: list, names: list,
                      leaves: list, reduces: list, treedef: Any) -> list:
@@ -324,42 +384,6 @@ class Program:
             for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
                 leaves[i] = x
         return leaves
-
-
-def _scaled_reference(plan: Plan, reference: Any, probe_body: Callable, args: tuple,
-                      specs: tuple) -> Callable[[], Any]:
-    """The single-device trace with more rows that fleet.semantics._outputs reads a
-    reduction from: the replay itself (the global batch) on several replicas; on
-    one, a trace with twice the rows, made once when first asked for (None for a
-    step written for one batch size, where any rule is exact)."""
-    if plan.mesh.devices.size > 1:
-        return lambda: reference
-    made: list = []
-
-    def scaled() -> Any:
-        if not made:
-            try:
-                made.append(_guards.check_on_one_device(probe_body, plan.mesh, args, specs,
-                                                        rows=2))
-            except FleetError:
-                made.append(None)
-        return made[0]
-
-    return scaled
-
-
-def _with_copies_hint(error: FleetError, objs: tuple) -> FleetError:
-    """``error``, with a hint when the step holds a copy of a wrapped model made
-    before the wrapping (``fleet.wrappers._data_parallel.copies_made_before_wrapping``)."""
-    copies = _data_parallel.copies_made_before_wrapping(objs)
-    if not copies:
-        return error
-    hint = (f". The step holds both the wrapped {copies[0]} and a plain {copies[0]}: a copy "
-            "made before fleet.distributed_model wrapped it (an EMA, a teacher)? Their "
-            "pytree structures differ (DataParallel[...] is the wrapped model's class), so "
-            "a jax.tree.map over both fails. Make the copy from the wrapped model: wrap "
-            "first, then build what copies it")
-    return type(error)(str(error) + hint).with_traceback(error.__traceback__)
 
 
 def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:

@@ -1,0 +1,206 @@
+"""Benchmark: time to the first finished step of a deep model, fleet against the
+hand-written steps.
+
+A first call traces the step, checks it (fleet), compiles it and runs it; on a
+deep model the tracing is a visible part of that time. Each measurement runs in
+a fresh Python process (so no in-memory cache helps, and the persistent
+compilation cache is off), on 4 fake CPU devices: the model is built and the
+world set up untimed, then the wall time from the first call to
+``jax.block_until_ready`` of its outputs is measured. The user's step function
+is wrapped in a counter: the table shows how often each variant traced it
+during that first call.
+
+The model: a pre-norm Transformer of ``--layers`` blocks (attention and an MLP,
+width 32, 4 heads, 8 tokens), Adam, a global batch of 16 sequences. Variants:
+
+* (a) ``jax.jit(jax.shard_map(...))`` by hand: replicated parameters, gradients
+  summed by shard_map's transpose and divided by N;
+* (b) ``nnx.jit`` of the single-device step, the batch sharded over ``data``
+  (XLA's partitioner inserts the all-reduce);
+* fleet: ``fleet.distributed_step`` with its defaults.
+
+Rounds are interleaved (each round starts every variant once, back to back);
+the table shows the median seconds and the median of the per-round ratios.
+
+    .venv/bin/python benchmarks/first_step.py [--rounds 5] [--layers 16,48]
+        [--compare-with ../fleet-base]   # fleet from another checkout, same rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fleet  # noqa: E402
+
+VARIANTS = ("(a) jit+shard_map, by hand", "(b) nnx.jit, sharded batch", "fleet")
+WIDTH, HEADS, TOKENS, BATCH = 32, 4, 8, 16
+
+
+def child(variant: str, layers: int) -> dict:
+    """One first call, in this (fresh) process: its seconds and traces."""
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.norm1 = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(HEADS, WIDTH, decode=False, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.up = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
+            self.down = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+    class Transformer(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+            self.head = nnx.Linear(WIDTH, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x.mean(1))
+
+    def loss_of(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    rng = np.random.RandomState(0)
+    x = rng.randn(BATCH, TOKENS, WIDTH).astype(np.float32)
+    y = rng.randint(0, 10, BATCH).astype(np.int32)
+    traces = [0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    tx = optax.adam(1e-3)
+
+    if variant == VARIANTS[0]:
+        graphdef, params = nnx.split(Transformer(nnx.Rngs(0)), nnx.Param)
+        n = mesh.devices.size
+
+        def per_device(params, opt_state, x, y):
+            traces[0] += 1
+            loss, grads = jax.value_and_grad(
+                lambda p: loss_of(nnx.merge(graphdef, p)(x), y))(params)
+            grads = jax.tree.map(lambda g: g / n, grads)  # the transpose summed them
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+        step = jax.jit(
+            jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                          out_specs=(P(), P(), P())),
+            donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows, rows))
+        args = (jax.device_put(params, replicated), jax.device_put(tx.init(params), replicated),
+                jax.device_put(x, rows), jax.device_put(y, rows))
+    elif variant == VARIANTS[1]:
+        model = Transformer(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.device_put(state, replicated))
+
+        @nnx.jit(donate_argnums=(0, 1))
+        def step(model, optimizer, x, y):
+            traces[0] += 1
+            loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        args = (model, optimizer, jax.device_put(x, rows), jax.device_put(y, rows))
+    else:
+        fleet.init(is_collective=True)
+        model = fleet.distributed_model(Transformer(nnx.Rngs(0)))
+        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+        def train(model, optimizer, x, y):
+            traces[0] += 1
+            loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        step = fleet.distributed_step(train)
+        w = fleet.world()
+        args = (model, optimizer, jax.device_put(x, w.batch), jax.device_put(y, w.batch))
+    jax.block_until_ready([a for a in args if isinstance(a, jax.Array)])
+    t0 = time.perf_counter()
+    out = step(*args)
+    jax.block_until_ready(out)
+    return {"seconds": time.perf_counter() - t0, "traces": traces[0]}
+
+
+def run_child(variant: str, layers: int, devices: int, script: str = __file__) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                        + f" --xla_force_host_platform_device_count={devices}")
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a fresh compile every time
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--child", variant, "--layers", str(layers)],
+        env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise SystemExit(f"{variant} ({layers} layers) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(layers: int, rounds: int, devices: int, other: str | None) -> None:
+    runs = {v: (v, __file__) for v in VARIANTS}
+    if other:  # fleet from another checkout, in the same rounds
+        runs[f"fleet at {os.path.basename(os.path.abspath(other))}"] = (
+            "fleet", os.path.join(other, "benchmarks", "first_step.py"))
+    got = {v: [] for v in runs}
+    traces = {}
+    for _ in range(rounds):
+        for v, (variant, script) in runs.items():
+            r = run_child(variant, layers, devices, script)
+            got[v].append(r["seconds"])
+            traces[v] = r["traces"]
+    a, b = (np.array(got[v]) for v in VARIANTS[:2])
+    print(f"\n{layers}-layer Transformer (width {WIDTH}, {HEADS} heads, {TOKENS} tokens), Adam, "
+          f"global batch {BATCH}, {devices} CPU devices, {rounds} rounds, a fresh process each")
+    print(f"{'variant':30s} {'first step s':>12s} {'min s':>6s} {'vs (a)':>7s} {'vs (b)':>7s} "
+          f"{'min vs (a)':>10s} {'min vs (b)':>10s} {'traces':>6s}")
+    for v in runs:
+        t = np.array(got[v])
+        print(f"{v:30s} {np.median(t):12.2f} {t.min():6.2f} {np.median(t / a):7.3f} "
+              f"{np.median(t / b):7.3f} {t.min() / a.min():10.3f} {t.min() / b.min():10.3f} "
+              f"{traces[v]:6d}")
+    for v in runs:
+        print(f"  {v}: " + " ".join(f"{x:.2f}" for x in got[v]))
+    print("  (first step s: the median over rounds of the wall time from the first call to "
+          "its outputs being ready; min s: the fastest round's; vs (a), vs (b): the median "
+          "over rounds of the per-round ratios; min vs: the ratio of the fastest rounds, the "
+          "least disturbed by other load; traces: how often the step function was called "
+          "while the first call traced it; then each round's seconds)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", default="16", help="comma-separated depths, e.g. 16,48")
+    parser.add_argument("--devices", type=int, default=4, help="CPU devices to fake")
+    parser.add_argument("--compare-with", metavar="CHECKOUT",
+                        help="also time fleet from another checkout of the repository (one "
+                             "holding this benchmark), e.g. the base commit's")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, int(args.layers))))
+        return
+    for layers in args.layers.split(","):
+        measure(int(layers), args.rounds, args.devices, args.compare_with)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""A plan's first trace: the probe and the real program in one trace of the step.
+
+The first call of a plan used to trace the step three times: on one device (the
+guards' reference, ``fleet.step._guards.check_on_one_device``), as the probe (a
+trace that records what the step did, which the guards read), and for real,
+with the probe's decisions. On a deep model each trace is seconds; the real
+trace is now folded into the probe. The probe's body runs the real program's
+tail too -- the outputs' sums, finite flags, state selection, outputs stacked or
+replicated -- as one call named :data:`TAIL`, after the probe's own outputs, and
+returns both. The guards read :func:`probe_view`: the probe's jaxpr as it was
+(the tail's call and outputs left out), beside the one-device reference. When
+the decisions they made are the ones the tail assumed (:func:`forms`, and
+neither JAX's summed gradients divided by the optimizer nor a metric's varying
+scalar: see :func:`reusable`), the real program is the probe's jaxpr, evaluated
+(:func:`evaluate`) -- no third trace. Otherwise the step is traced for real
+with the decisions, as before.
+
+A first call thus traces the step twice (the reference and the probe), and a
+repeated call with the same shapes not at all (``fleet.step._recall``). The
+compiled program is the one the third trace made (a CNN with Adam on 4 CPU
+devices, with and without ``check_nan_inf``: the optimized HLO is the same but
+for one instruction's name).
+
+Measured (``benchmarks/first_step.py --rounds 4 --compare-with <base checkout>``:
+a 16-layer Transformer, Adam, 4 CPU devices, a fresh process per first call,
+interleaved rounds on a shared 2-core machine): the first finished step took
+9.28 s against 9.78 s with three traces (1.38x against 1.45x the hand-written
+``jax.jit(jax.shard_map(...))`` step's 6.73 s; ``nnx.jit``: 5.52 s). At 48
+layers (3 rounds, one of them disturbed) the two were within the noise. In
+one such first call: the reference trace 1.8 s, the probe 1.9 s, evaluating
+its jaxpr 0.5 s, the guards' walks 0.1 s; lowering and compiling
+take the rest. What remains over the hand-written step is the reference trace
+and a fleet trace's own cost (the NNX graph, the buckets' custom VJPs, the
+probe's records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from fleet import _compat
+from fleet._errors import FleetError
+from fleet.step import _guards
+from fleet.step._graph import Plan
+from fleet.wrappers import _data_parallel
+
+#: The name of the call that holds the real program's tail in the probe's body.
+TAIL = "fleet_real_tail"
+
+#: How an output leaves the body: the same on every replica (``P()``), stacked
+#: per replica (``x[None]``, combined outside), or as the step returned it
+#: (gathered rows, ``P(data)``).
+REPLICATED, STACKED, AS_IS = "replicated", "stacked", "as is"
+
+
+def named_tail(tail: Callable[[], Any]) -> Callable[[], Any]:
+    """``tail`` as one call named :data:`TAIL` (it closes over its inputs, so the
+    values it reads are the very ones the step made)."""
+    def fleet_real_tail() -> Any:
+        return tail()
+
+    return jax.jit(fleet_real_tail)
+
+
+def forms(reduces: list, summed: list, combined: Any) -> list[str]:
+    """Each output's form (``combined``: the reductions applied to stacked
+    outputs outside the body)."""
+    return [REPLICATED if r == "replicated" or s
+            else STACKED if r in combined or isinstance(r, tuple)
+            else AS_IS for r, s in zip(reduces, summed)]
+
+
+def reusable(record: dict, assumed: list[str], decided: list[str]) -> bool:
+    """Whether the probe's tail is the real program's: the outputs leave the body
+    as the tail assumed, the optimizer need not divide gradients JAX summed
+    (``auto_sum``), and no metric got a varying scalar (the probe marks them)."""
+    return assumed == decided and not record.get("auto_sum") and not record.get(
+        "metric_labels")
+
+
+def probe_view(closed: ClosedJaxpr, outputs: int) -> ClosedJaxpr:
+    """The probe's jaxpr as the guards read it: its ``shard_map`` body without the
+    :data:`TAIL` call (and what follows it), returning its first ``outputs``
+    values only."""
+    eqns = list(closed.jaxpr.eqns)
+    at = next(i for i, e in enumerate(eqns) if e.primitive.name == "shard_map")
+    shmap = eqns[at]
+    body = shmap.params["jaxpr"]
+    inner = body.eqns
+    cut = next((i for i, e in enumerate(inner) if e.params.get("name") == TAIL), len(inner))
+    body = body.replace(eqns=inner[:cut], outvars=body.outvars[:outputs])
+    params = dict(shmap.params, jaxpr=body, out_specs=shmap.params["out_specs"][:outputs])
+    eqns[at] = shmap.replace(params=params, outvars=shmap.outvars[:outputs])
+    kept = set(map(id, shmap.outvars[:outputs]))
+    outvars = [v for v in closed.jaxpr.outvars if id(v) in kept]
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns, outvars=outvars))
+
+
+def evaluate(closed: ClosedJaxpr, shape: Any, args: tuple) -> Any:
+    """The real program in the probe's jaxpr, on ``args`` (in the trace that calls
+    it): the probe's own outputs and what only they need left out (so the
+    program lowered is the one a trace of the real body makes), its outputs in
+    the structure of the probe body's, but the first."""
+    probed = len(jax.tree.leaves(shape[0]))
+    total = len(closed.jaxpr.outvars)
+    real, used = _compat.without_dead_code(closed, [i >= probed for i in range(total)])
+    flat = [x for x, u in zip(jax.tree.leaves(args), used) if u]
+    return jax.tree.unflatten(jax.tree.structure(shape[1:]), jaxpr_as_fun(real)(*flat))
+
+
+def ungroup(replicated: list, rest: list, decided: list[str]) -> list:
+    """The outputs in order, from the body's two groups (its ``P()`` outputs and
+    the others)."""
+    groups = iter(replicated), iter(rest)
+    return [next(groups[f != REPLICATED]) for f in decided]
+
+
+def scaled_reference(plan: Plan, reference: Any, probe_body: Callable, args: tuple,
+                      specs: tuple) -> Callable[[], Any]:
+    """The single-device trace with more rows that fleet.semantics._outputs reads a
+    reduction from: the replay itself (the global batch) on several replicas; on
+    one, a trace with twice the rows, made once when first asked for (None for a
+    step written for one batch size, where any rule is exact)."""
+    if plan.mesh.devices.size > 1:
+        return lambda: reference
+    made: list = []
+
+    def scaled() -> Any:
+        if not made:
+            try:
+                made.append(_guards.check_on_one_device(probe_body, plan.mesh, args, specs,
+                                                        rows=2))
+            except FleetError:
+                made.append(None)
+        return made[0]
+
+    return scaled
+
+
+def with_copies_hint(error: FleetError, objs: tuple) -> FleetError:
+    """``error``, with a hint when the step holds a copy of a wrapped model made
+    before the wrapping (``fleet.wrappers._data_parallel.copies_made_before_wrapping``)."""
+    copies = _data_parallel.copies_made_before_wrapping(objs)
+    if not copies:
+        return error
+    hint = (f". The step holds both the wrapped {copies[0]} and a plain {copies[0]}: a copy "
+            "made before fleet.distributed_model wrapped it (an EMA, a teacher)? Their "
+            "pytree structures differ (DataParallel[...] is the wrapped model's class), so "
+            "a jax.tree.map over both fails. Make the copy from the wrapped model: wrap "
+            "first, then build what copies it")
+    return type(error)(str(error) + hint).with_traceback(error.__traceback__)

@@ -1,0 +1,103 @@
+"""A first call traces the step at most twice (the one-device reference and the
+probe, whose program is the real one: fleet.step._first_trace), a repeated call
+with the same shapes not at all, a call with new shapes at most twice again; and
+every result is the single-device step's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+
+TOL = 1e-5
+
+
+def counted(fn):
+    """``fn``, counting its calls (each is a trace of the step)."""
+    def step(*args):
+        step.calls += 1
+        return fn(*args)
+
+    step.calls = 0
+    return step
+
+
+def traces_per_call(step, fn, calls):
+    """Each call's result and how often it traced ``fn``."""
+    got = []
+    for args in calls:
+        before = fn.calls
+        got.append((step(*args), fn.calls - before))
+    return got
+
+
+@pytest.mark.parametrize("check_nan_inf", [False, True])
+def test_a_first_call_traces_twice_a_repeated_call_not_at_all(make_world, check_nan_inf):
+    make_world(4, fleet.DistributedStrategy(check_nan_inf=check_nan_inf))
+    data = models.batches("linear", 3, 8) + models.batches("linear", 2, 16, seed=1)
+    ref_losses, ref_params = models.nnx_reference("linear", data, optax.sgd(0.1))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    train = counted(models.nnx_train_step)
+    step = fleet.distributed_step(train)
+    got = traces_per_call(step, train, [(model, optimizer, x, y) for x, y in data])
+    traced = [n for _, n in got]
+    assert traced[0] <= 2 and traced[3] <= 2, traced  # a first call; new shapes
+    assert traced[1:3] == [0, 0] and traced[4] == 0, traced  # the fast path
+    assert step.trace_count == 2  # one program per shape
+    np.testing.assert_allclose([float(loss) for loss, _ in got], ref_losses, atol=TOL)
+    assert models.max_diff(models.flat_params(model), ref_params) < TOL
+
+
+@pytest.mark.parametrize("check_nan_inf", [False, True])
+def test_outputs_of_every_form_from_the_probes_program(make_world, check_nan_inf):
+    make_world(4, fleet.DistributedStrategy(check_nan_inf=check_nan_inf))
+    x, y = models.batches("linear", 1, 8)[0]
+    single = models.LinearNet(nnx.Rngs(0))
+    out = np.asarray(single(x))
+
+    def evaluate(model, x, y):
+        pred = model(x)
+        return {"loss": models.loss_of(pred, y), "count": (pred > 0).sum(),
+                "per_example": pred, "norm": sum(jnp.sum(p ** 2) for p in jax.tree.leaves(
+                    nnx.state(model, nnx.Param))),
+                "declared": pred.std()}
+
+    fn = counted(evaluate)
+    step = fleet.distributed_step(fn, out_reduce={"declared": "max", "loss": None,
+                                                  "count": None, "per_example": None,
+                                                  "norm": None})
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    [(result, traced)] = traces_per_call(step, fn, [(model, x, y)])
+    assert traced <= 2
+    np.testing.assert_allclose(float(result["loss"]), float(models.loss_of(out, y)), atol=TOL)
+    assert int(result["count"]) == int((out > 0).sum())
+    np.testing.assert_allclose(np.asarray(result["per_example"]), out, atol=TOL)
+    norm = sum((np.asarray(p) ** 2).sum() for p in jax.tree.leaves(nnx.state(single, nnx.Param)))
+    np.testing.assert_allclose(float(result["norm"]), norm, rtol=1e-5)
+    np.testing.assert_allclose(float(result["declared"]),
+                               max(out[i:i + 2].std() for i in range(0, 8, 2)), rtol=1e-5)
+
+
+def test_decisions_other_than_the_assumed_ones_trace_once_more(make_world):
+    # Under check_nan_inf the probe's program sums a float scalar inside the body,
+    # as it does a mean; a max is stacked instead: the step is traced for real.
+    make_world(4, fleet.DistributedStrategy(check_nan_inf=True))
+    x, y = models.batches("linear", 1, 8)[0]
+    out = np.asarray(models.LinearNet(nnx.Rngs(0))(x))
+
+    def evaluate(model, x, y):
+        pred = model(x)
+        return models.loss_of(pred, y), jnp.max(pred)
+
+    fn = counted(evaluate)
+    step = fleet.distributed_step(fn)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    [((loss, top), traced), (_, again)] = traces_per_call(step, fn, [(model, x, y)] * 2)
+    assert (traced, again) == (3, 0)
+    np.testing.assert_allclose(float(loss), float(models.loss_of(out, y)), atol=TOL)
+    np.testing.assert_allclose(float(top), out.max(), atol=TOL)
