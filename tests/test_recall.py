@@ -290,3 +290,103 @@ def test_check_nan_inf_switched_on_between_calls_is_seen(make_world):
     step(model, optimizer, np.full_like(x, np.nan), y)
     with pytest.raises(fleet.FleetError, match="check_nan_inf"):
         step.wait()
+
+
+def test_only_a_call_whose_decisions_changed_takes_the_decision_path(make_world):
+    """The decision path (``DistributedStep._decide``, counted) runs for the first
+    call and for each call whose decisions changed: a jax.Array batch after numpy
+    rows, another model object, the first object again, a static setting changed;
+    a batch of another size decides nothing (its shape is no decision's input) and
+    takes the cached path. Each call equals the single-device step."""
+    make_world(4)
+    w = fleet.world()
+    single = nnx.jit(sgd_step)
+    references = [Scaled(nnx.Rngs(0)), Scaled(nnx.Rngs(1))]
+    fleets = [fleet.distributed_model(Scaled(nnx.Rngs(0))),
+              fleet.distributed_model(Scaled(nnx.Rngs(1)))]
+    step = fleet.distributed_step(sgd_step)
+
+    def placed(x):
+        return jax.device_put(x, w.batch)
+
+    def rescale(m):
+        m.scale = 3.0
+
+    calls = [  # (which model, rows, place the batch, a change before the call, decisions after)
+        (0, 8, False, None, 1), (0, 8, False, None, 1), (0, 4, False, None, 1),
+        (0, 8, True, None, 2), (0, 4, True, None, 2), (1, 8, True, None, 3),
+        (1, 8, True, None, 3), (0, 8, True, None, 4), (0, 8, True, rescale, 5),
+        (0, 8, True, None, 5)]
+    decisions = []
+    for (x, y), (m, rows, place, change, _) in zip(models.batches("linear", len(calls), 8),
+                                                  calls):
+        if change is not None:
+            change(references[m])
+            change(fleets[m])
+        x, y = x[:rows], y[:rows]
+        want = float(single(references[m], x, y))
+        got = float(step(fleets[m], *((placed(x), placed(y)) if place else (x, y))))
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-6), len(decisions)
+        decisions.append(step._decisions)
+    assert decisions == [c[-1] for c in calls]
+    for reference, model in zip(references, fleets):  # (parameters near 4: float rounding)
+        assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-5
+        assert fleet.check_replicas(model) == []
+
+
+def scaled_train_step(scale):
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: models.loss_of(m(x), y) * scale)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+def test_no_sync_and_gradient_merge_calls_take_the_decision_path(make_world):
+    """A call under ``no_sync`` decides again (no_sync is a decision's input), and
+    so does the first call after the block; the next one is cached again. Under
+    gradient merge every call decides (its position in the merge). The results
+    equal the single-device steps on the union batches (SGD, the loss divided by
+    the calls that make one update)."""
+    (x, y), = models.batches("linear", 1, 8)
+    reference = models.LinearNet(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    single = nnx.jit(models.nnx_train_step)
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    plain, third = fleet.distributed_step(models.nnx_train_step), fleet.distributed_step(
+        scaled_train_step(1 / 3))
+    plain(model, optimizer, x, y)
+    plain(model, optimizer, x, y)
+    assert plain._decisions == 1
+    for _ in range(2):
+        with model.no_sync():
+            third(model, optimizer, x, y)
+    assert third._decisions == 2
+    third(model, optimizer, x, y)  # leaves no_sync: the accumulated update
+    assert third._decisions == 3
+    third(model, optimizer, x, y)
+    assert third._decisions == 3
+    for _ in range(3):  # 2 plain steps, one step on 3 copies of the batch
+        single(reference, ref_opt, x, y)
+    nnx.jit(scaled_train_step(1 / 3))(reference, ref_opt, x, y)
+    assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-5
+
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2, "avg": True}
+    make_world(4, strategy)
+    reference = models.LinearNet(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    merged = fleet.distributed_step(models.nnx_train_step)
+    for _ in range(4):
+        merged(model, optimizer, x, y)
+    assert merged._decisions == 4
+    for _ in range(2):  # each merge of 2 calls on the same batch: one step on it
+        single(reference, ref_opt, x, y)
+    assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-5
+    assert fleet.check_replicas(model) == []

@@ -96,7 +96,7 @@ from fleet.step._global_arrays import global_batch
 from fleet.step._global_arrays import placed as place_on_mesh
 from fleet.step._graph import GraphCache, Plan, tree_layout
 from fleet.step._program import Program
-from fleet.step._recall import Recall
+from fleet.step._recall import Decision, Recall, decision
 from fleet.step._rows import SameRows
 from fleet.wrappers._distributed_optimizer import (
     MergePosition,
@@ -125,6 +125,7 @@ class DistributedStep:
         self._last_repl: Any = None
         self._merge = MergePosition()
         self._recall: Recall | None = None  # the last call's decisions (fleet.step._recall)
+        self._decisions = 0  # calls that took the decision path (_decide)
         self._verify = _verify.Verify(fn)  # strategy.verify_steps (fleet.step._verify)
 
     # -- the call, on the host ------------------------------------------------------
@@ -135,16 +136,15 @@ class DistributedStep:
             self._check_finite(wait=False)
         recall = self._recall
         batch = None if recall is None else recall.match(args, kwargs, self._program.graph)
-        if batch is not None:  # the same decisions as the last call (fleet.step._recall)
-            plan, run, flat, kinds = recall.plan, recall.run, recall.flat, recall.kinds
-            call_args = self._call_args(plan, recall.kinds, args, recall.positions, batch)
-        else:
-            plan, kinds, values = self._decide(args, kwargs)
-            run = self._compiled(plan)
-            call_args = self._call_args(plan, kinds, values)
-            self._recall = Recall.of(args, kwargs, kinds, self._batch_argnums, plan,
-                                     self._program.graph, world(), run, call_args[2])
-            flat = False
+        if batch is not None:  # every input the last decision depended on is as it was
+            decided, run, flat = recall.decision, recall.run, recall.flat
+            call_args = self._call_args(decided, args, batch)
+        else:  # the decision path (fleet.step._recall)
+            decided = self._decide(args, kwargs)
+            run, flat = self._compiled(decided.plan), False
+            call_args = self._call_args(decided, decided.values(args, kwargs))
+            self._recall = Recall.of(decided, run, args, call_args[2])
+        plan, kinds = decided.plan, decided.kinds
         # strategy.verify_steps: the single-device step on copies, before the donation
         verify = self._verify.active and self._verify.before(plan, kinds, args, kwargs,
                                                              call_args[2])
@@ -222,12 +222,13 @@ class DistributedStep:
             )
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple]:
-        plan, kinds, values = self._decide(args, kwargs)
-        return plan, self._call_args(plan, kinds, values)
+        decided = self._decide(args, kwargs)
+        return decided.plan, self._call_args(decided, decided.values(args, kwargs))
 
-    def _decide(self, args: tuple, kwargs: dict) -> tuple[Plan, tuple, list]:
-        """The plan of a call, each argument's role, and the arguments in order
-        (the positional ones, then the keywords by name)."""
+    def _decide(self, args: tuple, kwargs: dict) -> Decision:
+        """What a call is, and what that depended on: the one decision path (a
+        repeated call reuses its result: fleet.step._recall)."""
+        self._decisions += 1
         w = world()
         names = tuple(sorted(kwargs))
         values = list(args) + [kwargs[k] for k in names]
@@ -273,16 +274,15 @@ class DistributedStep:
             arg_structure=jax.tree.structure(
                 [v for v, k in zip(values, kinds) if k in (_roles.TREE, _roles.BATCH)]),
         )
-        return plan, kinds, values
+        return decision(args, kwargs, kinds, batch_argnums, plan, self._program.graph, w)
 
-    def _call_args(self, plan: Plan, kinds: tuple, values: Sequence,
-                   at: _roles.Positions | None = None, batch: list | None = None) -> tuple:
+    def _call_args(self, decided: Decision, values: Sequence, batch: list | None = None) -> tuple:
         """The arguments of the compiled program: the NNX state, the pytree
         state, the batch (placed, unless given), the replicated scalars. In a
         multi-process job, every process agrees first on a new program and on
         changed scalars, and checks that they did not all pass the same rows."""
         w = world()
-        at = at or _roles.Positions(kinds)
+        plan, kinds, at = decided.plan, decided.kinds, decided.positions
         repl = list(at.repl(values))
         if jax.process_count() > 1:
             given = [values[i] for i in at.batch]

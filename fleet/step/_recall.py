@@ -1,33 +1,37 @@
-"""A repeated call's fast path: what a step decided at its last call, and the
-checks that those decisions still hold.
+"""A call's decisions, made on one path, and the fast path that reuses them.
 
-A training loop calls its step with the same model and optimizer objects and a
-new batch of the same kind, thousands of times. ``DistributedStep._prepare``
-works out each argument's role, the NNX graph, the plan (the ``jit`` key); on a
-small model on a GPU its Python time is a real part of the step. :class:`Recall`
-keeps what the last call decided and, for the next call, checks only what can
-differ between two calls of a loop:
+``DistributedStep._decide`` is the one place that decides what a call is: each
+argument's role, the NNX graph, the plan (the ``jit`` key), ``no_sync`` and the
+gradient merge position. It returns a :class:`Decision`: those decisions and
+what they depended on. A training loop calls its step with the same model and
+optimizer objects and a new batch of the same kind, thousands of times; on a
+small model on a GPU the decision path's Python time is a real part of the
+step. :class:`Recall` caches the last decision and, for the next call, checks
+only the inputs it depended on (microseconds):
 
 * the same number of positional arguments and no keywords, each of the same
   type; the same NNX objects (by identity) with the same structure (their
   :class:`fleet.step._graph.Fingerprint`); the same static values;
-* each array argument's role again (``fleet.step._roles.kind``: a batch is split,
-  a replicated array is state), when it does not look as the last one did
-  (its sharding and shape); each pytree argument's (a Linen ``TrainState``, a
-  batch given as a dict or a tuple), from its leaves, and its structure, at
-  every call;
+* each array argument's role (``fleet.step._roles.kind``: a batch is split, a
+  replicated array is state), decided again when the array does not look as
+  the last one did (its sharding and shape); each pytree argument's (a Linen
+  ``TrainState``, a batch given as a dict or a tuple), from its leaves, and its
+  structure, at every call;
 * the same mesh and the same strategy switches read at each call
   (``check_nan_inf``, ``sharding``), and no ``no_sync`` block.
 
-Anything else, and every call that cannot be recalled (gradient merge, ZeRO,
-``no_sync``, keyword arguments), takes the full path, which decides the same
-things from scratch. The batch is still checked and placed at every call
-(``fleet.step._global_arrays.global_batch``), and a multi-process job still agrees on
-each new program and on changed scalars (``DistributedStep._call_args``).
+A decision that depended on something else (gradient merge: the call's
+position in the merge; ZeRO; ``no_sync``; keyword arguments) is not recalled
+(:attr:`Decision.recallable`): every such call, and every call whose inputs do
+not pass the checks, takes the decision path. The batch is still checked and
+placed at every call (``fleet.step._global_arrays.global_batch``), and a
+multi-process job still agrees on each new program and on changed scalars
+(``DistributedStep._call_args``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -40,31 +44,63 @@ from fleet.step._global_arrays import global_batch
 from fleet.step._graph import GraphCache, Plan
 
 
-class Recall:
-    """The last call's decisions (see the module docstring)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decision:
+    """What a call is (``DistributedStep._decide``), and what that depended on."""
 
-    def __init__(self, args: tuple, kinds: tuple, batch_argnums: tuple | None, plan: Plan,
-                 graph: GraphCache, run: Callable, batch: list):
-        self.types = tuple(map(type, args))
-        self.kinds = kinds
-        self.plan, self.graph, self.run = plan, graph, run
-        self.positions = _roles.Positions(kinds)
-        self.obj_ids = tuple(map(id, self.positions.nnx(args)))
-        self.batch_argnums = batch_argnums
+    plan: Plan  # the jit key: roles, statics, graphdef, no_sync, merge position, mesh, ...
+    kinds: tuple  # each argument's role (fleet.step._roles)
+    positions: _roles.Positions  # where each role's arguments are
+    graph: GraphCache  # the NNX objects' graph
+    # What the decisions depended on, beyond the plan's fields: each positional
+    # argument's type, batch_argnums' word on it (None: inferred), the NNX objects'
+    # identities (their structure: graph.fingerprint) and each pytree argument's
+    # structure. recallable: False when a decision depended on something that
+    # changes between calls (a merge position, no_sync, ZeRO, keyword arguments).
+    types: tuple
+    words: tuple
+    obj_ids: tuple
+    trees: tuple  # (position, word, is batch, structure) of each pytree argument
+    recallable: bool
+
+    def values(self, args: tuple, kwargs: dict) -> list:
+        """The call's arguments in order: the positional ones, then the keywords by name."""
+        return list(args) + [kwargs[k] for k in self.plan.kw_names] if kwargs else list(args)
+
+
+def decision(args: tuple, kwargs: dict, kinds: tuple, batch_argnums: tuple | None,
+             plan: Plan, graph: GraphCache, w: World) -> Decision:
+    """The :class:`Decision` of a call whose roles, plan and graph were just decided."""
+    positions = _roles.Positions(kinds)
+    words = tuple(None if batch_argnums is None else i in batch_argnums
+                  for i in range(len(args)))
+    return Decision(
+        plan=plan, kinds=kinds, positions=positions, graph=graph,
+        types=tuple(map(type, args)), words=words,
+        obj_ids=tuple(map(id, positions.nnx(args))),
+        trees=tuple((i, words[i], kinds[i] == _roles.BATCH, jax.tree_util.tree_structure(a))
+                    for i, a in enumerate(args)
+                    if kinds[i] in (_roles.TREE, _roles.BATCH) and not _roles.is_array(a)),
+        recallable=not (kwargs or plan.grad_merge is not None or plan.no_sync or plan.sharded
+                        or plan.tree_shards is not None or w.strategy.sharding
+                        or graph.fingerprint is None))
+
+
+class Recall:
+    """The fast path: the last call's :class:`Decision` (its fields the checks
+    read, copied here), the compiled program it runs, and how the last call's
+    arrays looked (see the module docstring)."""
+
+    def __init__(self, decided: Decision, run: Callable, args: tuple, batch: list):
+        self.decision, self.run = decided, run
+        self.plan, self.graph, self.kinds = decided.plan, decided.graph, decided.kinds
+        self.positions, self.types, self.obj_ids = (decided.positions, decided.types,
+                                                    decided.obj_ids)
+        self.trees = decided.trees
         self.arrays = self._arrays(args, batch)
-        # Pytree arguments (state such as a TrainState, a batch given as a dict or a
-        # tuple): their role is decided again at each call, from their leaves.
-        # Each one's structure is the plan's too (Plan.arg_structure).
-        self.trees = [(i, self._argnum(i), kinds[i] == _roles.BATCH,
-                       jax.tree_util.tree_structure(a))
-                      for i, a in enumerate(args)
-                      if kinds[i] in (_roles.TREE, _roles.BATCH) and not _roles.is_array(a)]
         # No pytree state nor pytree batch: the batch and the replicated values are
         # arrays and scalars (fleet.step._donate.split_flat).
-        self.flat = not self.trees and _roles.TREE not in kinds
-
-    def _argnum(self, i: int) -> bool | None:
-        return None if self.batch_argnums is None else i in self.batch_argnums
+        self.flat = not self.trees and _roles.TREE not in self.kinds
 
     def _arrays(self, args: tuple, batch: list) -> list[tuple]:
         """Each array argument: its position, batch_argnums' word on it, whether it is
@@ -72,25 +108,21 @@ class Recall:
         and placement), whether it is batch, and whether
         ``fleet.step._global_arrays.global_batch`` passed it as it was."""
         given = {i for i, placed in zip(self.positions.batch, batch) if placed is args[i]}
-        return [(i, self._argnum(i), isinstance(a, jax.Array), _looks(a),
+        words = self.decision.words
+        return [(i, words[i], isinstance(a, jax.Array), _looks(a),
                  self.kinds[i] == _roles.BATCH, i in given)
                 for i, a in enumerate(args) if _roles.is_array(a)]
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict, kinds: tuple, batch_argnums: tuple | None,
-           plan: Plan, graph: GraphCache, w: World, run: Callable,
-           batch: list) -> Recall | None:
-        """The decisions of a call that took the full path (``batch``: its batch as
-        placed), or ``None`` when a next call could not be checked cheaply."""
-        if (kwargs or plan.grad_merge is not None or plan.no_sync or plan.sharded
-                or plan.tree_shards is not None or w.strategy.sharding
-                or graph.fingerprint is None):
-            return None
-        return cls(args, kinds, batch_argnums, plan, graph, run, batch)
+    def of(cls, decided: Decision, run: Callable, args: tuple, batch: list) -> Recall | None:
+        """The fast path for the calls after one that took the decision path
+        (``batch``: its batch as placed), or ``None`` when its decisions cannot be
+        recalled."""
+        return cls(decided, run, args, batch) if decided.recallable else None
 
     def match(self, args: tuple, kwargs: dict, graph: GraphCache | None) -> list | None:
-        """The batch of a call with these arguments, placed, if the call decides
-        what the last one did (``graph``: the step's graph now); else ``None``."""
+        """The batch of a call with these arguments, placed, if every input the last
+        decision depended on is as it was (``graph``: the step's graph now); else ``None``."""
         if kwargs or graph is not self.graph or tuple(map(type, args)) != self.types:
             return None
         w = world()
