@@ -266,7 +266,8 @@ def test_two_nodes_train_like_one(jobs, tmp_path, reference, form):
     for rank, node in enumerate(nodes):  # each node echoes its first worker
         assert f"rank {rank}'s output follows" in node.output
         assert re.search(r"^step:7\tloss:", node.output, re.M)
-    assert "nnodes: 2" in nodes[1].output and "node_rank: 1" in nodes[1].output
+    # (issue 38: the node's place is in fleetrun's one start line, not Paddle's table)
+    assert "on node 1 of 2 (2 processes in the job)" in nodes[1].output, nodes[1].output
 
 
 # -- the seeds' command lines, as written, two launchers on loopback ---------------------------

@@ -57,8 +57,18 @@ def unheld(state: list) -> list:
     if max(map(getrefcount, state), default=0) <= ALONE:
         return state
     counts = list(map(getrefcount, state))  # (read before a new list holds them too)
-    return [jax.device_put(x, may_alias=False) if n > ALONE and isinstance(x, jax.Array) else x
+    return [_copy(x) if n > ALONE and isinstance(x, jax.Array) else x
             for x, n in zip(state, counts)]
+
+
+def _copy(x: jax.Array) -> jax.Array:
+    """A copy of ``x`` in new buffers, with its sharding. In a multi-process job
+    each process copies its own shards (a held leaf is held on one process only:
+    nothing here may wait for the others)."""
+    if x.is_fully_addressable:
+        return jax.device_put(x, may_alias=False)
+    shards = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 
 
 def split(state: list, others: Any, donate: bool) -> tuple[Any, list, list]:
