@@ -166,12 +166,12 @@ def fleet_gather(x: jax.Array) -> jax.Array:
 
 
 @contextlib.contextmanager
-def global_updates(objs: Any, rows: frozenset, record: dict, probe: bool) -> Iterator[None]:
+def global_updates(objs: Any, rows: frozenset, record: Any, probe: bool) -> Iterator[None]:
     """Inside a step's trace: the metrics among ``objs`` (NNX objects and their
     sub-objects) update with global values; their classes are put back after,
-    before the graph is split again. A probe records in ``record["metric_labels"]``
+    before the graph is split again. A probe records in ``record.metric_labels``
     which metric got each varying scalar; the real trace combines them by
-    ``record["metric_scalars"]`` (fleet.step._program.Program.resolve_metrics)."""
+    ``record.metric_scalars`` (fleet.step._program.Program.resolve_metrics)."""
     metrics = [node for _, node in nnx.iter_graph(objs) if isinstance(node, nnx.metrics.Metric)
                and getattr(type(node), "__fleet_base__", None) is None]
     if not metrics:
@@ -180,9 +180,9 @@ def global_updates(objs: Any, rows: frozenset, record: dict, probe: bool) -> Ite
     classes = [type(m) for m in metrics]
     for m in metrics:
         _compat.set_class(m, _global_class(type(m)))
-    updates = Updates(rows, None if probe else record.get("metric_scalars", []))
+    updates = Updates(rows, None if probe else record.metric_scalars)
     if probe:
-        record["metric_labels"] = updates.labels
+        record.metric_labels = updates.labels
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(updates)
     try:
