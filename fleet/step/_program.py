@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
-from fleet.comm import _sync
+from fleet.comm import _sync, _trace
 from fleet.runtime._leaves import dotted, is_key
 from fleet.runtime._world import DATA_AXIS, world
 from fleet.sections import _finite, _sharding
@@ -212,10 +212,10 @@ class Program:
                    _roles.REPL: iter(repl), _roles.STATIC: iter(plan.statics)}
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
-        trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
-                                auto_sum=record.auto_sum,
-                                check_finite=plan.check_nan_inf)
-        trace.accum_in = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
+        trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
+        trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
+        trace.finite.check = plan.check_nan_inf
+        trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)
         recorder = _finite.Recorder() if plan.check_nan_inf else None
@@ -231,9 +231,9 @@ class Program:
                 )
             new_state = self.replicated_state(new, plan, entered, original)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
-        if trace.shard_grads and any(id(x) in trace.shard_grads for x in jax.tree.leaves(out)):
+        if trace.shard.grads and any(id(x) in trace.shard.grads for x in jax.tree.leaves(out)):
             raise FleetError(_SHARD_GRADS_READ.format(what="the step returns them"))
-        if trace.auto_sum and any(id(x) in trace.tx_grads for x in jax.tree.leaves(out)):
+        if trace.tx.auto_sum and any(id(x) in trace.tx.grads for x in jax.tree.leaves(out)):
             raise FleetError(
                 "the step returns gradients of raw parameters, which JAX summed over the "
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
@@ -246,11 +246,11 @@ class Program:
         if not probe:
             return tail(record.out)  # (the probe's, each scalar's combination decided)
         # The probe returns the undeclared varying scalars, for fleet.semantics._outputs
-        n_finite = len(trace.finite)
+        n_finite = len(trace.finite.flags)
         probed = self.probe_record(record, trace, new_state, names, leaves, reduces, treedef)
         if both is None:
             return probed
-        del trace.finite[n_finite:]  # (the tail records the outputs' flags itself)
+        del trace.finite.flags[n_finite:]  # (the tail records the outputs' flags itself)
         both["outputs"] = len(probed)
         assumed = [r if r != _roles.SCALAR else "mean" for r in reduces]  # (most are)
         both["forms"] = _first_trace.forms(assumed, summed_inside(plan, leaves, assumed),
@@ -270,12 +270,12 @@ class Program:
         if any(summed):  # (their flags are then the same on every replica: no agreement)
             sums = iter(_sync.psum([x for x, s in zip(leaves, summed) if s]))
             leaves = [next(sums) if s else x for x, s in zip(leaves, summed)]
-        trace.record_finite(names, leaves)
+        trace.finite.record(names, leaves)
         out_leaves = [x if r == "replicated" or s else (
             x[None] if r in _COMBINE or isinstance(r, tuple) else x)
             for x, r, s in zip(leaves, reduces, summed)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
-            chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite]), chain)
+            chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite.flags]), chain)
             new_state = recorder.select(chain == 0, new_state, original)
         new_state = [x[None] if pr else x
                      for x, pr in zip(keys.leave(new_state), self.graph.per_replica)]
@@ -307,12 +307,12 @@ class Program:
         for _, x in marked:
             _random_guards.fleet_mark(x)
         record.marked = [n for n, _ in marked]
-        trace.record_finite(names, leaves)
-        record.finite, record.names = [n for n, _ in trace.finite], names
+        trace.finite.record(names, leaves)
+        record.finite, record.names = [n for n, _ in trace.finite.flags], names
         record.dtypes = [jnp.result_type(x) for x in leaves]
         record.out, record.treedef = reduces, treedef
-        record.wrapped_syncs, record.tx_calls = trace.wrapped_syncs, trace.tx_calls
-        record.merge_updates, record.shard_grads = trace.merge_updates, len(trace.shard_grads)
+        record.wrapped_syncs, record.tx_calls = trace.wrapped_syncs, trace.tx.calls
+        record.merge_updates, record.shard_grads = trace.accum.merge_updates, len(trace.shard.grads)
         record.counted = [
             i for i, (v, x) in enumerate(zip(self.graph.variables, new_state))
             if not isinstance(v, (nnx.Param, nnx.OptState)) and not self.graph.per_replica[i]
