@@ -72,6 +72,11 @@ def reduce_bucket(trace: SyncTrace, bucket: Bucket, keys: Sequence, cts: list,
 
 
 class _Local(threading.local):
+    """The calling thread's traces (:func:`current`, :func:`tracing`): fleet's one
+    thread-local stack; what a trace needs (check_nan_inf's recorder, the metrics'
+    updates) is a field of its :class:`fleet.comm._trace.SyncTrace`. And ``no_sync``'s
+    depth."""
+
     no_sync = 0  # (a class default: read at every step call without a lookup that fails)
 
 

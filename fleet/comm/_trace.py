@@ -2,7 +2,8 @@
 
 One object per trace (fleet.step._program.Program.body makes it; the code the
 step calls reaches it through :func:`fleet.comm._sync.current`, the one
-thread-local stack). Its state is grouped by the feature that owns it, each a
+thread-local stack; what else a trace needs lives here too: check_nan_inf's
+Recorder, the metrics' Updates). Its state is grouped by the feature that owns it, each a
 small record with the methods that feature calls:
 
 - :class:`Accumulation` (``trace.accum``): ``no_sync``'s accumulated gradients
@@ -79,10 +80,13 @@ class ShardGrads:
 
 @dataclasses.dataclass
 class FiniteFlags:
-    """``check_nan_inf``: what must be finite."""
+    """``check_nan_inf``: what must be finite, and the distributed optimizers'
+    updates to replay under the chain."""
 
     check: bool = False  # strategy.check_nan_inf: record what must be finite
     flags: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
+    #: with check_nan_inf, the updates of this trace (fleet.sections._finite.Recorder)
+    recorder: Any = None
 
     def record(self, names: Sequence[str], leaves: Sequence) -> None:
         if self.check:
@@ -101,6 +105,8 @@ class SyncTrace:
     tx: OptimizerCalls = dataclasses.field(default_factory=OptimizerCalls)
     shard: ShardGrads = dataclasses.field(default_factory=ShardGrads)
     finite: FiniteFlags = dataclasses.field(default_factory=FiniteFlags)
+    #: the metric updates of this trace (fleet.semantics._metrics.Updates), if any
+    metrics: Any = None
     #: the values whose ids tx.grads and shard.grads hold, kept alive for the trace so
     #: that no later value (an output) gets one of their ids
     held: list = dataclasses.field(default_factory=list)

@@ -218,9 +218,9 @@ class Program:
         trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)
-        recorder = _finite.Recorder() if plan.check_nan_inf else None
-        with _sync.tracing(trace), _finite.recording(recorder):
-            with _metrics.global_updates(objs, rows, record, probe):  # on the global batch
+        recorder = trace.finite.recorder = _finite.Recorder() if plan.check_nan_inf else None
+        with _sync.tracing(trace):
+            with _metrics.global_updates(trace, objs, rows, record, probe):  # global batch
                 out = keys.leave(self.fn(*values[:n_pos],
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
