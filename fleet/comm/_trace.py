@@ -74,7 +74,8 @@ class ShardGrads:
     """``strategy.sharding`` (ZeRO): each replica's slices of the reduced gradients."""
 
     config: Any = None  # strategy.sharding (fleet.sections._sharding.Config) when the step shards
-    grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> (key, slice, stage 2)
+    #: id(placeholder) -> (key, the local gradient or its reduced slice, stage 2)
+    grads: dict = dataclasses.field(default_factory=dict)
     finite: Any = None  # float16 amp under sharding: all replicas' slices finite
 
 

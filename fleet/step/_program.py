@@ -78,8 +78,8 @@ class Program:
             self.records[plan] = record
         else:  # a known plan's new shapes are checked on one device too
             _guards.check_closures(self.fn)
-            self.replay(functools.partial(self.body, plan, record=PlanRecord(), probe=True), plan, args,
-                        specs)
+            self.replay(functools.partial(self.body, plan, record=PlanRecord(), probe=True),
+                        plan, args, specs)
         self.trace_count += 1
         if first is not None:  # the probe's program is the real one (fleet.step._first_trace)
             new_state, out_leaves, checked = first
