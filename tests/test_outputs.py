@@ -237,7 +237,7 @@ def test_check_nan_inf_keeps_max_and_min(make_world, n):
     step = fleet.distributed_step(evaluate)
     got = step(model, x, y)
     step.wait()
-    assert step._program.records[step._last_plan]["summed"] == (
+    assert step._program.records[step._last_plan].summed == (
         [n > 0, False, False, True, True])
     for a, b in zip(got, ref):
         np.testing.assert_allclose(float(a), float(b), rtol=1e-5, atol=1e-5)

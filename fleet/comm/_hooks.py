@@ -123,16 +123,16 @@ def reduce_slices(leaves: Sequence, cfg: Any, divisor: Any = None) -> list:
 
 def zero_backward(trace: Any, keys: Sequence, cts: list) -> list:
     """A wrapped model's bucket backward under ``strategy.sharding`` (``trace``:
-    the step's :class:`fleet.comm._sync.SyncTrace`): stage 2 reduce-scatters the
+    the step's :class:`fleet.comm._trace.SyncTrace`): stage 2 reduce-scatters the
     bucket now, stage 1 keeps the local gradients for the optimizer
     (:mod:`fleet.sections._sharding`); both return placeholders."""
-    cfg = trace.shard
+    cfg = trace.shard.config
     if cfg.stage == 2:
-        values = reduce_slices(cts, cfg, trace.grad_divisor)
-        trace.record_finite([f"gradient of {k!r}" for k in keys], values)
+        values = reduce_slices(cts, cfg, trace.tx.divisor)
+        trace.finite.record([f"gradient of {k!r}" for k in keys], values)
     else:
         values = cts
     held = fleet_shard_grad(tuple((ct.shape, jnp.dtype(ct.dtype).name) for ct in cts))
     for k, i, v in zip(keys, trace.hold(held), values):
-        trace.shard_grads[i] = (k, v, cfg.stage == 2)
+        trace.shard.grads[i] = (k, v, cfg.stage == 2)
     return held

@@ -47,6 +47,7 @@ from fleet._compat import is_differentiated
 from fleet._errors import FleetError
 from fleet.comm._buckets import Bucket, BucketConfig, plan_leaves, reduce_buckets
 from fleet.comm._hooks import fleet_bucket, gradient_hook, zero_backward
+from fleet.comm._trace import SyncTrace
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 
@@ -58,64 +59,24 @@ def is_varying(x: Any) -> bool:
     return DATA_AXIS in jax.typeof(x).manual_axis_type.varying
 
 
-@dataclasses.dataclass
-class SyncTrace:
-    """Bookkeeping of one trace of the step body (not settings: those come from
-    the objects passed to the step)."""
-
-    num_replicas: int
-    no_sync: bool = False
-    accum_in: dict = dataclasses.field(default_factory=dict)  # key -> accumulated local grad
-    accum_out: dict = dataclasses.field(default_factory=dict)  # key -> what the step leaves
-    wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced in this trace
-    tx_calls: int = 0  # distributed optimizer updates in this trace
-    merge_updates: int = 0  # updates of an optimizer that merges gradients (gradient_merge)
-    merge_counts: bool = False  # this call counts in gradient_merge's cycle (not explicit no_sync)
-    tx_grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
-    auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
-    check_finite: bool = False  # strategy.check_nan_inf: record what must be finite
-    grad_divisor: Any = None  # synced gradients are divided by it (loss scale, merge avg)
-    loss_scale: Any = None  # float16 amp: the distributed optimizer's scale, this step
-    finite: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
-    shard: Any = None  # strategy.sharding (fleet.sections._sharding.Config) when the step shards
-    shard_grads: dict = dataclasses.field(default_factory=dict)  # id(placeholder) -> grad
-    shard_finite: Any = None  # float16 amp under sharding: all replicas' slices finite
-    #: the values whose ids tx_grads and shard_grads hold, kept alive for the trace so
-    #: that no later value (an output) gets one of their ids
-    held: list = dataclasses.field(default_factory=list)
-
-    def hold(self, leaves: Sequence) -> list[int]:
-        """The ids of ``leaves``, unique for the whole trace: the leaves are kept alive."""
-        self.held.extend(leaves)
-        return [id(x) for x in leaves]
-
-    def record_finite(self, names: Sequence[str], leaves: Sequence) -> None:
-        if self.check_finite:
-            self.finite.extend(
-                (n, jnp.all(jnp.isfinite(x))) for n, x in zip(names, leaves)
-                if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
-
-    def take_accumulated(self, keys: Sequence, cts: Sequence) -> list:
-        """``cts`` plus what ``no_sync`` accumulated for their keys, which is then
-        consumed (the step leaves zeros)."""
-        out = [ct + self.accum_in[k] if k in self.accum_in else ct for k, ct in zip(keys, cts)]
-        for k in keys:
-            if k in self.accum_in:
-                self.accum_out[k] = None
-        return out
-
-    def reduce_bucket(self, bucket: Bucket, keys: Sequence, cts: list, wire: str | None) -> list:
-        """A wrapped model's bucket of local gradients, reduced by this step's
-        hook (:func:`fleet.comm._hooks.gradient_hook`); under ``strategy.sharding``
-        by ZeRO's backward, which keeps slices and returns placeholders."""
-        if self.shard is not None:
-            return zero_backward(self, keys, cts)
-        out = gradient_hook(wire, self.grad_divisor)(bucket, cts)
-        self.record_finite([f"gradient of {k!r}" for k in keys], out)
-        return out
+def reduce_bucket(trace: SyncTrace, bucket: Bucket, keys: Sequence, cts: list,
+                  wire: str | None) -> list:
+    """A wrapped model's bucket of local gradients, reduced by this step's
+    hook (:func:`fleet.comm._hooks.gradient_hook`); under ``strategy.sharding``
+    by ZeRO's backward, which keeps slices and returns placeholders."""
+    if trace.shard.config is not None:
+        return zero_backward(trace, keys, cts)
+    out = gradient_hook(wire, trace.tx.divisor)(bucket, cts)
+    trace.finite.record([f"gradient of {k!r}" for k in keys], out)
+    return out
 
 
 class _Local(threading.local):
+    """The calling thread's traces (:func:`current`, :func:`tracing`): fleet's one
+    thread-local stack; what a trace needs (check_nan_inf's recorder, the metrics'
+    updates) is a field of its :class:`fleet.comm._trace.SyncTrace`. And ``no_sync``'s
+    depth."""
+
     no_sync = 0  # (a class default: read at every step call without a lookup that fails)
 
 
@@ -202,7 +163,7 @@ def _make_bucket_sync(bucket: Bucket, keys: tuple, wire: str | None):
         # (outside a step, an empty trace: nothing to add, divide or check)
         trace = current() or SyncTrace(num_replicas=0)
         cts = [ct if is_varying(ct) else jax.lax.pcast(ct, DATA_AXIS, to="varying") for ct in cts]
-        return tuple(trace.reduce_bucket(bucket, keys, trace.take_accumulated(keys, cts), wire))
+        return tuple(reduce_bucket(trace, bucket, keys, trace.accum.take(keys, cts), wire))
 
     sync.defvjp(fwd, bwd)
     return sync
@@ -339,4 +300,4 @@ def accumulate(grads: Any) -> None:
         key = dotted(path)
         if not is_varying(g):
             continue
-        trace.accum_out[key] = g + trace.accum_in[key] if key in trace.accum_in else g
+        trace.accum.add(key, g)

@@ -64,13 +64,11 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import sys
-import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -82,7 +80,7 @@ from jax.sharding import PartitionSpec as P
 
 from fleet import _compat
 from fleet._errors import FleetError
-from fleet.comm._sync import is_varying
+from fleet.comm._sync import current, is_varying
 from fleet.comm._sync import psum as _psum
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the FiniteFlags with calls in flight
@@ -254,24 +252,11 @@ def _message(name: str, call: int, last: int) -> str:
 
 # --------------------------------------------------------------------------- on the device
 
-_local = threading.local()
-
-
 def recorder() -> Recorder | None:
-    """The recorder of the step body being traced with ``check_nan_inf``, if any."""
-    stack = getattr(_local, "recorders", None)
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def recording(rec: Recorder | None) -> Iterator[None]:
-    """Makes ``rec`` the :func:`recorder` inside the block (nothing if ``None``)."""
-    stack = _local.__dict__.setdefault("recorders", [])
-    stack.append(rec)
-    try:
-        yield
-    finally:
-        stack.pop()
+    """The recorder of the step body being traced with ``check_nan_inf``, if any
+    (the trace's: fleet.comm._trace.FiniteFlags.recorder)."""
+    trace = current()
+    return None if trace is None else trace.finite.recorder
 
 
 class Recorder:

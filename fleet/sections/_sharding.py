@@ -257,7 +257,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     MB live per device against 78.2 MB). Each element is the same sum either way
     (:func:`_apply`)."""
     trace = _sync.current()
-    if trace is not None and trace.shard is None:
+    if trace is not None and trace.shard.config is None:
         raise FleetError(
             "this optimizer state was split by fleet.distributed_optimizer(tx).init "
             "(strategy.sharding) and is held where the step cannot see it (an nnx.Optimizer "
@@ -267,7 +267,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
         raise FleetError(
             "this optimizer's state is sharded (strategy.sharding), and it updates only "
             "inside a fleet.distributed_step that differentiates the wrapped model")
-    cfg: Config = trace.shard
+    cfg: Config = trace.shard.config
     g_leaves, g_def = jax.tree.flatten(grads)
     layouts = [cfg.layout(jnp.shape(g)) for g in g_leaves]
     slices = _reduced_slices(trace, grads)
@@ -318,9 +318,9 @@ def _reduced_slices(trace: _sync.SyncTrace, grads: Any) -> list:
     """This replica's slices of the reduced gradients: the wrapped model's
     backward left them (stage 2) or the local gradients (stage 1, reduce-scattered
     here); their finite flags recorded, and float16 amp's agreed flag."""
-    cfg: Config = trace.shard
+    cfg: Config = trace.shard.config
     g_leaves = jax.tree.leaves(grads)
-    found = [trace.shard_grads.get(id(g)) for g in g_leaves]
+    found = [trace.shard.grads.get(id(g)) for g in g_leaves]
     missing = [i for i, f in enumerate(found) if f is None]
     if missing:
         path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(grads)[0][missing[0]][0])
@@ -340,11 +340,11 @@ def _reduced_slices(trace: _sync.SyncTrace, grads: Any) -> list:
         # The barrier keeps XLA from moving the scatters into the backward pass
         # (which would be stage 2): stage 1 holds the whole local gradient.
         held = jax.lax.optimization_barrier([found[i][1] for i in local])
-        for i, s in zip(local, reduce_slices(held, cfg, trace.grad_divisor)):
+        for i, s in zip(local, reduce_slices(held, cfg, trace.tx.divisor)):
             slices[i] = s
-    trace.record_finite([f"gradient of {found[i][0]!r}" for i in local],
+    trace.finite.record([f"gradient of {found[i][0]!r}" for i in local],
                         [slices[i] for i in local])
-    if trace.loss_scale is not None:  # float16 amp: every shard agrees (psum of the flags)
+    if trace.tx.loss_scale is not None:  # float16 amp: every shard agrees (psum of the flags)
         bad = sum(jnp.sum(~jnp.isfinite(s)).astype(jnp.int32) for s in slices)
-        trace.shard_finite = _sync.psum([bad])[0] == 0
+        trace.shard.finite = _sync.psum([bad])[0] == 0
     return slices

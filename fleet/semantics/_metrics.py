@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,14 +78,12 @@ def _update(self: Any, *args: Any, **kwargs: Any) -> None:
     """A metric's ``update`` inside a step: with global values (see the module
     docstring), then the metric's own."""
     base = type(self).__fleet_base__
-    updates = _local.stack[-1] if getattr(_local, "stack", None) else None
+    trace = _sync.current()
+    updates = None if trace is None else trace.metrics
     if updates is not None:
         args, kwargs = jax.tree_util.tree_map_with_path(
             lambda p, x: _global(x, updates, base.__name__, _argument(p)), (args, kwargs))
     return base.update(self, *args, **kwargs)
-
-
-_local = threading.local()  # .stack: the Updates of the steps being traced
 
 
 def _argument(path: tuple) -> str:
@@ -166,12 +163,13 @@ def fleet_gather(x: jax.Array) -> jax.Array:
 
 
 @contextlib.contextmanager
-def global_updates(objs: Any, rows: frozenset, record: dict, probe: bool) -> Iterator[None]:
-    """Inside a step's trace: the metrics among ``objs`` (NNX objects and their
+def global_updates(trace: _sync.SyncTrace, objs: Any, rows: frozenset, record: Any,
+                   probe: bool) -> Iterator[None]:
+    """Inside a step's ``trace``: the metrics among ``objs`` (NNX objects and their
     sub-objects) update with global values; their classes are put back after,
-    before the graph is split again. A probe records in ``record["metric_labels"]``
+    before the graph is split again. A probe records in ``record.metric_labels``
     which metric got each varying scalar; the real trace combines them by
-    ``record["metric_scalars"]`` (fleet.step._program.Program.resolve_metrics)."""
+    ``record.metric_scalars`` (fleet.step._program.Program.resolve_metrics)."""
     metrics = [node for _, node in nnx.iter_graph(objs) if isinstance(node, nnx.metrics.Metric)
                and getattr(type(node), "__fleet_base__", None) is None]
     if not metrics:
@@ -180,15 +178,14 @@ def global_updates(objs: Any, rows: frozenset, record: dict, probe: bool) -> Ite
     classes = [type(m) for m in metrics]
     for m in metrics:
         _compat.set_class(m, _global_class(type(m)))
-    updates = Updates(rows, None if probe else record.get("metric_scalars", []))
+    updates = Updates(rows, None if probe else record.metric_scalars)
     if probe:
-        record["metric_labels"] = updates.labels
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(updates)
+        record.metric_labels = updates.labels
+    outer, trace.metrics = trace.metrics, updates  # (the trace's: fleet.comm._trace)
     try:
         yield
     finally:
-        stack.pop()
+        trace.metrics = outer
         for m, cls in zip(metrics, classes):
             _compat.set_class(m, cls)
 

@@ -154,11 +154,11 @@ class DistributedStep:
         self._program.graph.write(new_state)
         if verify:
             self._verify.after(verify, plan, self._program.graph, out)
-        if plan.grad_merge is not None and self._program.records[plan]["merge_updates"]:
+        if plan.grad_merge is not None and self._program.records[plan].merge_updates:
             self._merge.advanced(self._program.graph.objs)
         self._calls += 1
         if plan.check_nan_inf:
-            self._finite.record(plan.mesh, self._calls, self._program.records[plan]["finite"],
+            self._finite.record(plan.mesh, self._calls, self._program.records[plan].finite,
                                 chain)
             if jax.process_count() > 1:  # every process raises at the same call
                 self._check_finite(wait=True, upto=self._calls - 1)

@@ -46,6 +46,7 @@ from fleet import _compat
 from fleet._errors import FleetError
 from fleet.step import _guards
 from fleet.step._graph import Plan
+from fleet.step._record import PlanRecord
 from fleet.wrappers import _data_parallel
 
 #: The name of the call that holds the real program's tail in the probe's body.
@@ -74,12 +75,11 @@ def forms(reduces: list, summed: list, combined: Any) -> list[str]:
             else AS_IS for r, s in zip(reduces, summed)]
 
 
-def reusable(record: dict, assumed: list[str], decided: list[str]) -> bool:
+def reusable(record: PlanRecord, assumed: list[str], decided: list[str]) -> bool:
     """Whether the probe's tail is the real program's: the outputs leave the body
     as the tail assumed, the optimizer need not divide gradients JAX summed
     (``auto_sum``), and no metric got a varying scalar (the probe marks them)."""
-    return assumed == decided and not record.get("auto_sum") and not record.get(
-        "metric_labels")
+    return assumed == decided and not record.auto_sum and not record.metric_labels
 
 
 def probe_view(closed: ClosedJaxpr, outputs: int) -> ClosedJaxpr:

@@ -27,13 +27,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
-from fleet.comm import _sync
+from fleet.comm import _sync, _trace
 from fleet.runtime._leaves import dotted, is_key
 from fleet.runtime._world import DATA_AXIS, world
 from fleet.sections import _finite, _sharding
 from fleet.semantics import _metrics, _outputs, _random, _random_guards, _trace_errors
 from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
+from fleet.step._record import PlanRecord
 from fleet.wrappers._distributed_optimizer import enter_trace, leave_accumulators
 
 _SHARD_GRADS_READ = (
@@ -53,7 +54,7 @@ class Program:
         self.fn = fn
         self.out_reduce = out_reduce
         self.graph: GraphCache | None = None
-        self.records: dict[Plan, dict] = {}
+        self.records: dict[Plan, PlanRecord] = {}
         self.trace_count = 0  # how often the body was traced for real (tests read it)
 
     def run(self, plan: Plan, state, trees, batch, repl, chain=None):
@@ -77,8 +78,8 @@ class Program:
             self.records[plan] = record
         else:  # a known plan's new shapes are checked on one device too
             _guards.check_closures(self.fn)
-            self.replay(functools.partial(self.body, plan, record={}, probe=True), plan, args,
-                        specs)
+            self.replay(functools.partial(self.body, plan, record=PlanRecord(), probe=True),
+                        plan, args, specs)
         self.trace_count += 1
         if first is not None:  # the probe's program is the real one (fleet.step._first_trace)
             new_state, out_leaves, checked = first
@@ -97,13 +98,13 @@ class Program:
             (jax.lax.div(x, jnp.asarray(n, x.dtype)) if r == "mean" else x) if s
             else _sharding.Shard(x, r[1]) if isinstance(r, tuple)
             else _COMBINE[r](x) if r in _COMBINE else x
-            for x, r, s in zip(out_leaves, record["out"], record["summed"])
+            for x, r, s in zip(out_leaves, record.out, record.summed)
         ]
-        out = jax.tree_util.tree_unflatten(record["treedef"], out_leaves)
+        out = jax.tree_util.tree_unflatten(record.treedef, out_leaves)
         return new_state, out, (checked[0] if checked else chain)
 
     def first_trace(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,
-                    trees: list, batch: list) -> tuple[dict, tuple | None]:
+                    trees: list, batch: list) -> tuple[PlanRecord, tuple | None]:
         """A plan's first trace: the one-device reference, then the probe, which
         checks the step (fleet.step._guards) and records what it did. Returns the
         record and, when the probe's program is the real one (fleet.step._first_trace),
@@ -111,12 +112,12 @@ class Program:
         check_nan_inf); else ``None``."""
         strategy = world().strategy
         _guards.check_closures(self.fn)
-        probe_body = functools.partial(self.body, plan, record={}, probe=True)
+        probe_body = functools.partial(self.body, plan, record=PlanRecord(), probe=True)
         reference = self.replay(probe_body, plan, args, specs)
-        record, both = {}, {}
+        record, both = PlanRecord(), {}
         closed, shape = self.probe(plan, record, args, specs, state_specs, both)
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
-        check_randomness(plan, jaxpr, reference, batch, record["marked"])
+        check_randomness(plan, jaxpr, reference, batch, record.marked)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         self.resolve_scalars(plan, record, jaxpr, reference, scaled)
         self.resolve_metrics(plan, record, jaxpr, scaled)
@@ -125,53 +126,53 @@ class Program:
             # Gradients of replicated state that no wrapped model synced: JAX summed
             # them. A distributed optimizer that got them, with no wrapped model in
             # the step, divides them by N (raw parameters, functional optax style).
-            if record["wrapped_syncs"] or not record["tx_calls"]:
+            if record.wrapped_syncs or not record.tx_calls:
                 unsynced = [name for name, v, synced in zip(
                     self.graph.names, self.graph.variables, self.graph.synced)
                     if name in summed and isinstance(v, nnx.Param) and not synced]
                 raise FleetError(_guards.implicit_sum(
-                    plan.mesh.devices.size, summed, bool(record["wrapped_syncs"]),
+                    plan.mesh.devices.size, summed, bool(record.wrapped_syncs),
                     unsynced))
-            record["auto_sum"] = True
+            record.auto_sum = True
             if strategy.amp:
                 raise FleetError(
                     "strategy.amp sets the computation dtype of a wrapped model's layers, "
                     "and this step trains raw parameters (no wrapped model): wrap an NNX "
                     "model with fleet.distributed_model, or turn strategy.amp off")
-        if record["shard_grads"]:
+        if record.shard_grads:
             used = _guards.placeholder_uses(jaxpr)
             if used:
                 raise FleetError(_SHARD_GRADS_READ.format(what=", ".join(used[:3])))
         merge = strategy.gradient_merge_configs
-        if (strategy.gradient_merge and merge.k_steps > 1 and record["wrapped_syncs"]
+        if (strategy.gradient_merge and merge.k_steps > 1 and record.wrapped_syncs
                 and plan.grad_merge is None):
             raise FleetError(
                 f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
                 "distributed optimizer, and this step differentiates the wrapped model "
                 "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
                 "wrt=nnx.Param)) to the step and update with it")
-        decided = _first_trace.forms(record["out"], record["summed"], _COMBINE)
+        decided = _first_trace.forms(record.out, record.summed, _COMBINE)
         if not _first_trace.reusable(record, both["forms"], decided):
             return record, None
         new_state, replicated, rest, *checked = _first_trace.evaluate(closed, shape, args)
         return record, (new_state, _first_trace.ungroup(replicated, rest, decided), checked)
 
-    def out_specs(self, plan: Plan, record: dict, state_specs: list) -> tuple:
+    def out_specs(self, plan: Plan, record: PlanRecord, state_specs: list) -> tuple:
         """The real body's out_specs: the state's, each output's (the chain's)."""
         out_specs = (state_specs, [P() if r == "replicated" or s else P(DATA_AXIS)
-                                   for r, s in zip(record["out"], record["summed"])])
+                                   for r, s in zip(record.out, record.summed)])
         if plan.check_nan_inf:  # the chain: agreed over the replicas
             out_specs = (*out_specs, P())
         return out_specs
 
-    def probe(self, plan: Plan, record: dict, args: tuple, specs: tuple, state_specs: list,
+    def probe(self, plan: Plan, record: PlanRecord, args: tuple, specs: tuple, state_specs: list,
               both: dict) -> tuple[Any, Any]:
         """The jaxpr of the body's probe (``record`` filled), with the real
         program's tail (``both`` filled: fleet.step._first_trace), and its output
         shapes. A trace that fails on JAX's replica typing alone (it traces
         untyped) raises the error :func:`fleet.semantics._trace_errors.typing_failure`
         makes of it."""
-        def traced(check_vma: bool, into: dict, real: dict | None) -> Any:
+        def traced(check_vma: bool, into: PlanRecord, real: dict | None) -> Any:
             out_specs = P(DATA_AXIS)  # (the probe returns the undeclared scalars)
             if real is not None:  # then the new state, the outputs by spec, the chain
                 out_specs = (out_specs, state_specs, P(), P(DATA_AXIS),
@@ -186,7 +187,7 @@ class Program:
         except FleetError:
             raise
         except Exception as e:
-            typing = _trace_errors.typing_failure(e, lambda: traced(False, {}, None)[0])
+            typing = _trace_errors.typing_failure(e, lambda: traced(False, PlanRecord(), None)[0])
             if typing is None:
                 raise
             raise typing from None
@@ -211,15 +212,15 @@ class Program:
                    _roles.REPL: iter(repl), _roles.STATIC: iter(plan.statics)}
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
-        trace = _sync.SyncTrace(num_replicas=plan.mesh.devices.size, no_sync=plan.no_sync,
-                                auto_sum=record.get("auto_sum", False),
-                                check_finite=plan.check_nan_inf)
-        trace.accum_in = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
+        trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
+        trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
+        trace.finite.check = plan.check_nan_inf
+        trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)
-        recorder = _finite.Recorder() if plan.check_nan_inf else None
-        with _sync.tracing(trace), _finite.recording(recorder):
-            with _metrics.global_updates(objs, rows, record, probe):  # on the global batch
+        recorder = trace.finite.recorder = _finite.Recorder() if plan.check_nan_inf else None
+        with _sync.tracing(trace):
+            with _metrics.global_updates(trace, objs, rows, record, probe):  # global batch
                 out = keys.leave(self.fn(*values[:n_pos],
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
@@ -230,9 +231,9 @@ class Program:
                 )
             new_state = self.replicated_state(new, plan, entered, original)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
-        if trace.shard_grads and any(id(x) in trace.shard_grads for x in jax.tree.leaves(out)):
+        if trace.shard.grads and any(id(x) in trace.shard.grads for x in jax.tree.leaves(out)):
             raise FleetError(_SHARD_GRADS_READ.format(what="the step returns them"))
-        if trace.auto_sum and any(id(x) in trace.tx_grads for x in jax.tree.leaves(out)):
+        if trace.tx.auto_sum and any(id(x) in trace.tx.grads for x in jax.tree.leaves(out)):
             raise FleetError(
                 "the step returns gradients of raw parameters, which JAX summed over the "
                 f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
@@ -243,13 +244,13 @@ class Program:
         tail = functools.partial(self.leave, plan, trace, recorder, keys, names, new_state,
                                  original, leaves, chain)
         if not probe:
-            return tail(record["out"])  # (the probe's, each scalar's combination decided)
+            return tail(record.out)  # (the probe's, each scalar's combination decided)
         # The probe returns the undeclared varying scalars, for fleet.semantics._outputs
-        n_finite = len(trace.finite)
+        n_finite = len(trace.finite.flags)
         probed = self.probe_record(record, trace, new_state, names, leaves, reduces, treedef)
         if both is None:
             return probed
-        del trace.finite[n_finite:]  # (the tail records the outputs' flags itself)
+        del trace.finite.flags[n_finite:]  # (the tail records the outputs' flags itself)
         both["outputs"] = len(probed)
         assumed = [r if r != _roles.SCALAR else "mean" for r in reduces]  # (most are)
         both["forms"] = _first_trace.forms(assumed, summed_inside(plan, leaves, assumed),
@@ -269,12 +270,12 @@ class Program:
         if any(summed):  # (their flags are then the same on every replica: no agreement)
             sums = iter(_sync.psum([x for x, s in zip(leaves, summed) if s]))
             leaves = [next(sums) if s else x for x, s in zip(leaves, summed)]
-        trace.record_finite(names, leaves)
+        trace.finite.record(names, leaves)
         out_leaves = [x if r == "replicated" or s else (
             x[None] if r in _COMBINE or isinstance(r, tuple) else x)
             for x, r, s in zip(leaves, reduces, summed)]
         if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
-            chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite]), chain)
+            chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite.flags]), chain)
             new_state = recorder.select(chain == 0, new_state, original)
         new_state = [x[None] if pr else x
                      for x, pr in zip(keys.leave(new_state), self.graph.per_replica)]
@@ -291,7 +292,7 @@ class Program:
         except FleetError as e:
             raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
 
-    def probe_record(self, record: dict, trace: Any, new_state: list, names: list,
+    def probe_record(self, record: PlanRecord, trace: Any, new_state: list, names: list,
                      leaves: list, reduces: list, treedef: Any) -> list:
         """The probe's record of what the step did, and what its body returns: the
         undeclared varying scalars (for fleet.semantics._outputs), then the state that is
@@ -305,48 +306,48 @@ class Program:
                                   if r not in (_roles.SCALAR, "replicated")])
         for _, x in marked:
             _random_guards.fleet_mark(x)
-        record["marked"] = [n for n, _ in marked]
-        trace.record_finite(names, leaves)
-        record.update(finite=[n for n, _ in trace.finite], names=names,
-                      dtypes=[jnp.result_type(x) for x in leaves])
-        record.update(out=reduces, treedef=treedef, wrapped_syncs=trace.wrapped_syncs,
-                      tx_calls=trace.tx_calls, merge_updates=trace.merge_updates,
-                      shard_grads=len(trace.shard_grads))
-        record["counted"] = [
+        record.marked = [n for n, _ in marked]
+        trace.finite.record(names, leaves)
+        record.finite, record.names = [n for n, _ in trace.finite.flags], names
+        record.dtypes = [jnp.result_type(x) for x in leaves]
+        record.out, record.treedef = reduces, treedef
+        record.wrapped_syncs, record.tx_calls = trace.wrapped_syncs, trace.tx.calls
+        record.merge_updates, record.shard_grads = trace.accum.merge_updates, len(trace.shard.grads)
+        record.counted = [
             i for i, (v, x) in enumerate(zip(self.graph.variables, new_state))
             if not isinstance(v, (nnx.Param, nnx.OptState)) and not self.graph.per_replica[i]
             and not is_key(x) and not _sync.is_varying(x)]
         return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
             jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]
-            for i in record["counted"]]
+            for i in record.counted]
 
-    def resolve_scalars(self, plan: Plan, record: dict, jaxpr: Any, reference: Any,
+    def resolve_scalars(self, plan: Plan, record: PlanRecord, jaxpr: Any, reference: Any,
                         scaled: Callable[[], Any]) -> None:
         """Decides how each undeclared varying scalar output combines (the probe's
         :data:`fleet.step._roles.SCALAR`: fleet.semantics._outputs reads it from the probe's trace
         and ``scaled()``, the single-device trace with more rows), then which
         outputs the body sums; refuses a summed loss and state counted from the
         batch's shape (against ``reference``, the single-device step)."""
-        at = [i for i, r in enumerate(record["out"]) if r == _roles.SCALAR]
+        at = [i for i, r in enumerate(record.out) if r == _roles.SCALAR]
         replicas = plan.mesh.devices.size
         kinds = _outputs.scalar_reduces(
-            jaxpr, scaled() if at else None, max(replicas, 2), [record["names"][i] for i in at],
-            [record["dtypes"][i] for i in at], replicas, bool(record["wrapped_syncs"]))
+            jaxpr, scaled() if at else None, max(replicas, 2), [record.names[i] for i in at],
+            [record.dtypes[i] for i in at], replicas, bool(record.wrapped_syncs))
         for i, k in zip(at, kinds):
-            record["out"][i] = k
-        if replicas > 1 and record["wrapped_syncs"]:
+            record.out[i] = k
+        if replicas > 1 and record.wrapped_syncs:
             _outputs.check_summed_loss(jaxpr, reference, replicas)
         if replicas > 1:  # (on one replica its rows are the global batch's)
             _outputs.check_counted(jaxpr, reference, len(at),
-                                   [self.graph.names[i] for i in record["counted"]])
-        record["summed"] = summed_inside(plan, record["dtypes"], record["out"])
+                                   [self.graph.names[i] for i in record.counted])
+        record.summed = summed_inside(plan, record.dtypes, record.out)
 
-    def resolve_metrics(self, plan: Plan, record: dict, jaxpr: Any,
+    def resolve_metrics(self, plan: Plan, record: PlanRecord, jaxpr: Any,
                         scaled: Callable[[], Any]) -> None:
         """Decides how each varying scalar a metric's update got combines over the
         replicas (fleet.semantics._metrics), as resolve_scalars does for the outputs."""
-        labels = record.get("metric_labels", [])
-        record["metric_scalars"] = _outputs.metric_reduces(
+        labels = record.metric_labels
+        record.metric_scalars = _outputs.metric_reduces(
             jaxpr, scaled() if labels else None, max(plan.mesh.devices.size, 2),
             [_metrics.mark_name(k) for k in range(len(labels))], labels)
 

@@ -164,13 +164,13 @@ class DataParallel(nnx.Module):
         out = _amp.outputs_to_float32(out)
         if amp.loss_scaling and trace is not None and any(
                 _sync.is_differentiated(x) for x in jax.tree.leaves(out)):
-            if trace.loss_scale is None:
+            if trace.tx.loss_scale is None:
                 raise FleetError(
                     "strategy.amp with float16 scales the loss, and the scale lives in the "
                     "distributed optimizer: pass fleet.distributed_optimizer(nnx.Optimizer("
                     "model, tx, wrt=nnx.Param)) to this step and update with it"
                 )
-            out = _amp.scale_cotangent(out, trace.loss_scale)
+            out = _amp.scale_cotangent(out, trace.tx.loss_scale)
         return out
 
     # -- Paddle's methods --------------------------------------------------------

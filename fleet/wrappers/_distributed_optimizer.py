@@ -50,7 +50,7 @@ class _AllReduceThen(optax.GradientTransformationExtraArgs):
 
 def _under_no_sync() -> bool:
     trace = _sync.current()
-    return trace is not None and trace.no_sync
+    return trace is not None and trace.accum.no_sync
 
 
 def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -80,13 +80,13 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
             )
         trace = _sync.current()
         if trace is not None:
-            trace.tx_calls += 1
-            trace.tx_grads.update(trace.hold(jax.tree.leaves(grads)))
+            trace.tx.calls += 1
+            trace.tx.grads.update(trace.hold(jax.tree.leaves(grads)))
             if not trace.wrapped_syncs:
                 flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-                trace.record_finite([f"gradient {dotted(p)!r}" for p, _ in flat],
+                trace.finite.record([f"gradient {dotted(p)!r}" for p, _ in flat],
                                     [g for _, g in flat])
-            if trace.auto_sum:  # raw parameters: JAX summed their gradients over replicas
+            if trace.tx.auto_sum:  # raw parameters: JAX summed their gradients over replicas
                 n = trace.num_replicas
                 grads = jax.tree.map(
                     lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
@@ -221,8 +221,7 @@ class DistributedOptimizer(nnx.Optimizer):
 
     def update(self, model, grads, /, **kwargs):
         trace = _sync.current()
-        if self.merge_k > 1 and trace is not None and trace.merge_counts:
-            trace.merge_updates += 1
+        if self.merge_k > 1 and trace is not None and trace.accum.count_merge():
             self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
         if _under_no_sync():  # add to the accumulator; nothing steps
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
@@ -278,8 +277,8 @@ class DistributedOptimizer(nnx.Optimizer):
         before = [v.get_raw_value() for v in kept]
         self._apply(model, grads, **kwargs)
         trace = _sync.current()
-        if trace.shard_finite is not None:  # sharded: agreed over the slices' owners
-            finite = trace.shard_finite
+        if trace.shard.finite is not None:  # sharded: agreed over the slices' owners
+            finite = trace.shard.finite
         else:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)
                                         if jnp.issubdtype(g.dtype, jnp.inexact)]))
@@ -427,15 +426,15 @@ def enter_trace(trace: _sync.SyncTrace, objs: tuple, *, grad_merge: str | None,
     for opt in objs:
         if not isinstance(opt, DistributedOptimizer):
             continue
-        if opt.amp_rules is not None and trace.loss_scale is None:
-            trace.loss_scale = divisor = opt.loss_scaling[...]
+        if opt.amp_rules is not None and trace.tx.loss_scale is None:
+            trace.tx.loss_scale = divisor = opt.loss_scaling[...]
         if grad_merge == "final" and opt.merge_avg:
             k = jnp.asarray(opt.merge_k, jnp.float32)
             divisor = k if divisor is None else divisor * k
-    trace.grad_divisor = divisor
-    trace.merge_counts = grad_merge is not None
+    trace.tx.divisor = divisor
+    trace.accum.merge_counts = grad_merge is not None
     if sharded:
-        trace.shard = _sharding.config(replicas=replicas)
+        trace.shard.config = _sharding.config(replicas=replicas)
 
 
 def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -> None:
@@ -445,6 +444,6 @@ def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -
     for i, key in enumerate(accum_keys):
         if key is None:
             continue
-        if key in trace.accum_out:
-            new = trace.accum_out[key]
+        if key in trace.accum.left:
+            new = trace.accum.left[key]
             leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new
