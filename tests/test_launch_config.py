@@ -14,10 +14,10 @@ import pytest
 from fleet import FleetConfigError
 from fleet.launch import LaunchConfig, main, parse_args, plan_workers, resolve
 from fleet.launch._args import OPTIONS, env_name
-from fleet.launch._config import worker_base_environ
 from fleet.launch._failure import Failure
 from fleet.launch._tables import config_table, env_table
 from fleet.launch._watchdog import Watchdog, Watched, process_state
+from fleet.launch._worker_plan import worker_base_environ
 from fleet.runtime._env import WorkerEnv
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
@@ -546,7 +546,7 @@ def test_a_worker_killed_by_a_signal_is_named_before_the_peers_it_made_fail():
     a signal death comes first. The one supervisor does this for fleetrun and
     fleet.spawn alike (fleet/launch/_supervisor.py)."""
     from fleet.launch import _supervisor
-    from fleet.launch._config import WorkerSpec
+    from fleet.launch._worker_plan import WorkerSpec
 
     def exited(rank, returncode, error=None):
         worker = _supervisor.Worker(WorkerSpec(rank, rank, {"FLEET_HEARTBEAT_FILE": ""}), pid=0)
@@ -573,7 +573,7 @@ def test_the_worker_whose_script_failed_first_is_named(tmp_path):
     launcher may hear of rank 0 first. Each failing script marks the time it
     failed in its heartbeat file (fleet.runtime._heartbeat.mark_failed): the earliest is named."""
     from fleet.launch import _supervisor
-    from fleet.launch._config import WorkerSpec
+    from fleet.launch._worker_plan import WorkerSpec
     from fleet.runtime import _heartbeat
 
     def failed(rank, returncode, at):

@@ -13,8 +13,8 @@ What the folder holds, one idea a file:
   -m fleet.launch``; ``_log_dir.py``: ``--log_dir`` made and written to once before
   any start.
 * ``_args.py``: the command line and ``FLEETRUN_*`` variables -> :class:`LaunchConfig`.
-* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults)
-  and :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
+* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults);
+  ``_worker_plan.py``: :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
   devices) and ``_net.py`` (addresses, ports) serve it; ``_tables.py``: the two
   tables the launcher prints.
 * ``_supervisor.py``: the one supervisor of both launchers: waits for the
@@ -42,10 +42,11 @@ never imports ``fleet.launch`` (``tests/test_launch_config.py`` checks); only
 # heartbeat(), the worker side of the liveness signal, lives in the core (fleet/runtime/_heartbeat.py).
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
-from fleet.launch._config import LaunchConfig, plan_workers, resolve
+from fleet.launch._config import LaunchConfig, resolve
 from fleet.launch._failure import WorkerFailedError
 from fleet.launch._main import main
 from fleet.launch._spawn import SpawnContext, spawn
+from fleet.launch._worker_plan import plan_workers
 from fleet.runtime._heartbeat import heartbeat
 
 __all__ = [

@@ -25,13 +25,14 @@ from typing import IO
 
 from fleet._errors import FleetConfigError
 from fleet.launch import _tables
-from fleet.launch._config import LaunchConfig, WorkerSpec, plan_workers, worker_base_environ
+from fleet.launch._config import LaunchConfig
 from fleet.launch._failure import Failure, signal_name
 from fleet.launch._log_dir import make_log_dir
 from fleet.launch._rendezvous import Stopped
 from fleet.launch._rendezvous_join import meet
 from fleet.launch._stop import die_with_parent
 from fleet.launch._supervisor import Outcome, Supervisor, Worker
+from fleet.launch._worker_plan import WorkerSpec, plan_workers, worker_base_environ
 
 log = logging.getLogger("fleet.launch")
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from fleet.launch import _stop
-from fleet.launch._config import LaunchConfig, WorkerSpec
+from fleet.launch._config import LaunchConfig
 from fleet.launch._failure import Failure
 from fleet.launch._watchdog import (
     STOPPED_STATES,
@@ -43,6 +43,7 @@ from fleet.launch._watchdog import (
     Watched,
     process_state,
 )
+from fleet.launch._worker_plan import WorkerSpec
 from fleet.runtime import _heartbeat
 from fleet.runtime._heartbeat import read_progress
 
