@@ -35,6 +35,7 @@ from fleet.checkpoint import _lock as lock_module
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.runtime import _coordinator, _heartbeat
 from fleet.runtime._env import WorkerEnv, coordinator_source
+from tests import tiers
 from tests.jobs import FLEETRUN, clean_environ, free_port
 from tests.test_bad_inputs_checkpoint import read_only_dir  # noqa: F401 (a fixture)
 
@@ -68,7 +69,8 @@ def test_a_paddle_variable_is_named_as_given(paddle, fleet_name):
 # -- row 7: --log_dir on a read-only file system -----------------------------------------
 
 
-@pytest.mark.parametrize("sub", ["", "log"], ids=["the directory", "a directory in it"])
+@pytest.mark.parametrize("sub", ["", pytest.param("log", marks=tiers.slow)],
+                         ids=["the directory", "a directory in it"])
 def test_a_read_only_log_dir_is_refused_before_any_start(read_only_dir, tmp_path, sub):  # noqa: F811
     script = tmp_path / "train.py"
     script.write_text("print('trained')\n")
@@ -125,6 +127,7 @@ def test_spawn_without_the_main_guard_names_the_line(tmp_path):
     assert run.returncode == 0 and run.stdout.strip() == "[0, 1]", run.stderr
 
 
+@tiers.slow
 def test_a_process_that_dies_while_starting_is_said_so(tmp_path):
     """Whatever else makes the spawned processes' import of the script fail (the guard
     is there), the parent says they ended before they called the function."""
@@ -165,6 +168,7 @@ def test_a_stale_environment_ends_at_the_join_timeout_naming_the_coordinator(tmp
     assert seconds < 30
 
 
+@tiers.slow
 def test_the_coordinator_may_start_late(tmp_path):
     """A healthy job: process 0 listens a second after the others knock; they wait."""
     listener = socket.socket()
@@ -189,6 +193,7 @@ def test_process_0_does_not_knock():
     assert _coordinator.wait_for_coordinator(env, 0.1, environ={}) == 0.0
 
 
+@tiers.slow
 def test_a_launched_job_whose_process_0_is_gone_points_at_its_log(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     environ = {"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINER_ENDPOINTS": f"{address},127.0.0.1:1",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
 from tests.jobs import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def test_default_output_is_one_line_then_the_script(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.parametrize("how", ["flag", pytest.param("env", marks=tiers.slow)])
 def test_print_config_brings_back_paddles_tables(tmp_path, how):
     """``--print_config`` or ``FLEETRUN_PRINT_CONFIG=1``: Paddle's configuration table
     (its nine rows first), the "Only For Debug" environment table, then the script."""
