@@ -14,6 +14,7 @@ from flax.training.train_state import TrainState
 import fleet
 from fleet.step import _decorator
 from tests import models
+from tests.test_no_sync import scaled_step
 
 
 class Scaled(nnx.Module):
@@ -334,15 +335,6 @@ def test_only_a_call_whose_decisions_changed_takes_the_decision_path(make_world)
         assert fleet.check_replicas(model) == []
 
 
-def scaled_train_step(scale):
-    def step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: models.loss_of(m(x), y) * scale)(model)
-        optimizer.update(model, grads)
-        return loss
-
-    return step
-
-
 def test_no_sync_and_gradient_merge_calls_take_the_decision_path(make_world):
     """A call under ``no_sync`` decides again (no_sync is a decision's input), and
     so does the first call after the block; the next one is cached again. Under
@@ -357,7 +349,7 @@ def test_no_sync_and_gradient_merge_calls_take_the_decision_path(make_world):
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     plain, third = fleet.distributed_step(models.nnx_train_step), fleet.distributed_step(
-        scaled_train_step(1 / 3))
+        scaled_step(1 / 3))
     plain(model, optimizer, x, y)
     plain(model, optimizer, x, y)
     assert plain._decisions == 1
@@ -371,7 +363,7 @@ def test_no_sync_and_gradient_merge_calls_take_the_decision_path(make_world):
     assert third._decisions == 3
     for _ in range(3):  # 2 plain steps, one step on 3 copies of the batch
         single(reference, ref_opt, x, y)
-    nnx.jit(scaled_train_step(1 / 3))(reference, ref_opt, x, y)
+    nnx.jit(scaled_step(1 / 3))(reference, ref_opt, x, y)
     assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-5
 
     strategy = fleet.DistributedStrategy()
