@@ -77,9 +77,7 @@ class Program:
             record, first = self.first_trace(plan, args, specs, state_specs, trees, batch)
             self.records[plan] = record
         else:  # a known plan's new shapes are checked on one device too
-            _guards.check_closures(self.fn)
-            self.replay(functools.partial(self.body, plan, record=PlanRecord(), probe=True),
-                        plan, args, specs)
+            self.replay(plan, args, specs)
         self.trace_count += 1
         if first is not None:  # the probe's program is the real one (fleet.step._first_trace)
             new_state, out_leaves, checked = first
@@ -111,9 +109,7 @@ class Program:
         its new state, outputs (in order) and chain (a list, empty without
         check_nan_inf); else ``None``."""
         strategy = world().strategy
-        _guards.check_closures(self.fn)
-        probe_body = functools.partial(self.body, plan, record=PlanRecord(), probe=True)
-        reference = self.replay(probe_body, plan, args, specs)
+        probe_body, reference = self.replay(plan, args, specs)
         record, both = PlanRecord(), {}
         closed, shape = self.probe(plan, record, args, specs, state_specs, both)
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
@@ -283,12 +279,16 @@ class Program:
             return new_state, out_leaves, chain
         return new_state, out_leaves
 
-    def replay(self, probe_body: Callable, plan: Plan, args: tuple, specs: tuple) -> Any:
-        """The step traced as the single-device step (fleet.step._guards.check_on_one_device);
-        its error says so when the step holds a copy of the model made before the
-        wrapping."""
+    def replay(self, plan: Plan, args: tuple, specs: tuple) -> tuple[Callable, Any]:
+        """The checks of every trace (a plan's first, and its new shapes): the step's
+        closures, and the step traced as the single-device step
+        (fleet.step._guards.check_on_one_device), whose error says so when the step
+        holds a copy of the model made before the wrapping. Returns the probe's body
+        it ran and the reference."""
+        _guards.check_closures(self.fn)
+        probe_body = functools.partial(self.body, plan, record=PlanRecord(), probe=True)
         try:
-            return _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
+            return probe_body, _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
         except FleetError as e:
             raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
 
