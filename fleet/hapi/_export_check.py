@@ -148,10 +148,6 @@ def check_weights(path: str, exported: jax.export.Exported, names: list[str],
             "training=False) writes both), or export again")
 
 
-def _dims(shape: Any) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
 def check_inputs(path: str, exported: jax.export.Exported, inputs: tuple) -> None:
     """Raises a named error unless ``inputs`` are what the program takes after its
     weights: their number, and each one's rank, dtype and fixed dimensions (a
@@ -160,7 +156,7 @@ def check_inputs(path: str, exported: jax.export.Exported, inputs: tuple) -> Non
     if len(inputs) != len(takes):
         raise FleetError(
             f"the program {path}.jaxexport takes {len(takes)} input(s) "
-            f"({', '.join(_spec_text(a) for a in takes)}), given {len(inputs)}: call it with "
+            f"({', '.join(_spec(a.shape, a.dtype) for a in takes)}), given {len(inputs)}: call it with "
             "the inputs the model's forward took when it was saved")
     for i, (x, want) in enumerate(zip(inputs, takes), 1):
         got_leaves, want_leaves = jax.tree.leaves(x), jax.tree.leaves(want)
@@ -169,13 +165,9 @@ def check_inputs(path: str, exported: jax.export.Exported, inputs: tuple) -> Non
                 isinstance(d, int) and d != n for d, n in zip(w.shape, np.shape(g)))
             for g, w in zip(got_leaves, want_leaves))
         if bad:
-            given = ", ".join(f"{np.result_type(g).name}{list(np.shape(g))}" for g in got_leaves)
+            given = ", ".join(_spec(np.shape(g), np.result_type(g)) for g in got_leaves)
             raise FleetError(
                 f"input {i} of the program {path}.jaxexport must be "
-                f"{', '.join(_spec_text(w) for w in want_leaves)} (a named dimension takes "
+                f"{', '.join(_spec(w.shape, w.dtype) for w in want_leaves)} (a named dimension takes "
                 f"any size), given {given}: pass an array of that shape and dtype (the "
                 "shape the model's forward took when it was saved)")
-
-
-def _spec_text(aval: Any) -> str:
-    return f"{np.dtype(aval.dtype).name}{_dims(aval.shape)}"
