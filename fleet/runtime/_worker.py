@@ -118,6 +118,15 @@ def started_by_a_worker() -> int | None:
     return int(pid)
 
 
+def _wait_for_coordinator(env: WorkerEnv, kwargs: dict) -> None:
+    """Waits until the coordinator answers (fleet.runtime._coordinator); what it
+    waited comes off JAX's join timeout, so the join has one timeout in all."""
+    timeout = kwargs.get("initialization_timeout", _coordinator.JAX_INIT_TIMEOUT)
+    waited = _coordinator.wait_for_coordinator(env, timeout)
+    if waited >= 1:
+        kwargs["initialization_timeout"] = max(1, int(timeout - waited))
+
+
 def initialize_distributed(env: WorkerEnv) -> None:
     """Joins the job's distributed runtime (``jax.distributed.initialize``) if any.
 
@@ -173,8 +182,7 @@ def initialize_distributed(env: WorkerEnv) -> None:
             "fleet.init(is_collective=True) to the top of your script"
         )
     if "coordinator_address" in kwargs:  # a stale address must not end in JAX's C++ abort
-        _coordinator.wait_for_coordinator(
-            env, kwargs.get("initialization_timeout", _coordinator.JAX_INIT_TIMEOUT))
+        _wait_for_coordinator(env, kwargs)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     install_fail_fast()  # a failing worker must not wait in JAX's shutdown barrier
     try:
