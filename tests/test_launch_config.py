@@ -15,7 +15,7 @@ from fleet import FleetConfigError
 from fleet.launch import LaunchConfig, main, parse_args, plan_workers, resolve
 from fleet.launch._args import OPTIONS, env_name
 from fleet.launch._failure import Failure
-from fleet.launch._tables import config_table, env_table
+from fleet.launch._tables import config_table, env_table, quiet_line
 from fleet.launch._watchdog import Watchdog, Watched, process_state
 from fleet.launch._worker_plan import worker_base_environ
 from fleet.runtime._env import WorkerEnv
@@ -392,6 +392,25 @@ training_script: {script}
 training_script_args: []
 worker_num: None
 workers:"""
+
+
+GLOO = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+
+
+@pytest.mark.parametrize("line, quiet", [
+    (GLOO, True),
+    (GLOO.replace("to 1 peer", "to 0 peer"), False),  # a peer missing: echoed
+    # Two communicators' notes interleaved (seen on 16 cores): a head, then a whole
+    # note on one line, the head's tail on the next.
+    ("[Gloo] Rank 0 is connected to 1" + GLOO, True),
+    (" peer ranks. Expected number of connected peer ranks is : 1", True),
+    ("[Gloo] Rank 1 is connected to 3" + GLOO.replace("1", "3"), True),
+    # The script's own lines stay, a lone number or a note's words among them.
+    ("1", False), (": 1", False), ("step 1", False), ("", False),
+    ("loss 0.5 " + GLOO, False), (GLOO + " loss 0.5", False),
+])
+def test_only_gloos_full_connection_notes_leave_the_echo(line, quiet):
+    assert quiet_line(line) is quiet
 
 
 def test_tables(script):
