@@ -131,7 +131,9 @@ def test_a_kept_array_keeps_its_value(make_world):
         run(*objs, x2, y2)
         assert not any(a.is_deleted() for a in kept)
         assert same_bits(kept, want)  # the old values
-        assert not same_bits(kept_arrays(*objs), want)  # (the step changed them)
+        # (the step changed them; read through copies: a live leaf read as numpy
+        # keeps that view, which on jax 0.11 makes XLA copy one shard, not donate it)
+        assert not same_bits([jnp.copy(a) for a in kept_arrays(*objs)], want)
         del kept
     old = buffers(model, opt)
     step(model, opt, x3, y3)
