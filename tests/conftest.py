@@ -27,7 +27,18 @@ import pytest  # noqa: E402
 
 from tests.jobs import jobs  # noqa: E402,F401 (a fixture: starts fleetrun jobs)
 
-assert len(jax.devices()) == 8, "conftest must run before jax is imported"
+# pytest imports fleet, and with it jax, before this file (to resolve the
+# filterwarnings entry in pyproject.toml): JAX had read its settings from the
+# environment by then. The variables above reach the workers; this process takes
+# them here. (XLA_FLAGS is read later, when the first device is asked for.)
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+assert len(jax.devices()) == 8, "conftest must set XLA_FLAGS before jax's first device"
 
 
 def pytest_xdist_auto_num_workers(config):
