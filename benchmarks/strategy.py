@@ -50,6 +50,7 @@ fp32 images/s on the MLP.
     .venv/bin/python benchmarks/strategy.py [--steps 2] [--repeats 5] [--models cnn,mlp]
     .venv/bin/python benchmarks/strategy.py --quick                  # smoke run, small MLP
     .venv/bin/python benchmarks/strategy.py --device-count 1         # one GPU
+    .venv/bin/python benchmarks/strategy.py --device-count 1 --models mlp --batch-scale 32
     .venv/bin/python benchmarks/strategy.py --models resnet          # the cost of sync_batch_norm
 """
 
@@ -70,6 +71,9 @@ parser.add_argument("--device-count", "--device_count", type=int, default=4,
 parser.add_argument("--steps", type=int, default=None, help="steps per timing (default 2)")
 parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5)")
 parser.add_argument("--models", default="cnn,mlp", help="comma-separated: cnn, mlp, resnet")
+parser.add_argument("--batch-scale", type=int, default=1,
+                    help="multiplies each model's global batch (a GPU is launch-bound at the "
+                         "defaults: --batch-scale 32 gives the MLP 8192 rows)")
 parser.add_argument("--quick", action="store_true",
                     help="smoke run: 2 rounds x 1 step, one warm-up step, MLP of width 512 (1.6M)")
 args = parser.parse_args()
@@ -252,6 +256,7 @@ def why_same(name, analyses, grad_bytes):
 
 def measure(name: str) -> None:
     make, shape, batch, checkpoints = MODELS[name]
+    batch *= args.batch_scale
     rng = np.random.RandomState(0)
     x = rng.randn(batch, *shape).astype(np.float32)
     y = rng.randint(0, 10, batch).astype(np.int32)
