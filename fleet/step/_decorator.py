@@ -71,6 +71,10 @@ processes compare what they traced (shapes, strategy, buckets) and a mismatch
 raises on every process, naming the ranks and the field; processes that all
 passed the same batch rows (each passed its whole batch) raise too, naming the
 fix (``fleet.step._rows``).
+
+This module is the call path (:class:`DistributedStep`); what a call is, is
+decided in ``fleet.step._decide``, and a plan's compiled program is made in
+``fleet.step._jitted``.
 """
 
 from __future__ import annotations
@@ -81,28 +85,21 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from fleet._errors import FleetConfigError, FleetError, FleetTypeError
-from fleet.comm import _sync
+from fleet._errors import FleetError, FleetTypeError
 from fleet.comm._replicas import check_replicas
 from fleet.runtime import _heartbeat
-from fleet.runtime._world import DATA_AXIS, world
-from fleet.sections import _sharding
+from fleet.runtime._world import world
 from fleet.sections._finite import FiniteFlags
-from fleet.step import _donate, _guards, _roles, _verify
+from fleet.step import _donate, _guards, _verify
+from fleet.step._decide import batch_positions, decide
 from fleet.step._global_arrays import global_batch
-from fleet.step._global_arrays import placed as place_on_mesh
-from fleet.step._graph import GraphCache, Plan, tree_layout
+from fleet.step._graph import Plan
+from fleet.step._jitted import jitted, runner
 from fleet.step._program import Program
-from fleet.step._recall import Decision, Recall, decision
+from fleet.step._recall import Decision, Recall
 from fleet.step._rows import SameRows
-from fleet.wrappers._distributed_optimizer import (
-    MergePosition,
-    prepare_accumulators,
-    prepare_sharding,
-)
+from fleet.wrappers._distributed_optimizer import MergePosition
 
 
 class DistributedStep:
@@ -226,55 +223,13 @@ class DistributedStep:
         return decided.plan, self._call_args(decided, decided.values(args, kwargs))
 
     def _decide(self, args: tuple, kwargs: dict) -> Decision:
-        """What a call is, and what that depended on: the one decision path (a
-        repeated call reuses its result: fleet.step._recall)."""
+        """What a call is, and what that depended on: the one decision path
+        (fleet.step._decide; a repeated call reuses its result: fleet.step._recall)."""
         self._decisions += 1
-        w = world()
-        names = tuple(sorted(kwargs))
-        values = list(args) + [kwargs[k] for k in names]
-        self._check_argnums(len(args))
-        batch_argnums = self._batch_argnums
-        kinds = tuple(
-            _roles.kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
-            for i, v in enumerate(values)
-        )
-        positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
-        objs = tuple(values[i] for i in positions)
-        no_sync = _sync.no_sync_active()
-        merging, position = self._merge.find(objs, no_sync)
-        grad_merge = None
-        if merging is not None:
-            grad_merge = "final" if position == merging.merge_k - 1 else "local"
-            no_sync = grad_merge == "local"
-        if no_sync and prepare_accumulators(objs):
-            self._program.graph = None
-        if w.strategy.sharding and prepare_sharding(objs):
-            self._program.graph = None
-        if self._program.graph is None or not self._program.graph.holds(objs):
-            self._program.graph = GraphCache(objs, positions)
-        trees = [v for v, k in zip(values, kinds) if k == _roles.TREE]
-        tree_shards = None
-        if w.strategy.sharding and trees:
-            leaves, structure = jax.tree.flatten(trees, is_leaf=_sharding.is_shard)
-            flags = tuple(map(_sharding.is_shard, leaves))
-            if any(flags):
-                tree_shards = (structure, flags)
-        plan = self._plan(
-            sharded=self._program.graph.sharded or tree_shards is not None,
-            tree_shards=tree_shards,
-            kinds=kinds,
-            kw_names=names,
-            statics=tuple(v for v, k in zip(values, kinds) if k == _roles.STATIC),
-            graphdef=self._program.graph.graphdef,
-            state_treedef=self._program.graph.state_treedef,
-            no_sync=no_sync,
-            check_nan_inf=w.strategy.check_nan_inf,
-            mesh=w.mesh,
-            grad_merge=grad_merge,
-            arg_structure=jax.tree.structure(
-                [v for v, k in zip(values, kinds) if k in (_roles.TREE, _roles.BATCH)]),
-        )
-        return decision(args, kwargs, kinds, batch_argnums, plan, self._program.graph, w)
+        decided = decide(self._program, self._merge, self._batch_argnums, self._last_plan,
+                         args, kwargs)
+        self._last_plan = decided.plan
+        return decided
 
     def _call_args(self, decided: Decision, values: Sequence, batch: list | None = None) -> tuple:
         """The arguments of the compiled program: the NNX state, the pytree
@@ -300,77 +255,14 @@ class DistributedStep:
             batch = [global_batch(i, values[i], w) for i in at.batch]
         return self._program.graph.read(), list(at.trees(values)), batch, repl
 
-    def _check_argnums(self, n_positional: int) -> None:
-        if self._batch_argnums is not None:
-            bad = [i for i in self._batch_argnums if i >= n_positional]
-            if bad:
-                raise FleetConfigError(
-                    f"batch_argnums={self._batch_argnums} names position(s) {bad}, but the "
-                    f"step was called with {n_positional} positional arguments (0.."
-                    f"{n_positional - 1}); give the positions of the batch arguments"
-                )
-
-    def _plan(self, **fields: Any) -> Plan:
-        last = self._last_plan
-        if last is not None and last.same_as(fields):
-            return last
-        for value in fields["statics"]:
-            try:
-                hash(value)
-            except TypeError:
-                raise FleetTypeError(
-                    f"an argument of type {type(value).__name__} is passed to the step as a "
-                    "static value (it holds no arrays), but it is not hashable; pass arrays, "
-                    "NNX objects or scalars, or make it hashable (a tuple instead of a list)"
-                ) from None
-        self._last_plan = Plan(**fields)
-        return self._last_plan
-
     def _compiled(self, plan: Plan) -> Callable:
-        jitted = self._jitted.get((plan.mesh, plan.tree_shards))
-        if jitted is None:
-            w = world()
-            repl, batch = w.replicated, w.batch
-            trees = repl if plan.tree_shards is None else tree_layout(
-                plan.tree_shards, NamedSharding(plan.mesh, P(DATA_AXIS)), repl)
-            program = self._program
+        """The call of the plan's compiled program (fleet.step._jitted), one ``jit``
+        per mesh and pytree layout."""
+        key = (plan.mesh, plan.tree_shards)
+        if key not in self._jitted:
+            self._jitted[key] = jitted(self._program, plan)
+        return runner(self._jitted[key], plan, self._program, self._donate)
 
-            def donating(plan, layout, donated, kept, trees, batch, repl, chain):
-                state = _donate.assemble(layout, donated, kept)
-                return program.run(plan, state, trees, batch, repl, chain)
-
-            jitted = jax.jit(
-                donating,
-                static_argnums=(0, 1),
-                donate_argnums=2,  # the NNX state the step writes back (fleet.step._donate)
-                in_shardings=(None, None, trees, batch, repl, None),
-            )
-            self._jitted[(plan.mesh, plan.tree_shards)] = jitted
-
-        donate = self._donate
-
-        def run(state, trees, batch, repl, chain, flat=False):
-            # (flat: a recalled call, whose batch and replicated values are arrays
-            # and scalars, and which has no trees: fleet.step._recall)
-            layout, donated, kept = (_donate.split_flat(state, batch + repl, donate) if flat
-                                     else _donate.split(state, (trees, batch, repl), donate))
-            try:
-                return jitted(plan, layout, donated, kept, trees, batch, repl, chain)
-            except ValueError:
-                # Arrays committed elsewhere (a new TrainState's step counter, arrays
-                # made on one device) are refused by jit before it runs: if the
-                # arguments' own shardings say so, place them on the mesh and go on
-                # (never with arrays a call already consumed).
-                if _donate.any_deleted(donated):
-                    raise
-                placed = place_on_mesh(state, self._program.graph.per_replica, trees, repl)
-                if placed is None:
-                    raise
-                layout, donated, kept = _donate.split(
-                    placed[0], (placed[1], batch, placed[2]), self._donate)
-                return jitted(plan, layout, donated, kept, placed[1], batch, placed[2], chain)
-
-        return run
 
 def distributed_step(
     fn: Callable | None = None,
@@ -408,15 +300,7 @@ def distributed_step(
         ...     optimizer.update(model, grads)
         ...     return loss
     """
-    if batch_argnums is not None:
-        if isinstance(batch_argnums, int):
-            batch_argnums = (batch_argnums,)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                   for i in batch_argnums):
-            raise FleetConfigError(
-                f"batch_argnums={batch_argnums!r} must be non-negative ints (positions of "
-                "the batch arguments), e.g. batch_argnums=(2, 3)"
-            )
+    batch_argnums = batch_positions(batch_argnums)
     if fn is None:
         return lambda f: DistributedStep(f, batch_argnums, out_reduce, donate)
     if not callable(fn):

@@ -6,13 +6,18 @@ and the per-replica outputs are combined outside it (mean, sum, gather), so the
 body's only collectives are the gradient buckets and the buffers' means (and,
 with ``check_nan_inf``, the float outputs' sums and the agreement of the other
 finite flags: the body selects the state it leaves, :mod:`fleet.sections._finite`,
-:func:`summed_inside`). The first trace of a plan probes the
+``fleet.step._tail.summed_inside``). The first trace of a plan probes the
 body (a trace that records what it did: the outputs' kinds, the gradient syncs,
 the optimizer calls) and checks the step against the contract
-(``fleet.step._guards``) before the real program runs; the probe's body holds
-the real program's tail, so the probe's program is, most often, the real one
-(``fleet.step._first_trace``: a first call traces the step twice, the one-device
-reference and the probe).
+(``fleet.step._guards``, ``fleet.step._probe_checks``) before the real program
+runs; the probe's body holds the real program's tail, so the probe's program is,
+most often, the real one (``fleet.step._first_trace``: a first call traces the
+step twice, the one-device reference and the probe).
+
+This module holds the program's trace: :class:`Program`'s global program, its
+first trace and the per-replica body up to the step's outputs. The body's end
+and the outputs' combination are in ``fleet.step._tail``; the checks and
+decisions made from the probe's jaxpr in ``fleet.step._probe_checks``.
 """
 
 from __future__ import annotations
@@ -22,27 +27,27 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
 from fleet.comm import _sync, _trace
-from fleet.runtime._leaves import dotted, is_key
-from fleet.runtime._world import DATA_AXIS, world
-from fleet.sections import _finite, _sharding
-from fleet.semantics import _metrics, _outputs, _random, _random_guards, _trace_errors
+from fleet.runtime._leaves import dotted
+from fleet.runtime._world import DATA_AXIS
+from fleet.sections import _finite
+from fleet.semantics import _metrics, _random, _trace_errors
 from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
+from fleet.step._probe_checks import (
+    check_gradients,
+    check_randomness,
+    check_returned,
+    resolve_metrics,
+    resolve_scalars,
+)
 from fleet.step._record import PlanRecord
+from fleet.step._tail import COMBINE, combined, leave, probe_record, with_real_tail
 from fleet.wrappers._distributed_optimizer import enter_trace, leave_accumulators
-
-_SHARD_GRADS_READ = (
-    "strategy.sharding: the step reads the wrapped model's gradients outside "
-    "optimizer.update ({what}). Under sharding each replica holds only its slice of the "
-    "reduced gradient, and nnx.grad / jax.grad return placeholders, so a gradient norm, "
-    "a returned gradient or a hand-made change would be wrong. Do it in the optax chain "
-    "(optax.clip_by_global_norm), or turn strategy.sharding off")
 
 
 class Program:
@@ -87,17 +92,7 @@ class Program:
                 mesh=plan.mesh, in_specs=specs, out_specs=self.out_specs(plan, record, state_specs),
                 check_vma=True,
             )(*args)
-        # Stacked per-replica values are combined here, outside the per-device body,
-        # so the body's only collectives are the gradient buckets and buffer means
-        # (and, with check_nan_inf, the sums of summed_inside, divided here as
-        # jnp.mean divides).
-        n = plan.mesh.devices.size
-        out_leaves = [
-            (jax.lax.div(x, jnp.asarray(n, x.dtype)) if r == "mean" else x) if s
-            else _sharding.Shard(x, r[1]) if isinstance(r, tuple)
-            else _COMBINE[r](x) if r in _COMBINE else x
-            for x, r, s in zip(out_leaves, record.out, record.summed)
-        ]
+        out_leaves = combined(out_leaves, record, plan.mesh.devices.size)  # (fleet.step._tail)
         out = jax.tree_util.tree_unflatten(record.treedef, out_leaves)
         return new_state, out, (checked[0] if checked else chain)
 
@@ -108,46 +103,16 @@ class Program:
         record and, when the probe's program is the real one (fleet.step._first_trace),
         its new state, outputs (in order) and chain (a list, empty without
         check_nan_inf); else ``None``."""
-        strategy = world().strategy
         probe_body, reference = self.replay(plan, args, specs)
         record, both = PlanRecord(), {}
         closed, shape = self.probe(plan, record, args, specs, state_specs, both)
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
         check_randomness(plan, jaxpr, reference, batch, record.marked)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
-        self.resolve_scalars(plan, record, jaxpr, reference, scaled)
-        self.resolve_metrics(plan, record, jaxpr, scaled)
-        if _guards.foreign_psums(jaxpr):
-            summed = _guards.summed_state(jaxpr, plan.kinds, self.graph.names, trees)
-            # Gradients of replicated state that no wrapped model synced: JAX summed
-            # them. A distributed optimizer that got them, with no wrapped model in
-            # the step, divides them by N (raw parameters, functional optax style).
-            if record.wrapped_syncs or not record.tx_calls:
-                unsynced = [name for name, v, synced in zip(
-                    self.graph.names, self.graph.variables, self.graph.synced)
-                    if name in summed and isinstance(v, nnx.Param) and not synced]
-                raise FleetError(_guards.implicit_sum(
-                    plan.mesh.devices.size, summed, bool(record.wrapped_syncs),
-                    unsynced))
-            record.auto_sum = True
-            if strategy.amp:
-                raise FleetError(
-                    "strategy.amp sets the computation dtype of a wrapped model's layers, "
-                    "and this step trains raw parameters (no wrapped model): wrap an NNX "
-                    "model with fleet.distributed_model, or turn strategy.amp off")
-        if record.shard_grads:
-            used = _guards.placeholder_uses(jaxpr)
-            if used:
-                raise FleetError(_SHARD_GRADS_READ.format(what=", ".join(used[:3])))
-        merge = strategy.gradient_merge_configs
-        if (strategy.gradient_merge and merge.k_steps > 1 and record.wrapped_syncs
-                and plan.grad_merge is None):
-            raise FleetError(
-                f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
-                "distributed optimizer, and this step differentiates the wrapped model "
-                "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
-                "wrt=nnx.Param)) to the step and update with it")
-        decided = _first_trace.forms(record.out, record.summed, _COMBINE)
+        resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
+        resolve_metrics(plan, record, jaxpr, scaled)
+        check_gradients(plan, record, self.graph, jaxpr, trees)
+        decided = _first_trace.forms(record.out, record.summed, COMBINE)
         if not _first_trace.reusable(record, both["forms"], decided):
             return record, None
         new_state, replicated, rest, *checked = _first_trace.evaluate(closed, shape, args)
@@ -190,6 +155,10 @@ class Program:
 
     def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe,
              both=None):
+        """One replica's step: its state, trees, batch rows and replicated values
+        entered, the step run under the call's trace, its new state and outputs
+        checked; returns the tail's (fleet.step._tail.leave) or, for the probe,
+        its record's outputs (with the real tail's when ``both`` is given)."""
         per_replica = self.graph.per_replica
         state = [x[0] if pr else x for x, pr in zip(state, per_replica)]
         if plan.tree_shards is not None:
@@ -208,13 +177,7 @@ class Program:
                    _roles.REPL: iter(repl), _roles.STATIC: iter(plan.statics)}
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
-        trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
-        trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
-        trace.finite.check = plan.check_nan_inf
-        trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
-        enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
-                    replicas=plan.mesh.devices.size)
-        recorder = trace.finite.recorder = _finite.Recorder() if plan.check_nan_inf else None
+        trace, recorder = self.new_trace(plan, record, state, objs)
         with _sync.tracing(trace):
             with _metrics.global_updates(trace, objs, rows, record, probe):  # global batch
                 out = keys.leave(self.fn(*values[:n_pos],
@@ -227,57 +190,33 @@ class Program:
                 )
             new_state = self.replicated_state(new, plan, entered, original)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
-        if trace.shard.grads and any(id(x) in trace.shard.grads for x in jax.tree.leaves(out)):
-            raise FleetError(_SHARD_GRADS_READ.format(what="the step returns them"))
-        if trace.tx.auto_sum and any(id(x) in trace.tx.grads for x in jax.tree.leaves(out)):
-            raise FleetError(
-                "the step returns gradients of raw parameters, which JAX summed over the "
-                f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
-                "get averaged gradients back from a step"
-            )
+        check_returned(trace, out)
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                  [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]]
-        tail = functools.partial(self.leave, plan, trace, recorder, keys, names, new_state,
-                                 original, leaves, chain)
+        tail = functools.partial(leave, plan, per_replica, trace, recorder, keys, names,
+                                 new_state, original, leaves, chain)
         if not probe:
             return tail(record.out)  # (the probe's, each scalar's combination decided)
         # The probe returns the undeclared varying scalars, for fleet.semantics._outputs
         n_finite = len(trace.finite.flags)
-        probed = self.probe_record(record, trace, new_state, names, leaves, reduces, treedef)
+        probed = probe_record(record, self.graph, trace, new_state, names, leaves, reduces,
+                              treedef)
         if both is None:
             return probed
         del trace.finite.flags[n_finite:]  # (the tail records the outputs' flags itself)
-        both["outputs"] = len(probed)
-        assumed = [r if r != _roles.SCALAR else "mean" for r in reduces]  # (most are)
-        both["forms"] = _first_trace.forms(assumed, summed_inside(plan, leaves, assumed),
-                                           _COMBINE)
-        new_state, out_leaves, *checked = _first_trace.named_tail(lambda: tail(assumed))()
-        return (probed, new_state,
-                [x for x, f in zip(out_leaves, both["forms"]) if f == _first_trace.REPLICATED],
-                [x for x, f in zip(out_leaves, both["forms"]) if f != _first_trace.REPLICATED],
-                *checked)
+        return with_real_tail(plan, probed, tail, leaves, reduces, both)
 
-    def leave(self, plan: Plan, trace: Any, recorder: Any, keys: Any, names: list,
-              new_state: list, original: list, leaves: list, chain: Any, reduces: list) -> tuple:
-        """The body's end: the outputs summed inside, their finite flags, the state
-        selected by the chain (check_nan_inf), the outputs stacked or replicated;
-        returns the new state, the outputs and (check_nan_inf) the chain."""
-        summed = summed_inside(plan, leaves, reduces)
-        if any(summed):  # (their flags are then the same on every replica: no agreement)
-            sums = iter(_sync.psum([x for x, s in zip(leaves, summed) if s]))
-            leaves = [next(sums) if s else x for x, s in zip(leaves, summed)]
-        trace.finite.record(names, leaves)
-        out_leaves = [x if r == "replicated" or s else (
-            x[None] if r in _COMBINE or isinstance(r, tuple) else x)
-            for x, r, s in zip(leaves, reduces, summed)]
-        if plan.check_nan_inf:  # agreed over replicas; old state kept from the first bad call
-            chain = _finite.chain_after(_finite.agreed([f for _, f in trace.finite.flags]), chain)
-            new_state = recorder.select(chain == 0, new_state, original)
-        new_state = [x[None] if pr else x
-                     for x, pr in zip(keys.leave(new_state), self.graph.per_replica)]
-        if plan.check_nan_inf:
-            return new_state, out_leaves, chain
-        return new_state, out_leaves
+    def new_trace(self, plan: Plan, record: PlanRecord, state: list, objs: Any) -> tuple:
+        """The body's :class:`fleet.comm._trace.SyncTrace`, entered by the NNX
+        objects' distributed optimizers, and (check_nan_inf) its finite recorder."""
+        trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
+        trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
+        trace.finite.check = plan.check_nan_inf
+        trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
+        enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
+                    replicas=plan.mesh.devices.size)
+        recorder = trace.finite.recorder = _finite.Recorder() if plan.check_nan_inf else None
+        return trace, recorder
 
     def replay(self, plan: Plan, args: tuple, specs: tuple) -> tuple[Callable, Any]:
         """The checks of every trace (a plan's first, and its new shapes): the step's
@@ -291,65 +230,6 @@ class Program:
             return probe_body, _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
         except FleetError as e:
             raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
-
-    def probe_record(self, record: PlanRecord, trace: Any, new_state: list, names: list,
-                     leaves: list, reduces: list, treedef: Any) -> list:
-        """The probe's record of what the step did, and what its body returns: the
-        undeclared varying scalars (for fleet.semantics._outputs), then the state that is
-        neither parameters nor optimizer state (for fleet.semantics._outputs.check_counted).
-        The values left typed the same on every replica pass through
-        fleet.semantics._random_guards.fleet_mark."""
-        marked = [(n, x) for n, x in zip(self.graph.names, new_state)] + [
-            (n, x) for n, x, r in zip(names, leaves, reduces) if r == "replicated"]
-        marked = [(n, x) for n, x in marked if not _sync.is_varying(x)]
-        _outputs.fleet_declared(*[x for x, r in zip(leaves, reduces)
-                                  if r not in (_roles.SCALAR, "replicated")])
-        for _, x in marked:
-            _random_guards.fleet_mark(x)
-        record.marked = [n for n, _ in marked]
-        trace.finite.record(names, leaves)
-        record.finite, record.names = [n for n, _ in trace.finite.flags], names
-        record.dtypes = [jnp.result_type(x) for x in leaves]
-        record.out, record.treedef = reduces, treedef
-        record.wrapped_syncs, record.tx_calls = trace.wrapped_syncs, trace.tx.calls
-        record.merge_updates, record.shard_grads = trace.accum.merge_updates, len(trace.shard.grads)
-        record.counted = [
-            i for i, (v, x) in enumerate(zip(self.graph.variables, new_state))
-            if not isinstance(v, (nnx.Param, nnx.OptState)) and not self.graph.per_replica[i]
-            and not is_key(x) and not _sync.is_varying(x)]
-        return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
-            jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]
-            for i in record.counted]
-
-    def resolve_scalars(self, plan: Plan, record: PlanRecord, jaxpr: Any, reference: Any,
-                        scaled: Callable[[], Any]) -> None:
-        """Decides how each undeclared varying scalar output combines (the probe's
-        :data:`fleet.step._roles.SCALAR`: fleet.semantics._outputs reads it from the probe's trace
-        and ``scaled()``, the single-device trace with more rows), then which
-        outputs the body sums; refuses a summed loss and state counted from the
-        batch's shape (against ``reference``, the single-device step)."""
-        at = [i for i, r in enumerate(record.out) if r == _roles.SCALAR]
-        replicas = plan.mesh.devices.size
-        kinds = _outputs.scalar_reduces(
-            jaxpr, scaled() if at else None, max(replicas, 2), [record.names[i] for i in at],
-            [record.dtypes[i] for i in at], replicas, bool(record.wrapped_syncs))
-        for i, k in zip(at, kinds):
-            record.out[i] = k
-        if replicas > 1 and record.wrapped_syncs:
-            _outputs.check_summed_loss(jaxpr, reference, replicas)
-        if replicas > 1:  # (on one replica its rows are the global batch's)
-            _outputs.check_counted(jaxpr, reference, len(at),
-                                   [self.graph.names[i] for i in record.counted])
-        record.summed = summed_inside(plan, record.dtypes, record.out)
-
-    def resolve_metrics(self, plan: Plan, record: PlanRecord, jaxpr: Any,
-                        scaled: Callable[[], Any]) -> None:
-        """Decides how each varying scalar a metric's update got combines over the
-        replicas (fleet.semantics._metrics), as resolve_scalars does for the outputs."""
-        labels = record.metric_labels
-        record.metric_scalars = _outputs.metric_reduces(
-            jaxpr, scaled() if labels else None, max(plan.mesh.devices.size, 2),
-            [_metrics.mark_name(k) for k in range(len(labels))], labels)
 
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
         """The NNX state the step leaves: batch-norm statistics averaged, anything
@@ -386,35 +266,3 @@ class Program:
                 leaves[i] = x
         return leaves
 
-
-def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:
-    """The probe's draws that fleet cannot make exact, refused (fleet.semantics._random_guards)."""
-    n = plan.mesh.devices.size
-    rows = frozenset(r // n for r in _roles.rows_of(batch))
-    _random_guards.check_draws(jaxpr, rows, reference if n > 1 else None,
-                               frozenset(r * n for r in rows))
-    _random_guards.check_typing(jaxpr, rows, marked)
-
-
-#: The combination over the replicas of each output returned stacked.
-_COMBINE = {"mean": lambda x: x.mean(0), "sum": lambda x: x.sum(0),
-            "max": lambda x: x.max(0), "min": lambda x: x.min(0)}
-
-
-def summed_inside(plan: Plan, leaves: list, reduces: list) -> list[bool]:
-    """With ``check_nan_inf``, which outputs the body sums over the replicas itself
-    (a psum), instead of returning them stacked for the mean or sum outside it:
-    float32 and float64 ones reduced by ``mean`` or ``sum``. Their finite flags
-    are then taken on the sums, the same on every replica, so they need no psum of
-    their own to be agreed (on XLA:CPU each array of an all-reduce is a rendezvous
-    of every device: one more costs about as much as a small step's compute). A
-    sum is non-finite whenever a replica's value is, and it is what the caller
-    gets. The sum is the one XLA makes outside (one all-reduce over the same
-    values), and the mean divides it as ``jnp.mean`` does: bitwise the same
-    outputs. Other dtypes (16-bit floats, which ``jnp.mean`` sums in float32)
-    keep the stacked path, and so do ``max`` and ``min`` outputs. ``leaves``:
-    the outputs or their dtypes."""
-    if not plan.check_nan_inf:
-        return [False] * len(leaves)
-    return [r in ("mean", "sum") and jnp.result_type(x) in (jnp.float32, jnp.float64)
-            for x, r in zip(leaves, reduces)]

@@ -1,0 +1,129 @@
+"""The contract checks of a step's traced program, and the probe's decisions.
+
+Moved out of ``fleet.step._program`` (where they were ``Program`` methods and
+module functions), which calls them. A plan's first trace reads the probe's
+jaxpr (``Program.first_trace``): :func:`check_randomness` refuses the draws
+fleet cannot make exact, :func:`resolve_scalars` and :func:`resolve_metrics`
+decide how each undeclared varying scalar combines over the replicas (and
+refuse a summed loss and counts of the replica's rows), and
+:func:`check_gradients` refuses gradients JAX would sum, read under sharding or
+merged without a distributed optimizer. Every trace of the body
+(``Program.body``) refuses returned gradients that are not the single-device
+ones (:func:`check_returned`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from fleet._errors import FleetError
+from fleet.runtime._world import world
+from fleet.semantics import _metrics, _outputs, _random_guards
+from fleet.step import _guards, _roles
+from fleet.step._graph import GraphCache, Plan
+from fleet.step._record import PlanRecord
+from fleet.step._tail import summed_inside
+
+SHARD_GRADS_READ = (
+    "strategy.sharding: the step reads the wrapped model's gradients outside "
+    "optimizer.update ({what}). Under sharding each replica holds only its slice of the "
+    "reduced gradient, and nnx.grad / jax.grad return placeholders, so a gradient norm, "
+    "a returned gradient or a hand-made change would be wrong. Do it in the optax chain "
+    "(optax.clip_by_global_norm), or turn strategy.sharding off")
+
+
+def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:
+    """The probe's draws that fleet cannot make exact, refused (fleet.semantics._random_guards)."""
+    n = plan.mesh.devices.size
+    rows = frozenset(r // n for r in _roles.rows_of(batch))
+    _random_guards.check_draws(jaxpr, rows, reference if n > 1 else None,
+                               frozenset(r * n for r in rows))
+    _random_guards.check_typing(jaxpr, rows, marked)
+
+
+def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,
+                    reference: Any, scaled: Callable[[], Any]) -> None:
+    """Decides how each undeclared varying scalar output combines (the probe's
+    :data:`fleet.step._roles.SCALAR`: fleet.semantics._outputs reads it from the probe's trace
+    and ``scaled()``, the single-device trace with more rows), then which
+    outputs the body sums; refuses a summed loss and state counted from the
+    batch's shape (against ``reference``, the single-device step)."""
+    at = [i for i, r in enumerate(record.out) if r == _roles.SCALAR]
+    replicas = plan.mesh.devices.size
+    kinds = _outputs.scalar_reduces(
+        jaxpr, scaled() if at else None, max(replicas, 2), [record.names[i] for i in at],
+        [record.dtypes[i] for i in at], replicas, bool(record.wrapped_syncs))
+    for i, k in zip(at, kinds):
+        record.out[i] = k
+    if replicas > 1 and record.wrapped_syncs:
+        _outputs.check_summed_loss(jaxpr, reference, replicas)
+    if replicas > 1:  # (on one replica its rows are the global batch's)
+        _outputs.check_counted(jaxpr, reference, len(at),
+                               [graph.names[i] for i in record.counted])
+    record.summed = summed_inside(plan, record.dtypes, record.out)
+
+
+def resolve_metrics(plan: Plan, record: PlanRecord, jaxpr: Any,
+                    scaled: Callable[[], Any]) -> None:
+    """Decides how each varying scalar a metric's update got combines over the
+    replicas (fleet.semantics._metrics), as resolve_scalars does for the outputs."""
+    labels = record.metric_labels
+    record.metric_scalars = _outputs.metric_reduces(
+        jaxpr, scaled() if labels else None, max(plan.mesh.devices.size, 2),
+        [_metrics.mark_name(k) for k in range(len(labels))], labels)
+
+
+def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,
+                    trees: list) -> None:
+    """The probe's gradients: refused when JAX summed them over the replicas
+    (no wrapped model synced them; ``record.auto_sum`` set when a distributed
+    optimizer divides them), when the step reads them under ``strategy.sharding``,
+    and when ``strategy.gradient_merge`` has no distributed optimizer to merge them."""
+    strategy = world().strategy
+    if _guards.foreign_psums(jaxpr):
+        summed = _guards.summed_state(jaxpr, plan.kinds, graph.names, trees)
+        # Gradients of replicated state that no wrapped model synced: JAX summed
+        # them. A distributed optimizer that got them, with no wrapped model in
+        # the step, divides them by N (raw parameters, functional optax style).
+        if record.wrapped_syncs or not record.tx_calls:
+            unsynced = [name for name, v, synced in zip(
+                graph.names, graph.variables, graph.synced)
+                if name in summed and isinstance(v, nnx.Param) and not synced]
+            raise FleetError(_guards.implicit_sum(
+                plan.mesh.devices.size, summed, bool(record.wrapped_syncs),
+                unsynced))
+        record.auto_sum = True
+        if strategy.amp:
+            raise FleetError(
+                "strategy.amp sets the computation dtype of a wrapped model's layers, "
+                "and this step trains raw parameters (no wrapped model): wrap an NNX "
+                "model with fleet.distributed_model, or turn strategy.amp off")
+    if record.shard_grads:
+        used = _guards.placeholder_uses(jaxpr)
+        if used:
+            raise FleetError(SHARD_GRADS_READ.format(what=", ".join(used[:3])))
+    merge = strategy.gradient_merge_configs
+    if (strategy.gradient_merge and merge.k_steps > 1 and record.wrapped_syncs
+            and plan.grad_merge is None):
+        raise FleetError(
+            f"strategy.gradient_merge (k_steps={merge.k_steps}) merges gradients in the "
+            "distributed optimizer, and this step differentiates the wrapped model "
+            "without one: pass fleet.distributed_optimizer(nnx.Optimizer(model, tx, "
+            "wrt=nnx.Param)) to the step and update with it")
+
+
+def check_returned(trace: Any, out: Any) -> None:
+    """The step's outputs hold no gradient the body cannot return as on one
+    device: a sharded model's (placeholders) or raw parameters' (summed by JAX)."""
+    if trace.shard.grads and any(id(x) in trace.shard.grads for x in jax.tree.leaves(out)):
+        raise FleetError(SHARD_GRADS_READ.format(what="the step returns them"))
+    if trace.tx.auto_sum and any(id(x) in trace.tx.grads for x in jax.tree.leaves(out)):
+        raise FleetError(
+            "the step returns gradients of raw parameters, which JAX summed over the "
+            f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
+            "get averaged gradients back from a step"
+        )
