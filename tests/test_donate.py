@@ -391,7 +391,7 @@ def all_reduced(step, *args) -> tuple[int, int]:
 
 def test_check_nan_inf_adds_no_all_reduce_to_a_train_step(make_world):
     """The reduced gradients' flags need no agreement, and the loss's flag is taken
-    on its sum over the replicas, which the body makes itself (fleet.step._program.
+    on its sum over the replicas, which the body makes itself (fleet.step._tail.
     summed_inside) instead of XLA outside it: the compiled train step reduces as
     many arrays, in as many all-reduces, as without the check."""
     (x, y), = models.batches("linear", 1, 8)

@@ -169,7 +169,7 @@ def global_updates(trace: _sync.SyncTrace, objs: Any, rows: frozenset, record: A
     sub-objects) update with global values; their classes are put back after,
     before the graph is split again. A probe records in ``record.metric_labels``
     which metric got each varying scalar; the real trace combines them by
-    ``record.metric_scalars`` (fleet.step._program.Program.resolve_metrics)."""
+    ``record.metric_scalars`` (fleet.step._probe_checks.resolve_metrics)."""
     metrics = [node for _, node in nnx.iter_graph(objs) if isinstance(node, nnx.metrics.Metric)
                and getattr(type(node), "__fleet_base__", None) is None]
     if not metrics:

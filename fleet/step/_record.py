@@ -16,14 +16,14 @@ from typing import Any
 
 @dataclasses.dataclass
 class PlanRecord:
-    """One plan's record, filled by its probe (fleet.step._program.Program.probe_record,
-    resolve_scalars, resolve_metrics, first_trace) and read by its real trace."""
+    """One plan's record, filled by its probe (fleet.step._tail.probe_record,
+    fleet.step._probe_checks.resolve_scalars / resolve_metrics, Program.first_trace) and read by its real trace."""
 
     #: each output's combination over the replicas ("mean", "sum", "max", "min",
     #: "replicated", a gather's tuple; fleet.step._roles.SCALAR until resolved)
     out: list = dataclasses.field(default_factory=list)
     #: per output: the body sums it over the replicas itself (check_nan_inf:
-    #: fleet.step._program.summed_inside)
+    #: fleet.step._tail.summed_inside)
     summed: list = dataclasses.field(default_factory=list)
     treedef: Any = None  # the outputs' tree structure
     names: list = dataclasses.field(default_factory=list)  # each output's name in messages
