@@ -17,7 +17,8 @@ from typing import Any
 @dataclasses.dataclass
 class PlanRecord:
     """One plan's record, filled by its probe (fleet.step._tail.probe_record,
-    fleet.step._probe_checks.resolve_scalars / resolve_metrics, Program.first_trace) and read by its real trace."""
+    fleet.step._probe_checks.resolve_scalars / resolve_metrics, Program.first_trace)
+    and read by its real trace."""
 
     #: each output's combination over the replicas ("mean", "sum", "max", "min",
     #: "replicated", a gather's tuple; fleet.step._roles.SCALAR until resolved)
