@@ -6,61 +6,56 @@ import) makes sure each symbol still exists with the shape fleet expects: a
 missing or changed one raises :class:`FleetUnsupportedError` naming the
 versions fleet supports, instead of a feature going silently off.
 
-(Over 350 lines on purpose: one door, a table and one short function per need;
-two files would be two doors.)
+(Over 350 lines on purpose: a table, one short function per need and one check.
+It is the one door, so one file: the package's root holds only it, the errors and
+the public modules (tests/test_layers.py), and two files would be two doors.)
 
-=================================  ===================================================
+=================================  ========================================================================
 need                               private symbol
-=================================  ===================================================
-:func:`backends_are_initialized`   ``jax._src.xla_bridge.backends_are_initialized``:
-                                   JAX can join a job only before its first
-                                   computation
-:func:`distributed_client`         ``jax._src.distributed.global_state.client``:
-                                   the key-value store behind fleet's bounded
-                                   agreement across processes (``_agree``)
-:func:`bind_cpu_collectives`      ``jax._src.lib._jax.make_gloo_tcp_collectives`` and
-                                   ``jax._src.xla_bridge.make_cpu_client``: gloo's
-                                   listeners on the address the launcher chose (else
-                                   gloo takes the hostname's, often a loopback one),
-                                   registered with JAX's public
+=================================  ========================================================================
+:func:`backends_are_initialized`   ``jax._src.xla_bridge.backends_are_initialized``: JAX can join a job
+                                   only before its first computation
+:func:`distributed_client`         ``jax._src.distributed.global_state.client``: the key-value store behind
+                                   fleet's bounded agreement across processes (``_agree``)
+:func:`bind_cpu_collectives`       ``jax._src.lib._jax.make_gloo_tcp_collectives`` and
+                                   ``jax._src.xla_bridge.make_cpu_client``: gloo's listeners on the address
+                                   the launcher chose (else gloo takes the hostname's, often a loopback
+                                   one), registered with JAX's public
                                    ``jax.extend.backend.register_backend_factory``
-:func:`is_differentiated`          ``jax._src.interpreters.ad`` ``JVPTracer`` and
-                                   ``LinearizeTracer``: is a read inside
-                                   ``jax.grad``?
-:func:`threefry`                  ``jax.extend.random.threefry_prng_impl``'s fields
-                                   (``seed``, ``split``, ``fold_in``, ``random_bits``):
-                                   the parts of fleet's row-offset PRNG (``_random``)
-:func:`register_before_exit`       ``threading._register_atexit``: runs when the main
-                                   thread ends, before ``concurrent.futures`` stops
-                                   taking work (an orbax save would die)
-:func:`share_fields`               ``nnx.Module``'s ``_pytree__state`` (its own per
-                                   object) and ``_pytree__nodes`` (shared): a
-                                   ``DataParallel`` or distributed optimizer is a
-                                   view sharing the wrapped object's fields
-:func:`set_class`,                 no private symbol: the one place an object fleet did
-:func:`add_mixin`                  not create changes class (a parameter's synced
-                                   read, a sharded optimizer state, a recomputed
-                                   sub-module)
-:func:`unfiltered_tracebacks`     ``jax._src.config.traceback_filtering`` as a
-                                   context manager (this thread only): a failed trace
-                                   re-run for its diagnosis keeps JAX's frames
-:func:`collective_calls`           no private symbol, an implementation detail: the
-                                   frames of JAX's public collectives
-                                   (``jax.lax.psum`` ...) in a traceback, and the
-                                   ``axis_name`` argument each holds
-:func:`scan_counts`                a ``scan`` equation's consts and carries: its
-                                   ``num_consts`` / ``num_carry`` parameters (jax
-                                   0.10), or its ``ft_in`` (jax 0.12: a
+:func:`is_differentiated`          ``jax._src.interpreters.ad`` ``JVPTracer`` and ``LinearizeTracer``: is a
+                                   read inside ``jax.grad``?
+:func:`bind_equation`              ``jax.extend.core.JaxprEqn``'s ``ctx.manager`` and
+                                   ``Primitive.get_bind_params`` (undocumented members):
+                                   ``check_nan_inf``'s replay evaluates a jaxpr
+:func:`without_dead_code`          ``jax._src.interpreters.partial_eval.dce_jaxpr``: the probe's program
+                                   reduced to what its used outputs need
+:func:`user_line`                  an equation's ``source_info.traceback`` (undocumented): the user's line
+                                   that made it
+:func:`threefry`                   ``jax.extend.random.threefry_prng_impl``'s fields (``seed``, ``split``,
+                                   ``fold_in``, ``random_bits``): the parts of fleet's row-offset PRNG
+                                   (``_random``)
+:func:`register_before_exit`       ``threading._register_atexit``: runs when the main thread ends, before
+                                   ``concurrent.futures`` stops taking work (an orbax save would die)
+:func:`share_fields`               ``nnx.Module``'s ``_pytree__state`` (its own per object) and
+                                   ``_pytree__nodes`` (shared): a ``DataParallel`` or distributed optimizer
+                                   is a view sharing the wrapped object's fields
+:func:`set_class`,                 no private symbol: the one place an object fleet did not create changes
+:func:`add_mixin`                  class (a parameter's synced read, a sharded optimizer state, a
+                                   recomputed sub-module)
+:func:`unfiltered_tracebacks`      ``jax._src.config.traceback_filtering`` as a context manager (this
+                                   thread only): a failed trace re-run for its diagnosis keeps JAX's frames
+:func:`collective_calls`           no private symbol, an implementation detail: the frames of JAX's public
+                                   collectives (``jax.lax.psum`` ...) in a traceback, and the ``axis_name``
+                                   argument each holds
+:func:`scan_counts`                a ``scan`` equation's consts and carries: its ``num_consts`` /
+                                   ``num_carry`` parameters (jax 0.10), or its ``ft_in`` (jax 0.12: a
                                    ``jax._src.flattree.FlatTree``, ``unpack()``)
-:func:`to_opt_state`               ``flax.nnx.training.optimizer.to_opt_state``: an
-                                   optax state as ``nnx.Optimizer`` holds it (LARS /
-                                   LAMB swap the inner optimizer)
-:func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and
-:func:`read_raw`, :func:`write_raw`  ``_var_metadata``: the step reads and writes a
-                                   plain array variable's value without
-                                   ``Variable.__setattr__``'s trace checks
-=================================  ===================================================
-
+:func:`to_opt_state`               ``flax.nnx.training.optimizer.to_opt_state``: an optax state as
+                                   ``nnx.Optimizer`` holds it (LARS / LAMB swap the inner optimizer)
+:func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and ``_var_metadata``: the step reads
+:func:`read_raw`,                  and writes a plain array variable's value without
+:func:`write_raw`                  ``Variable.__setattr__``'s trace checks
+=================================  ========================================================================
 """
 
 from __future__ import annotations
@@ -134,7 +129,7 @@ def is_differentiated(x: Any) -> bool:
 
 def bind_equation(eqn: Any, invals: Sequence) -> Any:
     """One equation of a jaxpr evaluated on ``invals`` as JAX's own ``eval_jaxpr``
-    does (``check_nan_inf``'s replay, ``fleet.sections._finite``): its primitive bound with
+    does (``check_nan_inf``'s replay, ``fleet.sections._finite_replay``): its primitive bound with
     its bind parameters (a call's inner jaxpr as a callable), in the equation's
     context (source, compute type). Undocumented members of the public
     ``jax.extend.core.JaxprEqn`` and ``Primitive``: ``ctx.manager``,
@@ -176,6 +171,8 @@ def _library_dirs() -> tuple[str, ...]:
     here = os.path.dirname(os.path.abspath(__file__))  # fleet itself
     dirs = [os.path.dirname(m.__file__) for m in (jax, flax, optax, _jax)] + [here]
     return tuple(d + os.sep for d in dirs) + (sysconfig.get_paths()["stdlib"] + os.sep, "<")
+
+
 def unfiltered_tracebacks() -> Any:
     """A context manager (this thread only) under which an exception raised by a
     trace keeps JAX's own frames in its traceback (``JAX_TRACEBACK_FILTERING=off``
@@ -320,13 +317,17 @@ def to_opt_state(tree: Any) -> Any:
 
 def check() -> None:
     """Raises :class:`FleetUnsupportedError` if a symbol above is gone or changed."""
-    missing = []
-    if not callable(getattr(xla_bridge, "backends_are_initialized", None)):
-        missing.append("jax._src.xla_bridge.backends_are_initialized")
+    missing = [f"{where}.{name}" for owner, where, name in (
+        (xla_bridge, "jax._src.xla_bridge", "backends_are_initialized"),
+        (_jax, "jax._src.lib._jax", "make_gloo_tcp_collectives"),
+        (extend_core.Primitive, "jax.extend.core.Primitive", "get_bind_params"),
+        (jax.extend.random, "jax.extend.random", "define_prng_impl"),
+        (_pe, "jax._src.interpreters.partial_eval", "dce_jaxpr"),
+        (jax_config, "jax._src.config", "traceback_filtering"),
+        (threading, "threading", "_register_atexit"),
+    ) if not callable(getattr(owner, name, None))]
     if not hasattr(getattr(distributed, "global_state", None), "client"):
         missing.append("jax._src.distributed.global_state.client")
-    if not callable(getattr(_jax, "make_gloo_tcp_collectives", None)):
-        missing.append("jax._src.lib._jax.make_gloo_tcp_collectives")
     make_cpu_client = getattr(xla_bridge, "make_cpu_client", None)
     if not callable(make_cpu_client) or "collectives" not in inspect.signature(
             make_cpu_client).parameters:
@@ -334,8 +335,6 @@ def check() -> None:
     for name in ("JVPTracer", "LinearizeTracer"):
         if not isinstance(getattr(ad, name, None), type):
             missing.append(f"jax._src.interpreters.ad.{name}")
-    if not callable(getattr(extend_core.Primitive, "get_bind_params", None)):
-        missing.append("jax.extend.core.Primitive.get_bind_params")
     if "ctx" not in getattr(extend_core.JaxprEqn, "__dataclass_fields__", vars(
             extend_core.JaxprEqn)) or not hasattr(jax_core.JaxprEqnContext, "manager"):
         missing.append("jax.extend.core.JaxprEqn.ctx.manager")
@@ -344,19 +343,11 @@ def check() -> None:
             callable(getattr(fry, f, None)) for f in ("seed", "split", "fold_in", "random_bits")):
         missing.append("jax.extend.random.threefry_prng_impl's key_shape, seed, split, "
                        "fold_in, random_bits")
-    if not callable(getattr(jax.extend.random, "define_prng_impl", None)):
-        missing.append("jax.extend.random.define_prng_impl")
-    if not callable(getattr(_pe, "dce_jaxpr", None)):
-        missing.append("jax._src.interpreters.partial_eval.dce_jaxpr")
-    if not callable(getattr(jax_config, "traceback_filtering", None)):
-        missing.append("jax._src.config.traceback_filtering")
     for name in COLLECTIVES:
         fn = getattr(jax.lax, name, None)
         if not callable(fn) or not hasattr(inspect.unwrap(fn), "__code__") or (
                 "axis_name" not in inspect.signature(fn).parameters):
             missing.append(f"jax.lax.{name}(axis_name=)")
-    if not callable(getattr(threading, "_register_atexit", None)):
-        missing.append("threading._register_atexit")
     probe = nnx.Param(np.zeros(()))  # numpy: importing fleet computes nothing
     if not isinstance(getattr(probe, "_raw_value", None), np.ndarray) or not isinstance(
             getattr(probe, "_var_metadata", None), dict):

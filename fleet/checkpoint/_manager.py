@@ -17,65 +17,38 @@ leftovers when it starts, and says which step was begun and never finished
 right after an asynchronous ``save``). Older steps are deleted
 (``max_to_keep``) only once a newer one is committed.
 
-One writer a directory: ``CheckpointManager(...)`` takes the directory's lock
-(``directory/.fleet-lock``, held by process 0 of the job, naming its host and
-pid) and refuses a directory another live job writes, or one it cannot write
-(read-only); a lock left by a dead process is taken over with a warning
-(:mod:`fleet.checkpoint._open`, :mod:`fleet.checkpoint._lock`). ``close``
-releases it. A save that fails (disk full) raises at the latest on
-the manager's next call, and its temporary directory is removed; a pending
-asynchronous save is finished when the interpreter exits
-(:mod:`fleet.checkpoint._pending`).
+One writer a directory (the class docstring says what is refused): the
+constructor takes ``directory/.fleet-lock`` (held by process 0 of the job, naming
+its host and pid: :mod:`fleet.checkpoint._open`, :mod:`fleet.checkpoint._lock`),
+``close`` releases it. A failed save (disk full) raises at the latest on the next
+call, its temporary directory removed; a pending asynchronous save is finished
+when the interpreter exits (:mod:`fleet.checkpoint._pending`).
 
 Save policy (here): which steps are written (``save_interval_steps``,
 ``save_interval_seconds``, ``force``), that a saved step is overwritten only
-with ``force``, and that old steps go once a newer one is committed. Restoring,
-with its checks, checksums and fallback from a damaged step, is
-:mod:`fleet.checkpoint._restore`; the objects ``save`` and ``restore`` take are
-one list, :class:`fleet.checkpoint._state.Contents`.
-
-Collective calls (the constructor, ``save`` when it writes, ``restore``,
-``restore_latest``, ``wait_until_finished``, ``close``) first meet the other
-processes through :func:`fleet.runtime._agree.agree`: a process that does not make the
-call ends them within ``FLEET_AGREE_TIMEOUT`` seconds (60) with an error naming
-the call and the missing ranks, instead of a hang in orbax's barriers.
+with ``force``, and that old steps go once a newer one is committed. Restoring
+(checks, checksums, fallback from a damaged step): :mod:`fleet.checkpoint._restore`;
+what ``save`` and ``restore`` take: :class:`fleet.checkpoint._state.Contents`; each
+call's checks and bounded meeting of the processes: :mod:`fleet.checkpoint._calls`.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
 import weakref
 from typing import Any
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from fleet.checkpoint import _integrity, _meta, _open, _restore
+from fleet.checkpoint._calls import as_on_process_0, meet, positive, step_number
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.checkpoint._pending import PendingSave, async_option
 from fleet.checkpoint._restore import Restored
 from fleet.checkpoint._state import Contents, takes_contents
-from fleet.runtime import _agree
 from fleet.runtime._world import world
-
-
-def _positive(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise FleetCheckpointError(f"{name} must be an int >= 1 or None, got {value!r}")
-    return int(value)
-
-
-def _step_number(step: Any) -> int:
-    if isinstance(step, jax.Array) and step.ndim == 0:
-        step = int(np.asarray(step.addressable_shards[0].data))
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise FleetCheckpointError(f"step must be an int >= 0, got {step!r}")
-    return int(step)
 
 
 class CheckpointManager:
@@ -141,9 +114,9 @@ class CheckpointManager:
         async_save: bool | None = None,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
-        self.max_to_keep = _positive("max_to_keep", max_to_keep)
-        self.save_interval_steps = _positive("save_interval_steps", save_interval_steps)
-        self.save_interval_seconds = _positive("save_interval_seconds", save_interval_seconds)
+        self.max_to_keep = positive("max_to_keep", max_to_keep)
+        self.save_interval_steps = positive("save_interval_steps", save_interval_steps)
+        self.save_interval_seconds = positive("save_interval_seconds", save_interval_seconds)
         self.async_save = async_option(async_save)
         if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
             raise FleetCheckpointError(
@@ -151,7 +124,7 @@ class CheckpointManager:
                 "checkpoint manager writes one directory per step into a directory: "
                 "give another path"
             )
-        self._meet("__init__", repr(self))
+        meet("__init__", repr(self))
         # One writer a directory (process 0 of the job holds the lock), before
         # orbax removes the partial steps it finds there (fleet/checkpoint/_open.py).
         self._lock = _open.open_directory(self.directory)
@@ -173,21 +146,6 @@ class CheckpointManager:
         self._last_save = (None if latest is None else
                            os.path.getmtime(os.path.join(self.directory, str(latest))))
 
-    # -- meeting the other processes -----------------------------------------------------
-
-    def _meet(self, call: str, value: Any) -> None:
-        """Every process makes ``call`` with the same ``value`` (a bounded wait)."""
-        if jax.process_count() == 1:
-            return
-        name = f"fleet.CheckpointManager.{call}" if call != "__init__" else "fleet.CheckpointManager()"
-        got = _agree.agree(name, json.dumps(value))
-        if any(g != got[0] for g in got):
-            raise FleetCheckpointError(
-                f"{name}: the processes made this call with different arguments ("
-                + "; ".join(f"rank {r}: {g}" for r, g in enumerate(got))
-                + "); every process must make the same calls"
-            )
-
     # -- what is there, and what is written ----------------------------------------------
 
     def all_steps(self) -> list[int]:
@@ -201,7 +159,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would write ``step`` now (same answer on every process;
         with ``save_interval_seconds`` a collective call)."""
-        step = _step_number(step)
+        step = step_number(step)
         return step not in self.all_steps() and self._wants(step, force=False)
 
     def _wants(self, step: int, force: bool) -> bool:
@@ -212,9 +170,7 @@ class CheckpointManager:
         if self.save_interval_seconds is None:
             return False
         due = self._last_save is None or time.time() - self._last_save >= self.save_interval_seconds
-        if jax.process_count() > 1:  # decided on process 0, so every process saves the same steps
-            due = _agree.agree("fleet.CheckpointManager.save(interval)", str(int(due)))[0] == "1"
-        return due
+        return as_on_process_0("fleet.CheckpointManager.save(interval)", due)
 
     def _prune(self) -> None:
         """Deletes the steps beyond ``max_to_keep`` (once a newer one is committed)."""
@@ -257,7 +213,7 @@ class CheckpointManager:
                 steps saved before are intact and listed).
         """
         contents = Contents.of("save", objects)
-        step = _step_number(step)
+        step = step_number(step)
         self._saving.raise_if_failed()
         if not self._wants(step, force):
             return False
@@ -265,16 +221,10 @@ class CheckpointManager:
         parts = contents.parts()
         stored = {name: p.to_save() for name, p in parts.items()}
         pieces = {name: _integrity.host_pieces(v) for name, v in stored.items()}
-        self._meet("save", {"step": step, "force": bool(force)})
+        meet("save", {"step": step, "force": bool(force)})
         meta = _meta.build(step, epoch, metadata, contents.loader, parts, pieces)
         self._saving.settle()
-        if step in self.all_steps():
-            if not force:
-                raise FleetCheckpointError(
-                    f"step {step} is already saved in {self.directory}; pass force=True to "
-                    "overwrite it, or save under another step number"
-                )
-            self._orbax.delete(step)
+        self._overwrite(step, force)
         items = {name: ocp.args.PyTreeSave(stored[name]) for name, p in parts.items() if p.leaves}
         items[_meta.NAME] = _meta.MetaSave(meta)
         needed = sum(int(getattr(v, "nbytes", 0)) for part in stored.values()
@@ -286,6 +236,16 @@ class CheckpointManager:
         else:
             self._prune()
         return True
+
+    def _overwrite(self, step: int, force: bool) -> None:
+        """Deletes a saved ``step`` before it is written again (``force`` only)."""
+        if step in self.all_steps():
+            if not force:
+                raise FleetCheckpointError(
+                    f"step {step} is already saved in {self.directory}; pass force=True to "
+                    "overwrite it, or save under another step number"
+                )
+            self._orbax.delete(step)
 
     # -- restore -------------------------------------------------------------------
 
@@ -303,7 +263,7 @@ class CheckpointManager:
                 the newest intact step does not fit ``objects``.
         """
         contents = Contents.of("restore_latest", objects)
-        self._meet("restore_latest", None)
+        meet("restore_latest", None)
         self._saving.settle()
         self._orbax.reload()
         return _restore.latest(self._orbax, self.directory, contents)
@@ -327,8 +287,8 @@ class CheckpointManager:
                 (the message names the arrays that do not match their checksums).
         """
         contents = Contents.of("restore", objects)
-        step = _step_number(step)
-        self._meet("restore", step)
+        step = step_number(step)
+        meet("restore", step)
         self._saving.settle()
         steps = self.all_steps()
         if step not in steps:
@@ -350,7 +310,7 @@ class CheckpointManager:
         Raises:
             FleetCheckpointError: the save failed (see :meth:`save`).
         """
-        self._meet("wait_until_finished", None)
+        meet("wait_until_finished", None)
         self._saving.settle()
 
     def close(self) -> None:
@@ -362,18 +322,15 @@ class CheckpointManager:
         """
         if self._closed:
             return
-        self._meet("close", None)
+        meet("close", None)
+        self._closed = True
         try:
             self._saving.settle()
         except BaseException:
-            self._closed = True
-            try:
+            with contextlib.suppress(Exception):  # (the same failure, raised already)
                 self._orbax.close()
-            except Exception:  # noqa: BLE001 (the same failure, raised already)
-                pass
             self._release()
             raise
-        self._closed = True
         self._orbax.close()
         self._release()
 

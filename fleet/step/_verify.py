@@ -74,14 +74,12 @@ compiling the reference), 50 MiB copied to one device; the CIFAR CNN 149 ms,
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from fleet._errors import FleetConfigError, FleetError
@@ -92,14 +90,13 @@ from fleet.runtime._world import world
 from fleet.sections import _sharding
 from fleet.sections._amp import LossScale, policy_of
 from fleet.step import _roles
+from fleet.step import _verify_reference as reference
 from fleet.step import _verify_sections as sections
-from fleet.step._verify_compare import agree, compare, plain, whole
-from fleet.wrappers._distributed_optimizer import DistributedOptimizer, MergeCount, _AllReduceThen
+from fleet.step._verify_compare import agree, compare, whole
+from fleet.wrappers._distributed_optimizer import MergeCount
 
 ENV = "FLEET_VERIFY_STEPS"
 _OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared
-
-
 
 
 def steps_from(strategy: Any) -> int:
@@ -169,15 +166,15 @@ class Verify:
         self._calls[plan] = n + 1
         rows = iter(batch)  # every process: the whole global batch, in the step's order
         values = [whole(next(rows)) if k == _roles.BATCH else v for v, k in zip(values, kinds)]
-        device, where = _device(w, values, kinds)
+        device, where = reference.device(w, values, kinds)
         jitted = self._jitted.get(plan)
         if jitted is None:
-            jitted = self._jitted[plan] = _reference_fn(self.fn, kinds, plan.kw_names)
+            jitted = self._jitted[plan] = reference.reference_fn(self.fn, kinds, plan.kw_names)
         delta = _delta(w.strategy)
         sums = self._sums.sums
         try:
-            plain = _run(jitted, values, kinds, device, False, mode, sums[0])
-            perturbed = _run(jitted, values, kinds, device, delta, mode, sums[1])
+            plain = reference.run(jitted, values, kinds, device, False, mode, sums[0])
+            perturbed = reference.run(jitted, values, kinds, device, delta, mode, sums[1])
         except FleetError:
             raise
         except Exception as e:  # noqa: BLE001 (the user's step, on one device)
@@ -260,99 +257,3 @@ def _eps(strategy: Any) -> float:
     wire = strategy_buckets().wire_dtype
     dtypes = [p.dtype for p in (policy_of(strategy),) if p is not None] + [wire] * bool(wire)
     return max((float(jnp.finfo(d).eps) for d in dtypes), default=0.0)
-
-
-def _nbytes(values: list, kinds: tuple) -> int:
-    leaves = [x for v, k in zip(values, kinds) if k != _roles.STATIC
-              for x in jax.tree.leaves(nnx.state(v) if k == _roles.NNX else v)]
-    return sum(int(np.prod(np.shape(x))) * jnp.result_type(x).itemsize
-               for x in leaves if _roles.is_array(x) and not jax.dtypes.issubdtype(
-                   jnp.result_type(x), jax.dtypes.prng_key))
-
-
-def _device(w: Any, values: list, kinds: tuple) -> tuple[Any, str]:
-    """This process's first device of the mesh, or the host where state and batch, three times
-    over (plain, perturbed, outputs), do not fit in its free memory."""
-    device = next(d for d in w.mesh.devices.flat if d.process_index == jax.process_index())
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        need = 3 * _nbytes(values, kinds)
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        if need > free:
-            host = jax.devices("cpu")[0]
-            return host, (f"{host}: state and batch x3 = {need / 2**20:.0f} MiB do not fit in "
-                          f"{device}'s free {free / 2**20:.0f} MiB")
-    return device, str(device)
-
-
-def _reference_fn(fn: Any, kinds: tuple, kw_names: tuple) -> Any:
-    """``nnx.jit`` of the user's step over its non-static arguments (the static
-    ones, part of the plan, are bound by position)."""
-    n_pos = len(kinds) - len(kw_names)
-
-    def call(statics: tuple, dynamic: list, sums: dict, mode: tuple) -> Any:
-        st, dy = iter(statics), iter(dynamic)
-        values = [next(st) if k == _roles.STATIC else next(dy) for k in kinds]
-        return sections.traced(lambda: fn(*values[:n_pos], **dict(zip(kw_names, values[n_pos:]))),
-                               sums, mode[1], mode[2])
-
-    return nnx.jit(call, static_argnums=(0, 3))
-
-
-def _copy(x: Any, device: Any, delta: float | None) -> Any:
-    """``x`` on ``device``; float arrays times ``1 + delta`` when perturbed."""
-    if not isinstance(x, (jax.Array, np.ndarray)):
-        return x
-    x = jax.device_put(whole(x), device)
-    if delta is False or not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    if delta is None:
-        delta = 2.0 ** -10 if x.dtype.itemsize <= 2 else 2.0 ** -20
-    return x * jnp.asarray(1 + delta, x.dtype)
-
-
-def _run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode: tuple,
-         sums: dict) -> tuple:
-    """The single-device step on copies (``delta``: False, plain; else the
-    perturbation; ``mode`` and ``sums``: accumulated gradients, fleet.step._verify_sections):
-    its state leaves (in the step's graph order; keys as key data), its outputs,
-    what owns each state leaf, and its new sums."""
-    positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
-    objs = tuple(values[i] for i in positions)
-    graphdef, state = nnx.split(objs)
-    clone = nnx.merge(graphdef, jax.tree.map(lambda x: _copy(x, device, delta), state))
-    sections.unshard(clone)  # strategy.sharding: the logical state, plain variables
-    for obj in clone:  # the clone's optimizer steps as on one device (no averaging)
-        if isinstance(obj, DistributedOptimizer):
-            obj.tx = obj.tx.inner
-    if mode[0] or mode[1]:
-        sections.mark(clone)
-    batch_norm = contextlib.nullcontext()
-    if world().strategy.sync_batch_norm is False:  # its documented reference
-        batch_norm = sections.per_replica_batch_norm(clone, world().mesh.devices.size)
-    statics, dynamic = [], []
-    for i, (v, k) in enumerate(zip(values, kinds)):
-        if k == _roles.STATIC:
-            statics.append(v)
-        elif k == _roles.NNX:
-            dynamic.append(clone[positions.index(i)])
-        else:
-            dynamic.append(_plain_tx(sections.logical_tree(
-                jax.tree.map(lambda x: _copy(x, device, delta), v))))
-    with batch_norm:
-        out, sums = jitted(tuple(statics), dynamic, sums, mode)
-    with_path = jax.tree_util.tree_flatten_with_path(
-        nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
-    leaves = [plain(v.get_raw_value()) for _, v in with_path]
-    owners = ["counter" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric)
-              or not isinstance(v, (nnx.Param, nnx.OptState)) else "state" for p, v in with_path]
-    return leaves, out, owners, sums
-
-
-def _plain_tx(tree: Any) -> Any:
-    """A ``TrainState`` holding fleet's distributed transformation, with the
-    plain one it wraps instead (it averages over replicas only inside a step)."""
-    tx = getattr(tree, "tx", None)
-    if isinstance(tx, _AllReduceThen) and hasattr(tree, "replace"):
-        return tree.replace(tx=tx.inner)
-    return tree

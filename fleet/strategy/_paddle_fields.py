@@ -16,7 +16,9 @@ and every key of its ``*_configs`` dicts (:data:`KEYS`) is one of:
   (``strategy.dgc = True``) by ``fleet.init``. Values in ``same`` are accepted.
 
 Configuration: imports nothing of fleet but its errors. ``docs/strategy_fields.md``
-is this table in words.
+is this table in words. (Over 350 lines on purpose: one table, a row a field, read
+against Paddle's own list as a whole, and the few checks that read it; the
+configuration is a fixed list of modules, tests/test_layers.py CONFIGURATION.)
 """
 
 from __future__ import annotations
@@ -186,8 +188,7 @@ KEYS: dict[str, dict[str, Field]] = {
                              "(jax.checkpoint_policies.offload_dot_with_no_batch_dims) instead "
                              "of being recomputed; on CPU, whose host memory is the device's, "
                              "this changes nothing"),
-        "checkpoint_shape": _f(NOOP, [], "the shape of Paddle's offload buffers; JAX knows the "
-                               "shapes"),
+        "checkpoint_shape": _f(NOOP, [], "the shape of Paddle's offload buffers; JAX knows the shapes"),
         "enable_tuning": _f(NOOP, False, _AUTO),
         "refined_ops_patterns": _f(NOOP, [], "Paddle's refined recompute of listed ops; choose "
                                    "what is kept with recompute_configs['policy']"),
@@ -232,8 +233,7 @@ KEYS: dict[str, dict[str, Field]] = {
                              "gradient merge)"),
     },
     "hybrid_configs": {
-        "dp_degree": _f(MAPPED, -1, "the replica count: -1 (all) or equal to it, checked by "
-                        "fleet.init"),
+        "dp_degree": _f(MAPPED, -1, "the replica count: -1 (all) or equal to it, checked by fleet.init"),
         **{k: _f(REFUSED, 1, r) for k, r in _DEGREES.items()},
         **{k: _f(NOOP, {}, _GROUP) for k in _GROUPS},
         "enable_optimizer_timer": _f(NOOP, False, "Paddle's hybrid optimizer timer"),
