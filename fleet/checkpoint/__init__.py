@@ -54,6 +54,8 @@ The folder, one idea a module:
                     killed writers left
 ``_file.py``        the file ``fleet.save`` writes (a zip of ``.npy`` and JSON)
 ``_manager.py``     :class:`CheckpointManager`: the public class, save policy
+``_calls.py``       what each manager call checks first: its arguments, and that
+                    every process makes it (a bounded wait)
 ``_open.py``        opening a manager's directory: created, writable, locked,
                     and the steps an earlier writer never finished
 ``_lock.py``        one writer a directory: the lock file and its ``flock``

@@ -86,7 +86,7 @@ class FiniteFlags:
 
     check: bool = False  # strategy.check_nan_inf: record what must be finite
     flags: list = dataclasses.field(default_factory=list)  # (name, all-finite flag)
-    #: with check_nan_inf, the updates of this trace (fleet.sections._finite.Recorder)
+    #: with check_nan_inf, the updates of this trace (fleet.sections._finite_replay.Recorder)
     recorder: Any = None
 
     def record(self, names: Sequence[str], leaves: Sequence) -> None:

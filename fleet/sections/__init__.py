@@ -3,5 +3,5 @@
 ``amp`` (``_amp``), ``sync_batch_norm`` (``_batch_norm``), ``lars`` / ``lamb``
 (``_large_batch``, ``_hparams``), ``recompute`` (``_recompute``), ``sharding`` stages 1-2
 (``_sharding``, ``_shard_probe``, ``_slices``) and ``check_nan_inf``
-(``_finite``). Builds on ``fleet.comm`` and ``fleet.runtime``.
+(``_finite``, ``_finite_replay``). Builds on ``fleet.comm`` and ``fleet.runtime``.
 """

@@ -65,7 +65,7 @@ from fleet.comm._buckets import strategy_buckets
 from fleet.comm._hooks import reduce_slices
 from fleet.comm._shard_comm import Layout, gather, own_slice
 from fleet.runtime._world import DATA_AXIS, current_strategy, world
-from fleet.sections import _finite, _slices
+from fleet.sections import _finite_replay, _slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +248,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     ``apply``: an optax transformation's update), the full updates
     (gathered: only if read, XLA drops them otherwise) and the new state (its
     :class:`Shard` leaves the new slices). ``keep``: ``check_nan_inf``'s replay
-    keeps the old parameters where it is false (:mod:`fleet.sections._finite`).
+    keeps the old parameters where it is false (:mod:`fleet.sections._finite_replay`).
 
     The new parameters are gathered rather than the updates, as a hand-written
     ZeRO step does: the gather writes them where the donated ones were, while
@@ -301,7 +301,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
 
 def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:
     """``optax.apply_updates`` on the slices; with ``keep`` (``check_nan_inf``'s
-    replay, :mod:`fleet.sections._finite`), ``where(keep, new, old)`` per slice.
+    replay, :mod:`fleet.sections._finite_replay`), ``where(keep, new, old)`` per slice.
 
     Each update slice is made whole first (``jax.lax.optimization_barrier``), as
     when the updates were gathered and added to the full parameters: XLA would
@@ -311,7 +311,7 @@ def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:
     with fleet's ``--xla_disable_hlo_passes=cse_barrier_expander`` (set where
     JAX runs on CPU only, fleet/runtime/_xla_flags.py); GPU and TPU keep it by themselves."""
     new = optax.apply_updates(p_slices, jax.tree.map(jax.lax.optimization_barrier, updates))
-    return new if keep is None else _finite.select(keep, new, p_slices)
+    return new if keep is None else _finite_replay.select(keep, new, p_slices)
 
 
 def _reduced_slices(trace: _sync.SyncTrace, grads: Any) -> list:

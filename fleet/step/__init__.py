@@ -7,6 +7,6 @@ The decorator and its per-call path (``_decorator``), the one decision path
 outputs' combination (``_tail``), its first trace (``_first_trace``) and the
 checks read from the probe (``_probe_checks``), the contract's guards
 (``_guards``, ``_rows``), where arguments live (``_global_arrays``), donation
-(``_donate``) and verify mode (``_verify``, ``_verify_compare``,
+(``_donate``) and verify mode (``_verify``, ``_verify_reference``, ``_verify_compare``,
 ``_verify_sections``). The top of the core: builds on every layer below.
 """

@@ -34,7 +34,7 @@ from fleet._errors import FleetError
 from fleet.comm import _sync, _trace
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
-from fleet.sections import _finite
+from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
 from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
@@ -215,7 +215,7 @@ class Program:
         trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)
-        recorder = trace.finite.recorder = _finite.Recorder() if plan.check_nan_inf else None
+        recorder = trace.finite.recorder = _finite_replay.Recorder() if plan.check_nan_inf else None
         return trace, recorder
 
     def replay(self, plan: Plan, args: tuple, specs: tuple) -> tuple[Callable, Any]:
