@@ -94,7 +94,9 @@ from fleet.sections._amp import LossScale, policy_of
 from fleet.step import _roles
 from fleet.step import _verify_sections as sections
 from fleet.step._verify_compare import agree, compare, plain, whole
-from fleet.wrappers._distributed_optimizer import DistributedOptimizer, MergeCount, _AllReduceThen
+from fleet.wrappers._distributed_optimizer import DistributedOptimizer
+from fleet.wrappers._distributed_tx import _AllReduceThen
+from fleet.wrappers._gradient_merge import MergeCount
 
 ENV = "FLEET_VERIFY_STEPS"
 _OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared
