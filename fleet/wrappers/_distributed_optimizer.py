@@ -124,9 +124,9 @@ class DistributedOptimizer(GradientMerge, nnx.Optimizer):
         return False
 
     def update(self, model, grads, /, **kwargs):
-        if self.accumulated(grads):  # no_sync, gradient merge: nothing steps
-            return None
         trace = _sync.current()
+        if self.accumulated(trace, grads):  # no_sync, gradient merge: nothing steps
+            return None
         if self.amp_rules is None or trace is None:
             return self._apply(model, grads, **kwargs)
         return self._update_or_skip(model, grads, **kwargs)

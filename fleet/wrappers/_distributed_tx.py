@@ -24,17 +24,21 @@ from fleet.comm._buckets import strategy_buckets
 from fleet.comm._reduce import reduce_gradients
 from fleet.runtime._leaves import dotted
 from fleet.sections import _finite, _shard_probe, _sharding
-from fleet.wrappers._gradient_merge import under_no_sync
 
 
 class _AllReduceThen(optax.GradientTransformationExtraArgs):
     """Marks a transformation that fleet already made distributed."""
 
 
+def _under_no_sync() -> bool:
+    trace = _sync.current()
+    return trace is not None and trace.accum.no_sync
+
+
 def _prepare(grads):
     """The trace's bookkeeping of an update; raw parameters' summed gradients
     divided by the replica count."""
-    if under_no_sync():
+    if _under_no_sync():
         raise FleetUnsupportedError(
             "no_sync with an optax transformation (Linen / TrainState) is not supported: "
             "the parameters' gradients cannot stay local there. Use an NNX model with "

@@ -50,13 +50,6 @@ class MergeCount(nnx.Variable):
     """``strategy.gradient_merge``: calls since the last optimizer step."""
 
 
-def under_no_sync() -> bool:
-    """Whether this update accumulates (inside ``no_sync``, or a gradient merge
-    call before the ``k_steps``-th)."""
-    trace = _sync.current()
-    return trace is not None and trace.accum.no_sync
-
-
 class GradientMerge:
     """The gradient merge and ``no_sync`` part of a distributed optimizer (an
     ``nnx.Optimizer``): ``merge_k``, ``merge_avg``, ``merge_count`` and ``grad_accum``."""
@@ -86,14 +79,13 @@ class GradientMerge:
         self.grad_accum = nnx.Dict(entries)
         return True
 
-    def accumulated(self, grads: Any) -> bool:
-        """An update's start: counted in the merge cycle; under ``no_sync`` the
-        gradients are added to the accumulator. Returns whether they were (nothing
-        steps)."""
-        trace = _sync.current()
+    def accumulated(self, trace: _sync.SyncTrace | None, grads: Any) -> bool:
+        """An update's start in ``trace``: counted in the merge cycle; under
+        ``no_sync`` (or a merge call before the ``k_steps``-th) the gradients are
+        added to the accumulator. Returns whether they were (nothing steps)."""
         if self.merge_k > 1 and trace is not None and trace.accum.count_merge():
             self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
-        if under_no_sync():  # add to the accumulator; nothing steps
+        if trace is not None and trace.accum.no_sync:  # add to the accumulator; nothing steps
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
             return True
         return False
