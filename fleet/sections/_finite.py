@@ -68,10 +68,6 @@ from fleet._errors import FleetError
 from fleet.comm._sync import is_varying
 from fleet.comm._sync import psum as _psum
 
-# The replay's names, moved to _finite_replay, still read as ``_finite.<name>`` by
-# fleet/sections/_sharding.py, fleet/step/_program.py, fleet/wrappers/_distributed_optimizer.py.
-from fleet.sections._finite_replay import Recorder, recorder, replay, select  # noqa: F401
-
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the FiniteFlags with calls in flight
 _REGISTERED: list = []  # the exit report, registered at the first call
 

@@ -27,11 +27,8 @@ from fleet.step import _roles
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._program import Program
 from fleet.step._recall import Decision, decision
-from fleet.wrappers._distributed_optimizer import (
-    MergePosition,
-    prepare_accumulators,
-    prepare_sharding,
-)
+from fleet.wrappers._distributed_optimizer import prepare_sharding
+from fleet.wrappers._gradient_merge import MergePosition, prepare_accumulators
 
 
 def decide(program: Program, merge: MergePosition, batch_argnums: tuple | None,

@@ -99,7 +99,7 @@ from fleet.step._jitted import jitted, runner
 from fleet.step._program import Program
 from fleet.step._recall import Decision, Recall
 from fleet.step._rows import SameRows
-from fleet.wrappers._distributed_optimizer import MergePosition
+from fleet.wrappers._gradient_merge import MergePosition
 
 
 class DistributedStep:

@@ -47,7 +47,8 @@ from fleet.step._probe_checks import (
 )
 from fleet.step._record import PlanRecord
 from fleet.step._tail import COMBINE, combined, leave, probe_record, with_real_tail
-from fleet.wrappers._distributed_optimizer import enter_trace, leave_accumulators
+from fleet.wrappers._distributed_optimizer import enter_trace
+from fleet.wrappers._gradient_merge import leave_accumulators
 
 
 class Program:

@@ -93,7 +93,7 @@ from fleet.step import _roles
 from fleet.step import _verify_reference as reference
 from fleet.step import _verify_sections as sections
 from fleet.step._verify_compare import agree, compare, whole
-from fleet.wrappers._distributed_optimizer import MergeCount
+from fleet.wrappers._gradient_merge import MergeCount
 
 ENV = "FLEET_VERIFY_STEPS"
 _OWN = (MergeCount, LossScale, _sync.PerReplica)  # fleet's bookkeeping: not compared

@@ -19,7 +19,8 @@ from fleet.runtime._world import world
 from fleet.step import _roles
 from fleet.step import _verify_sections as sections
 from fleet.step._verify_compare import plain, whole
-from fleet.wrappers._distributed_optimizer import DistributedOptimizer, _AllReduceThen
+from fleet.wrappers._distributed_optimizer import DistributedOptimizer
+from fleet.wrappers._distributed_tx import AllReduceThen
 
 
 def _nbytes(values: list, kinds: tuple) -> int:
@@ -113,6 +114,6 @@ def _plain_tx(tree: Any) -> Any:
     """A ``TrainState`` holding fleet's distributed transformation, with the
     plain one it wraps instead (it averages over replicas only inside a step)."""
     tx = getattr(tree, "tx", None)
-    if isinstance(tx, _AllReduceThen) and hasattr(tree, "replace"):
+    if isinstance(tx, AllReduceThen) and hasattr(tree, "replace"):
         return tree.replace(tx=tx.inner)
     return tree

@@ -20,115 +20,33 @@ reach the optimizer averaged already, so this one does not reduce them again. Wh
 Its state is the inner optimizer's state, plus what those sections keep (``grad_accum``,
 ``merge_count``, the loss scale), so with none of them on, checkpoints move freely
 between single-device and distributed runs.
+
+The optax transformation (the functional style, and the update inside this
+optimizer) is :mod:`fleet.wrappers._distributed_tx`; gradient merge and the
+``no_sync`` accumulator are :mod:`fleet.wrappers._gradient_merge`.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from fleet import _compat
-from fleet._errors import FleetError, FleetTypeError, FleetUnsupportedError
+from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet.comm import _sync
-from fleet.comm._buckets import strategy_buckets
-from fleet.comm._reduce import reduce_gradients
-from fleet.runtime._leaves import dotted, module_variables
+from fleet.runtime._leaves import module_variables
 from fleet.runtime._replicate import replicate_in_place
-from fleet.runtime._world import current_strategy, world
-from fleet.sections import _amp, _finite, _large_batch, _shard_probe, _sharding
+from fleet.runtime._world import current_strategy
+from fleet.sections import _amp, _finite_replay, _large_batch, _shard_probe, _sharding
+from fleet.wrappers._distributed_tx import _distributed_tx
+from fleet.wrappers._gradient_merge import GradientMerge
 
 
-class _AllReduceThen(optax.GradientTransformationExtraArgs):
-    """Marks a transformation that fleet already made distributed."""
-
-
-def _under_no_sync() -> bool:
-    trace = _sync.current()
-    return trace is not None and trace.accum.no_sync
-
-
-def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    if isinstance(inner, _AllReduceThen):
-        return inner
-    inner = optax.with_extra_args_support(inner)
-    buckets = strategy_buckets()
-    shard = _sharding.config()
-
-    def init(params):
-        state = inner.init(params)
-        if shard is None:
-            return state
-        # strategy.sharding: the parameter-shaped state, split over the replicas.
-        _shard_probe.verify(inner, params, shard)
-        return _sharding.shard_state(state, _sharding.plan(inner.init, params, shard))
-
-    def prepare(grads):
-        """The trace's bookkeeping of an update; raw parameters' summed gradients
-        divided by the replica count."""
-        if _under_no_sync():
-            raise FleetUnsupportedError(
-                "no_sync with an optax transformation (Linen / TrainState) is not supported: "
-                "the parameters' gradients cannot stay local there. Use an NNX model with "
-                "fleet.distributed_optimizer(nnx.Optimizer(...)), or accumulate inside the "
-                "step with optax.MultiSteps"
-            )
-        trace = _sync.current()
-        if trace is not None:
-            trace.tx.calls += 1
-            trace.tx.grads.update(trace.hold(jax.tree.leaves(grads)))
-            if not trace.wrapped_syncs:
-                flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-                trace.finite.record([f"gradient {dotted(p)!r}" for p, _ in flat],
-                                    [g for _, g in flat])
-            if trace.tx.auto_sum:  # raw parameters: JAX summed their gradients over replicas
-                n = trace.num_replicas
-                grads = jax.tree.map(
-                    lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
-                    else g / n, grads)
-        return grads
-
-    def local_update(grads, state, params=None, **extra):
-        """The update in parts (see fleet.sections._sharding.local_update):
-        ``core(*args)`` updates the arrays this replica holds (its slices under
-        sharding), ``finish`` makes the full parameters, updates and state."""
-        grads = prepare(grads)
-        if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))):
-            return _sharding.local_update(inner, grads, state, params, **extra)
-
-        def core(g, s, p):
-            return inner.update(g, s, p, **extra)
-
-        def finish(updates, new_state, keep=None, *, apply=True):
-            if params is None or not apply:
-                return None, updates, new_state
-            new_params = optax.apply_updates(params, updates)
-            if keep is not None:  # check_nan_inf's replay (fleet.sections._finite)
-                new_params = _finite.select(keep, new_params, params)
-            return new_params, updates, new_state
-
-        return core, (reduce_gradients(grads, buckets), state, params), finish
-
-    def update(grads, state, params=None, **extra):
-        core, args, finish = local_update(grads, state, params, **extra)
-        return finish(*core(*args), apply=False)[1:]  # (updates, new state)
-
-    tx = _AllReduceThen(inner.init if shard is None else init, update)
-    tx.inner = inner
-    tx.local_update = local_update
-    return tx
-
-
-class MergeCount(nnx.Variable):
-    """``strategy.gradient_merge``: calls since the last optimizer step."""
-
-
-class DistributedOptimizer(nnx.Optimizer):
+class DistributedOptimizer(GradientMerge, nnx.Optimizer):
     """An ``nnx.Optimizer`` that averages gradients still differing across
     replicas and does not step under ``no_sync`` (see the module docstring).
 
@@ -143,10 +61,7 @@ class DistributedOptimizer(nnx.Optimizer):
         # wrt...), whatever nnx.Optimizer holds; only the transformation changes.
         _compat.share_fields(self, optimizer)
         self.tx = _distributed_tx(optimizer.tx)
-        self.merge_k = strategy.gradient_merge_configs.k_steps if strategy.gradient_merge else 1
-        self.merge_avg = strategy.gradient_merge_configs.avg
-        if self.merge_k > 1:
-            self.merge_count = MergeCount(jnp.zeros((), jnp.int32))
+        self.init_merge(strategy)  # strategy.gradient_merge (fleet.wrappers._gradient_merge)
         policy = _amp.policy_of(strategy)
         self.amp_rules = _amp.ScaleRules.of(strategy.amp_configs) if (
             policy and policy.loss_scaling) else None
@@ -201,41 +116,20 @@ class DistributedOptimizer(nnx.Optimizer):
             return True
         return False
 
-    def ensure_accumulator(self, params: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
-        """Creates ``grad_accum`` (zeros, one local sum per replica) for the wrapped
-        parameters ``{key: (shape, dtype)}``: before the first ``no_sync`` step, or
-        before restoring a checkpoint taken between ``no_sync`` steps. Returns
-        whether it created it (the graph changed)."""
-        if getattr(self, "grad_accum", None) is not None:
-            return False
-
-        w = world()
-        n = w.num_replicas
-        entries = {}
-        for key, (shape, dtype) in params.items():
-            zeros = jax.make_array_from_callback(
-                (n, *shape), w.batch, lambda idx, s=shape, d=dtype: np.zeros((n, *s), d)[idx])
-            entries[_sync.accumulator_key(key)] = _sync.GradAccumulator(zeros)
-        self.grad_accum = nnx.Dict(entries)
-        return True
-
     def update(self, model, grads, /, **kwargs):
         trace = _sync.current()
-        if self.merge_k > 1 and trace is not None and trace.accum.count_merge():
-            self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
-        if _under_no_sync():  # add to the accumulator; nothing steps
-            _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
+        if self.accumulated(trace, grads):  # no_sync, gradient merge: nothing steps
             return None
         if self.amp_rules is None or trace is None:
             return self._apply(model, grads, **kwargs)
         return self._update_or_skip(model, grads, **kwargs)
 
     def _apply(self, model, grads, /, **kwargs):
-        rec = _finite.recorder()
+        rec = _finite_replay.recorder()
         if not self.sharded and rec is None:
             return super().update(model, grads, **kwargs)
         # nnx.Optimizer.update through the distributed update's parts (local_update),
-        # sharded leaves as Shard nodes; check_nan_inf replays it (fleet.sections._finite).
+        # sharded leaves as Shard nodes; check_nan_inf replays it (fleet.sections._finite_replay).
         model_state = nnx.state(model, self.wrt, graph=self.graph)
         variables = self._state_variables()
         layouts = map(_sharding.layout_of, variables)
@@ -260,7 +154,7 @@ class DistributedOptimizer(nnx.Optimizer):
             var.set_value(new)
         self.step[...] = step + 1
         if rec is not None:
-            redo = _finite.replay(core, args, state_at=1)
+            redo = _finite_replay.replay(core, args, state_at=1)
 
             def replayed(keep):  # the values of `written`, selected by keep
                 new_params, _, new_state = applied(*redo(keep), keep)
@@ -352,22 +246,6 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
 # arguments, before a call, inside the trace and after it.
 
 
-def prepare_accumulators(objs: tuple) -> bool:
-    """Before a no_sync step: gives each distributed optimizer its accumulator for
-    the wrapped parameters among ``objs``. Returns whether a graph changed."""
-    optimizers = [o for o in objs if isinstance(o, DistributedOptimizer)
-                  and getattr(o, "grad_accum", None) is None]
-    if not optimizers:  # (the usual case: created at the first no_sync step)
-        return False
-    params = {}
-    for obj in objs:
-        if not isinstance(obj, DistributedOptimizer):
-            params.update({k: (v.get_raw_value().shape, v.get_raw_value().dtype)
-                           for k, v in module_variables(obj).items()
-                           if isinstance(v, _sync.SyncedRead)})
-    return any([o.ensure_accumulator(params) for o in optimizers])
-
-
 def prepare_sharding(objs: tuple) -> bool:
     """``strategy.sharding``: before the first step, each distributed optimizer
     splits its state for the parameters of the model it gets here. Returns
@@ -377,45 +255,6 @@ def prepare_sharding(objs: tuple) -> bool:
         if isinstance(opt, DistributedOptimizer) and opt.shard_pending:
             changed |= opt.ensure_sharded([o for o in objs if o is not opt])
     return changed
-
-
-class MergePosition:
-    """``strategy.gradient_merge``, on the host: where a step's calls sit in the
-    merging optimizer's cycle of ``k_steps`` calls (a step holds one)."""
-
-    def __init__(self) -> None:
-        # id(optimizer) -> (its count array, weakly: a held one is copied at each donation)
-        self._seen: dict[int, tuple] = {}  # and the count (see fleet.step._donate.unheld)
-
-    def find(self, objs: tuple, no_sync: bool) -> tuple[Any, int]:
-        """``strategy.gradient_merge``: the optimizer that merges, and where this
-        call sits in its cycle of ``k_steps`` calls. The count lives on the
-        device (it is checkpointed); the host follows it without reading it back,
-        and reads it only when someone else wrote it (a restore)."""
-        merging = [o for o in objs if isinstance(o, DistributedOptimizer) and o.merge_k > 1]
-        if not merging or no_sync:  # explicit no_sync: accumulate, do not count
-            return None, 0
-        positions = []
-        for opt in merging:
-            value = opt.merge_count.get_raw_value()
-            seen = self._seen.get(id(opt))
-            if seen is None or seen[0]() is not value:
-                seen = (weakref.ref(value), int(np.asarray(value.addressable_shards[0].data)))
-                self._seen[id(opt)] = seen
-            positions.append(seen[1])
-        if len(set(positions)) > 1:
-            raise FleetError(
-                f"the step gets {len(merging)} optimizers that merge gradients, at different "
-                f"points of their cycle ({positions}); pass one distributed optimizer")
-        return merging[0], positions[0]
-
-    def advanced(self, objs: tuple) -> None:
-        """After a call that updated a merging optimizer: its new count, known."""
-        for opt in objs:
-            seen = self._seen.get(id(opt))
-            if isinstance(opt, DistributedOptimizer) and seen is not None:
-                self._seen[id(opt)] = (weakref.ref(opt.merge_count.get_raw_value()),
-                                       (seen[1] + 1) % opt.merge_k)
 
 
 def enter_trace(trace: _sync.SyncTrace, objs: tuple, *, grad_merge: str | None,
@@ -428,22 +267,8 @@ def enter_trace(trace: _sync.SyncTrace, objs: tuple, *, grad_merge: str | None,
             continue
         if opt.amp_rules is not None and trace.tx.loss_scale is None:
             trace.tx.loss_scale = divisor = opt.loss_scaling[...]
-        if grad_merge == "final" and opt.merge_avg:
-            k = jnp.asarray(opt.merge_k, jnp.float32)
-            divisor = k if divisor is None else divisor * k
+        divisor = opt.merged_divisor(divisor, grad_merge)
     trace.tx.divisor = divisor
     trace.accum.merge_counts = grad_merge is not None
     if sharded:
         trace.shard.config = _sharding.config(replicas=replicas)
-
-
-def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -> None:
-    """The no_sync accumulators the step leaves: what this step added, zeros once
-    a synced step consumed them, else as they were (a step that does not
-    differentiate the model leaves them for the next one that does)."""
-    for i, key in enumerate(accum_keys):
-        if key is None:
-            continue
-        if key in trace.accum.left:
-            new = trace.accum.left[key]
-            leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new

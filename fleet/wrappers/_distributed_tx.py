@@ -1,0 +1,109 @@
+"""``fleet.distributed_optimizer`` on an optax transformation: the functional style.
+
+Moved out of :mod:`fleet.wrappers._distributed_optimizer` (issue 36), which keeps
+the ``nnx.Optimizer`` form and uses this transformation inside it. With no wrapped
+model (an optax transformation on raw parameters), JAX sums the parameters'
+gradients over the replicas (the transpose of using a replicated value with
+per-replica data); the step sees it in the program it traced, and this
+transformation divides them by the replica count: the global-batch gradient again
+(one all-reduce per leaf, merged by XLA, instead of fleet's buckets). Gradients
+that still differ across replicas (their vma type is varying) are averaged, in
+the strategy's buckets. Under ``strategy.sharding`` its parameter-shaped state
+is split over the replicas (:mod:`fleet.sections._sharding`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fleet._errors import FleetUnsupportedError
+from fleet.comm import _sync
+from fleet.comm._buckets import strategy_buckets
+from fleet.comm._reduce import reduce_gradients
+from fleet.runtime._leaves import dotted
+from fleet.sections import _finite_replay, _shard_probe, _sharding
+
+
+class AllReduceThen(optax.GradientTransformationExtraArgs):
+    """Marks a transformation that fleet already made distributed."""
+
+
+def _under_no_sync() -> bool:
+    trace = _sync.current()
+    return trace is not None and trace.accum.no_sync
+
+
+def _prepare(grads):
+    """The trace's bookkeeping of an update; raw parameters' summed gradients
+    divided by the replica count."""
+    if _under_no_sync():
+        raise FleetUnsupportedError(
+            "no_sync with an optax transformation (Linen / TrainState) is not supported: "
+            "the parameters' gradients cannot stay local there. Use an NNX model with "
+            "fleet.distributed_optimizer(nnx.Optimizer(...)), or accumulate inside the "
+            "step with optax.MultiSteps"
+        )
+    trace = _sync.current()
+    if trace is not None:
+        trace.tx.calls += 1
+        trace.tx.grads.update(trace.hold(jax.tree.leaves(grads)))
+        if not trace.wrapped_syncs:
+            flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+            trace.finite.record([f"gradient {dotted(p)!r}" for p, _ in flat],
+                                [g for _, g in flat])
+        if trace.tx.auto_sum:  # raw parameters: JAX summed their gradients over replicas
+            n = trace.num_replicas
+            grads = jax.tree.map(
+                lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
+                else g / n, grads)
+    return grads
+
+
+def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner`` made distributed (see the module docstring); ``local_update``
+    gives its update in parts, for ``DistributedOptimizer`` and check_nan_inf."""
+    if isinstance(inner, AllReduceThen):
+        return inner
+    inner = optax.with_extra_args_support(inner)
+    buckets = strategy_buckets()
+    shard = _sharding.config()
+
+    def init(params):
+        state = inner.init(params)
+        if shard is None:
+            return state
+        # strategy.sharding: the parameter-shaped state, split over the replicas.
+        _shard_probe.verify(inner, params, shard)
+        return _sharding.shard_state(state, _sharding.plan(inner.init, params, shard))
+
+    def local_update(grads, state, params=None, **extra):
+        """The update in parts (see fleet.sections._sharding.local_update):
+        ``core(*args)`` updates the arrays this replica holds (its slices under
+        sharding), ``finish`` makes the full parameters, updates and state."""
+        grads = _prepare(grads)
+        if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))):
+            return _sharding.local_update(inner, grads, state, params, **extra)
+
+        def core(g, s, p):
+            return inner.update(g, s, p, **extra)
+
+        def finish(updates, new_state, keep=None, *, apply=True):
+            if params is None or not apply:
+                return None, updates, new_state
+            new_params = optax.apply_updates(params, updates)
+            if keep is not None:  # check_nan_inf's replay (fleet.sections._finite_replay)
+                new_params = _finite_replay.select(keep, new_params, params)
+            return new_params, updates, new_state
+
+        return core, (reduce_gradients(grads, buckets), state, params), finish
+
+    def update(grads, state, params=None, **extra):
+        core, args, finish = local_update(grads, state, params, **extra)
+        return finish(*core(*args), apply=False)[1:]  # (updates, new state)
+
+    tx = AllReduceThen(inner.init if shard is None else init, update)
+    tx.inner = inner
+    tx.local_update = local_update
+    return tx

@@ -1,0 +1,169 @@
+"""Gradient merge (``strategy.gradient_merge``, ``k_steps``) and the ``no_sync``
+accumulation it runs on: the wrappers layer's one home for them.
+
+Moved out of :mod:`fleet.wrappers._distributed_optimizer` (issue 36). A distributed
+optimizer that merges steps once every ``k_steps`` calls: the calls before the
+``k_steps``-th run as under ``no_sync`` (each replica adds its local gradients to
+the optimizer's ``grad_accum``), the ``k_steps``-th syncs the sum (divided by
+``k_steps`` under ``gradient_merge_configs.avg``) and steps. ``merge_count`` counts
+the calls on the device, so a checkpoint carries the position in the cycle; the
+state names ``grad_accum`` and ``merge_count`` are what checkpoints hold.
+
+Here: :class:`MergeCount`, the :class:`GradientMerge` part of
+:class:`~fleet.wrappers._distributed_optimizer.DistributedOptimizer` (its merge
+settings, accumulator, counting and divisor), and the step's side
+(:func:`prepare_accumulators`, :class:`MergePosition`, :func:`leave_accumulators`).
+
+Where gradient merge still touches other files, and why (one line each):
+
+* ``strategy/_configs.py``: ``GradientMergeConfigs`` (``k_steps``, ``avg``): configuration only.
+* ``comm/_trace.py``: ``Accumulation``, the trace's no_sync flag, sums and merge count (below wrappers).
+* ``comm/_sync.py``: ``GradAccumulator``, ``accumulate``: sync's custom VJP adds or takes the sums.
+* ``wrappers/_distributed_optimizer.py``: ``enter_trace`` sets one divisor with amp's loss scale.
+* ``wrappers/_distributed_optimizer.py``: ``distributed_optimizer`` refuses merge on an optax transformation.
+* ``step/_decorator.py``: on the host, asks :class:`MergePosition`; runs a "local" call as ``no_sync``.
+* ``step/_graph.py``: ``Plan.grad_merge`` ("local", "final") keys the program; ``accum_keys`` finds sums.
+* ``step/_program.py``: refuses a merge step without the optimizer; calls :func:`leave_accumulators`.
+* ``step/_record.py``: a program's count of merging updates (the host's count follows it).
+* ``step/_recall.py``: merge calls skip the fast path (their program changes with the position).
+* ``step/_verify.py``, ``step/_verify_sections.py``: verify's reference sums like ``optax.MultiSteps``.
+* ``checkpoint/_restore.py``: a mid-accumulation checkpoint grows ``grad_accum`` (``ensure_accumulator``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fleet._errors import FleetError
+from fleet.comm import _sync
+from fleet.runtime._leaves import module_variables
+from fleet.runtime._world import world
+
+
+class MergeCount(nnx.Variable):
+    """``strategy.gradient_merge``: calls since the last optimizer step."""
+
+
+class GradientMerge:
+    """The gradient merge and ``no_sync`` part of a distributed optimizer (an
+    ``nnx.Optimizer``): ``merge_k``, ``merge_avg``, ``merge_count`` and ``grad_accum``."""
+
+    def init_merge(self, strategy: Any) -> None:
+        """The strategy's merge settings; ``merge_count`` where it merges."""
+        self.merge_k = strategy.gradient_merge_configs.k_steps if strategy.gradient_merge else 1
+        self.merge_avg = strategy.gradient_merge_configs.avg
+        if self.merge_k > 1:
+            self.merge_count = MergeCount(jnp.zeros((), jnp.int32))
+
+    def ensure_accumulator(self, params: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
+        """Creates ``grad_accum`` (zeros, one local sum per replica) for the wrapped
+        parameters ``{key: (shape, dtype)}``: before the first ``no_sync`` step, or
+        before restoring a checkpoint taken between ``no_sync`` steps. Returns
+        whether it created it (the graph changed)."""
+        if getattr(self, "grad_accum", None) is not None:
+            return False
+
+        w = world()
+        n = w.num_replicas
+        entries = {}
+        for key, (shape, dtype) in params.items():
+            zeros = jax.make_array_from_callback(
+                (n, *shape), w.batch, lambda idx, s=shape, d=dtype: np.zeros((n, *s), d)[idx])
+            entries[_sync.accumulator_key(key)] = _sync.GradAccumulator(zeros)
+        self.grad_accum = nnx.Dict(entries)
+        return True
+
+    def accumulated(self, trace: _sync.SyncTrace | None, grads: Any) -> bool:
+        """An update's start in ``trace``: counted in the merge cycle; under
+        ``no_sync`` (or a merge call before the ``k_steps``-th) the gradients are
+        added to the accumulator. Returns whether they were (nothing steps)."""
+        if self.merge_k > 1 and trace is not None and trace.accum.count_merge():
+            self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
+        if trace is not None and trace.accum.no_sync:  # add to the accumulator; nothing steps
+            _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
+            return True
+        return False
+
+    def merged_divisor(self, divisor: Any, grad_merge: str | None) -> Any:
+        """``gradient_merge_configs.avg``: on the final call, ``divisor`` (or 1)
+        times ``k_steps``."""
+        if grad_merge == "final" and self.merge_avg:
+            k = jnp.asarray(self.merge_k, jnp.float32)
+            divisor = k if divisor is None else divisor * k
+        return divisor
+
+
+# --------------------------------------------------------------------------- the step's side
+
+
+def prepare_accumulators(objs: tuple) -> bool:
+    """Before a no_sync step: gives each distributed optimizer its accumulator for
+    the wrapped parameters among ``objs``. Returns whether a graph changed."""
+    optimizers = [o for o in objs if isinstance(o, GradientMerge)
+                  and getattr(o, "grad_accum", None) is None]
+    if not optimizers:  # (the usual case: created at the first no_sync step)
+        return False
+    params = {}
+    for obj in objs:
+        if not isinstance(obj, GradientMerge):
+            params.update({k: (v.get_raw_value().shape, v.get_raw_value().dtype)
+                           for k, v in module_variables(obj).items()
+                           if isinstance(v, _sync.SyncedRead)})
+    return any([o.ensure_accumulator(params) for o in optimizers])
+
+
+class MergePosition:
+    """``strategy.gradient_merge``, on the host: where a step's calls sit in the
+    merging optimizer's cycle of ``k_steps`` calls (a step holds one)."""
+
+    def __init__(self) -> None:
+        # id(optimizer) -> (its count array, weakly: a held one is copied at each donation)
+        self._seen: dict[int, tuple] = {}  # and the count (see fleet.step._donate.unheld)
+
+    def find(self, objs: tuple, no_sync: bool) -> tuple[Any, int]:
+        """``strategy.gradient_merge``: the optimizer that merges, and where this
+        call sits in its cycle of ``k_steps`` calls. The count lives on the
+        device (it is checkpointed); the host follows it without reading it back,
+        and reads it only when someone else wrote it (a restore)."""
+        merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge_k > 1]
+        if not merging or no_sync:  # explicit no_sync: accumulate, do not count
+            return None, 0
+        positions = []
+        for opt in merging:
+            value = opt.merge_count.get_raw_value()
+            seen = self._seen.get(id(opt))
+            if seen is None or seen[0]() is not value:
+                seen = (weakref.ref(value), int(np.asarray(value.addressable_shards[0].data)))
+                self._seen[id(opt)] = seen
+            positions.append(seen[1])
+        if len(set(positions)) > 1:
+            raise FleetError(
+                f"the step gets {len(merging)} optimizers that merge gradients, at different "
+                f"points of their cycle ({positions}); pass one distributed optimizer")
+        return merging[0], positions[0]
+
+    def advanced(self, objs: tuple) -> None:
+        """After a call that updated a merging optimizer: its new count, known."""
+        for opt in objs:
+            seen = self._seen.get(id(opt))
+            if isinstance(opt, GradientMerge) and seen is not None:
+                self._seen[id(opt)] = (weakref.ref(opt.merge_count.get_raw_value()),
+                                       (seen[1] + 1) % opt.merge_k)
+
+
+def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -> None:
+    """The no_sync accumulators the step leaves: what this step added, zeros once
+    a synced step consumed them, else as they were (a step that does not
+    differentiate the model leaves them for the next one that does)."""
+    for i, key in enumerate(accum_keys):
+        if key is None:
+            continue
+        if key in trace.accum.left:
+            new = trace.accum.left[key]
+            leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new
