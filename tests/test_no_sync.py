@@ -1,6 +1,7 @@
 """Acceptance: k steps inside ``no_sync`` plus one normal step equal one
 single-card step on the union batch, and no psum is traced inside ``no_sync``."""
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -178,3 +179,86 @@ def test_a_save_between_no_sync_steps_restores_exactly(make_world, tmp_path):
     assert restored.step == 6
     run(model, opt, step, data[6:], 6)
     assert models.max_diff(models.flat_params(model), straight) == 0
+
+
+def two_models(seeds=(0, 1)):
+    made = []
+    for seed in seeds:
+        model = fleet.distributed_model(models.LinearNet(nnx.Rngs(seed)))
+        made += [model, fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))]
+    return made
+
+
+def both_step(m1, o1, m2, o2, x, y):
+    return models.nnx_train_step(m1, o1, x, y) + models.nnx_train_step(m2, o2, x, y)
+
+
+def test_two_models_of_one_class_accumulating_in_one_step_are_refused(make_world):
+    """Two wrapped models of one class, their optimizers in one step: under no_sync
+    each parameter name keeps one sum, so the second model's would mix into the
+    first's (model 1 ended 0.28 away from its reference before this refusal)."""
+    make_world(2)
+    (x, y), = models.batches("linear", 1, 8)
+    m1, o1, m2, o2 = two_models()
+    step = fleet.distributed_step(both_step)
+    with m1.no_sync(), m2.no_sync(), pytest.raises(
+            fleet.FleetError, match=r"parameters of the same name \('_linear1.bias'.*its own "
+                                    r"fleet.distributed_step"):
+        step(m1, o1, m2, o2, x, y)
+
+
+def test_two_models_in_their_own_steps_accumulate_as_on_one_device(make_world):
+    """What the refusal says to write: one step per model. A no_sync call, then a
+    synced one, equals SGD on the sum of the two calls' gradients, for each model."""
+    make_world(2)
+    (x0, y0), (x1, y1) = models.batches("linear", 2, 8)
+    m1, o1, m2, o2 = two_models()
+    steps = fleet.distributed_step(models.nnx_train_step), fleet.distributed_step(models.nnx_train_step)
+    with m1.no_sync(), m2.no_sync():
+        steps[0](m1, o1, x0, y0), steps[1](m2, o2, x0, y0)
+    steps[0](m1, o1, x1, y1), steps[1](m2, o2, x1, y1)
+    for seed, model in ((0, m1), (1, m2)):
+        reference = models.LinearNet(nnx.Rngs(seed))
+        grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference)
+                 for x, y in ((x0, y0), (x1, y1))]
+        nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param).update(
+            reference, jax.tree.map(lambda a, b: a + b, *grads))
+        d = models.max_diff(models.flat_params(model), models.flat_params(reference))
+        print(f"model {seed}: |fleet - one device| = {d:.2e}")
+        assert d < 1e-6
+
+
+def test_gradient_merge_with_two_optimizers_in_one_step_is_refused(make_world):
+    """Two merging optimizers in one step would divide the merged gradients once per
+    optimizer (k_steps squared): refused, even for models with different names."""
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2, "avg": True}
+    make_world(2, strategy)
+    (x, y), = models.batches("linear", 1, 8)
+    m1, o1, m2, o2 = two_models()
+    step = fleet.distributed_step(both_step)
+    with pytest.raises(fleet.FleetError, match="gradient_merge with 2 distributed optimizers in one step"):
+        step(m1, o1, m2, o2, x, y)
+
+
+def test_gradient_merge_with_one_optimizer_per_step_equals_multisteps(make_world):
+    """What that refusal says to write: each optimizer in its own step. Both models
+    end where optax.MultiSteps puts them on one device."""
+    strategy = fleet.DistributedStrategy()
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2, "avg": True}
+    make_world(2, strategy)
+    data = models.batches("linear", 4, 8)
+    m1, o1, m2, o2 = two_models()
+    steps = fleet.distributed_step(models.nnx_train_step), fleet.distributed_step(models.nnx_train_step)
+    for x, y in data:
+        steps[0](m1, o1, x, y), steps[1](m2, o2, x, y)
+    for seed, model in ((0, m1), (1, m2)):
+        reference = models.LinearNet(nnx.Rngs(seed))
+        optimizer = nnx.Optimizer(reference, optax.MultiSteps(optax.sgd(0.1), 2), wrt=nnx.Param)
+        for x, y in data:
+            models.nnx_train_step(reference, optimizer, x, y)
+        d = models.max_diff(models.flat_params(model), models.flat_params(reference))
+        print(f"model {seed}: |fleet - optax.MultiSteps| = {d:.2e}")
+        assert d < 1e-6

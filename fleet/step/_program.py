@@ -48,7 +48,7 @@ from fleet.step._probe_checks import (
 from fleet.step._record import PlanRecord
 from fleet.step._tail import COMBINE, combined, leave, probe_record, with_real_tail
 from fleet.wrappers._distributed_optimizer import enter_trace
-from fleet.wrappers._gradient_merge import leave_accumulators
+from fleet.wrappers._gradient_merge import check_one_sum_each, leave_accumulators
 
 
 class Program:
@@ -213,6 +213,7 @@ class Program:
         trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
         trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
         trace.finite.check = plan.check_nan_inf
+        check_one_sum_each(self.graph.accum_keys, objs, plan.grad_merge)
         trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)

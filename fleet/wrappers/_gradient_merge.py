@@ -1,7 +1,7 @@
 """Gradient merge (``strategy.gradient_merge``, ``k_steps``) and the ``no_sync``
 accumulation it runs on: the wrappers layer's one home for them.
 
-Moved out of :mod:`fleet.wrappers._distributed_optimizer` (issue 36). A distributed
+A distributed
 optimizer that merges steps once every ``k_steps`` calls: the calls before the
 ``k_steps``-th run as under ``no_sync`` (each replica adds its local gradients to
 the optimizer's ``grad_accum``), the ``k_steps``-th syncs the sum (divided by
@@ -12,7 +12,8 @@ state names ``grad_accum`` and ``merge_count`` are what checkpoints hold.
 Here: :class:`MergeCount`, the :class:`GradientMerge` part of
 :class:`~fleet.wrappers._distributed_optimizer.DistributedOptimizer` (its merge
 settings, accumulator, counting and divisor), and the step's side
-(:func:`prepare_accumulators`, :class:`MergePosition`, :func:`leave_accumulators`).
+(:func:`prepare_accumulators`, :class:`MergePosition`, :func:`leave_accumulators`,
+:func:`check_one_sum_each`).
 
 Where gradient merge still touches other files, and why (one line each):
 
@@ -167,3 +168,25 @@ def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -
         if key in trace.accum.left:
             new = trace.accum.left[key]
             leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new
+
+
+def check_one_sum_each(accum_keys: list, objs: tuple, grad_merge: str | None) -> None:
+    """Refuses a step whose accumulated sums would mix (the trace keeps one sum per
+    parameter name, and one merge divisor): two distributed optimizers merging
+    gradients, or accumulating (``no_sync``) parameters of the same name, such as
+    two wrapped models of one class."""
+    merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge_k > 1]
+    if grad_merge is not None and len(merging) > 1:
+        raise FleetError(
+            f"strategy.gradient_merge with {len(merging)} distributed optimizers in one step is "
+            "not supported: their merged gradients would be divided once per optimizer. Step "
+            "each optimizer in its own fleet.distributed_step (one call each per batch).")
+    keys = [k for k in accum_keys if k is not None]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise FleetError(
+            f"two distributed optimizers in this step accumulate gradients (no_sync or "
+            f"gradient_merge) for parameters of the same name ({', '.join(map(repr, twice[:3]))}"
+            f"{', ...' if len(twice) > 3 else ''}): fleet keeps one sum per name, so the "
+            "models' sums would mix. Step each model and its optimizer in its own "
+            "fleet.distributed_step, or give the models' layers different names.")
