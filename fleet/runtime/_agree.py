@@ -28,6 +28,7 @@ from fleet._errors import FleetError
 DEFAULT_TIMEOUT_S = 60.0
 
 _calls: dict[str, int] = {}
+_raised: list[str] = []  # the calls whose disagreement every process raises (raise_together)
 
 
 class FleetTimeoutError(FleetError, TimeoutError):
@@ -112,6 +113,7 @@ def raise_together(name: str, *, timeout_s: float = 10.0) -> None:
     client, rank = _compat.distributed_client(), jax.process_index()
     if client is None or jax.process_count() == 1:
         return
+    _raised.append(name)
     prefix = f"fleet/agree/{name}/raising/"
     try:
         client.key_value_set(prefix + str(rank), "1")
@@ -119,4 +121,26 @@ def raise_together(name: str, *, timeout_s: float = 10.0) -> None:
             for other in range(1, jax.process_count()):
                 client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000))
     except Exception:  # noqa: BLE001 (best effort: the error is raised either way)
+        pass
+
+
+def exit_together(*, timeout_s: float = 10.0) -> None:
+    """At a failing process's exit, after :func:`raise_together`: each process
+    says it has printed its error, and process 0 exits once every other has (or
+    after ``timeout_s``). Its exit ends the job's key-value service, and JAX then
+    aborts the others from a background thread: without this wait, a process
+    still printing its own error died mid-way, its log holding only JAX's abort.
+    Nothing to do when no disagreement was raised together. Never raises."""
+    client = _compat.distributed_client()
+    if not _raised or client is None:
+        return
+    prefix, rank = f"fleet/agree/{_raised[-1]}/exited/", jax.process_index()
+    try:
+        client.key_value_set(prefix + str(rank), "1")
+        if rank == 0:
+            deadline = time.monotonic() + timeout_s
+            for other in range(1, jax.process_count()):
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                client.blocking_key_value_get(prefix + str(other), left_ms)
+    except Exception:  # noqa: BLE001 (best effort: the process exits either way)
         pass

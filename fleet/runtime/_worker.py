@@ -24,7 +24,7 @@ import jax
 
 from fleet import _compat
 from fleet._errors import FleetConfigError
-from fleet.runtime import _cluster, _coordinator
+from fleet.runtime import _agree, _cluster, _coordinator
 from fleet.runtime._env import WorkerEnv
 from fleet.runtime._heartbeat import mark_failed, mark_finished
 
@@ -78,6 +78,7 @@ def _at_exit() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001 (a closed stream)
             pass
+    _agree.exit_together()  # (an error every process raises: each one's is printed first)
     os._exit(code)
 
 

@@ -7,6 +7,7 @@ the .npz named on the command line.
 
 import os
 import sys
+import time
 
 import numpy as np
 import optax
@@ -39,6 +40,10 @@ def main(out_path: str) -> None:
     fleet.init(is_collective=True)
     assert fleet.worker_num() == int(os.environ["FLEET_WORLD_SIZE"])
     assert fleet.num_replicas() == 2 * fleet.worker_num()
+    if out_path == "mismatch-slow":  # process 1 prints its error 3 s late
+        if fleet.worker_index() == 1:
+            sys.excepthook = lambda *e: (time.sleep(3), sys.__excepthook__(*e))
+        out_path = "mismatch"
     if out_path == "mismatch":
         return build_mismatched_model()
     check_collectives_across_processes()
