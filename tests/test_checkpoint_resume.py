@@ -15,12 +15,13 @@ import pytest
 
 from fleet.checkpoint import CheckpointManager
 from fleet.io import DataLoader, DistributedBatchSampler
+from tests import tiers
 from tests.workers import ckpt_common, ckpt_jobs
 
 STEPS, MIDDLE = 14, 7
 
 
-@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("devices", tiers.devices(1, 4))
 def test_resume_in_a_new_process_is_bitwise_exact(make_world, tmp_path, devices):
     make_world(devices)
     job = ckpt_common.build()

@@ -17,6 +17,7 @@ import fleet
 from fleet.hapi import Model, callbacks, metric
 from fleet.io import DataLoader, DistributedBatchSampler, TensorDataset
 from fleet.runtime import _world
+from tests import tiers
 
 TOL = 1e-5
 N_TRAIN, N_EVAL, FEATURES, CLASSES = 100, 37, 12, 4
@@ -116,7 +117,7 @@ def reference(train_set):
 
 # -- acceptance 4: the single device's parameters and exact metrics ------------------------
 
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("n", tiers.devices(1, 4))
 def test_fit_trains_the_single_device_model_and_evaluates_exactly(
         make_world, train_set, eval_set, reference, n):
     make_world(n)

@@ -1,8 +1,10 @@
 """The suite's two tiers (docs/tests.md).
 
-``python -m pytest -q`` runs the default tier: every package, every table on 1
-and 4 devices (the tables of what fleet does across replicas only -- randomness,
-metrics, outputs, loops -- on 4: :func:`replicas`), the one fleetrun job of tests/test_two_processes.py, the
+``python -m pytest -q`` runs the default tier: every package, every table on 4
+devices, and tests/test_contract.py's tables on 1 device as well (fleet's
+single-device path: ``devices(..., one=True)``; the other tables' 1-device rows
+are slow since the default tier outgrew its 5 minutes: about 30 s of a cold run),
+the one fleetrun job of tests/test_two_processes.py, the
 checkpoint integrity checks and the examples' short runs. ``python -m pytest -q
 -m slow`` runs the rest: the other device counts, the multi-process fault cases
 and watchdog waits, the examples' full runs, and long tests whose property a
@@ -25,12 +27,14 @@ through :func:`devices` or ``pytest.param(..., marks=slow)``.
 import pytest
 
 slow = pytest.mark.slow
-DEFAULT_DEVICES = (1, 4)
+DEFAULT_DEVICES = (4,)
 
 
-def devices(*counts: int) -> list:
-    """A table's device counts: those outside :data:`DEFAULT_DEVICES` are slow."""
-    return [n if n in DEFAULT_DEVICES else pytest.param(n, marks=slow) for n in counts]
+def devices(*counts: int, one: bool = False) -> list:
+    """A table's device counts: those outside :data:`DEFAULT_DEVICES` (and 1, with
+    ``one``) are slow."""
+    default = (1, *DEFAULT_DEVICES) if one else DEFAULT_DEVICES
+    return [n if n in default else pytest.param(n, marks=slow) for n in counts]
 
 
 def replicas(*counts: int) -> list:
