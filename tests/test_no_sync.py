@@ -262,3 +262,39 @@ def test_gradient_merge_with_one_optimizer_per_step_equals_multisteps(make_world
         d = models.max_diff(models.flat_params(model), models.flat_params(reference))
         print(f"model {seed}: |fleet - optax.MultiSteps| = {d:.2e}")
         assert d < 1e-6
+
+
+class Head(nnx.Module):
+    """A second model whose parameters' names differ from LinearNet's."""
+
+    def __init__(self, rngs):
+        self.head = nnx.Linear(models.batches("linear", 1, 8)[0][0].shape[1], 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x)
+
+
+def test_two_models_with_different_names_accumulate_in_one_step_as_on_one_device(make_world):
+    """Two wrapped models whose parameters' names differ, with their optimizers in
+    one step: a no_sync call, then a synced one, equals SGD on the two calls'
+    summed gradients for each model (what the refusal above leaves allowed)."""
+    make_world(2)
+    (x0, y0), (x1, y1) = models.batches("linear", 2, 8)
+    made = []
+    for cls, seed in ((models.LinearNet, 0), (Head, 1)):
+        model = fleet.distributed_model(cls(nnx.Rngs(seed)))
+        made += [model, fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))]
+    m1, o1, m2, o2 = made
+    step = fleet.distributed_step(both_step)
+    with m1.no_sync(), m2.no_sync():
+        step(m1, o1, m2, o2, x0, y0)
+    step(m1, o1, m2, o2, x1, y1)
+    for cls, seed, model in ((models.LinearNet, 0, m1), (Head, 1, m2)):
+        reference = cls(nnx.Rngs(seed))
+        grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference)
+                 for x, y in ((x0, y0), (x1, y1))]
+        nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param).update(
+            reference, jax.tree.map(lambda a, b: a + b, *grads))
+        d = models.max_diff(models.flat_params(model), models.flat_params(reference))
+        print(f"{cls.__name__}: |fleet - one device| = {d:.2e}")
+        assert d < 1e-6

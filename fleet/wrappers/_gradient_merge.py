@@ -173,20 +173,29 @@ def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -
 def check_one_sum_each(accum_keys: list, objs: tuple, grad_merge: str | None) -> None:
     """Refuses a step whose accumulated sums would mix (the trace keeps one sum per
     parameter name, and one merge divisor): two distributed optimizers merging
-    gradients, or accumulating (``no_sync``) parameters of the same name, such as
-    two wrapped models of one class."""
+    gradients, or accumulated sums (``no_sync``, gradient merge) for two wrapped
+    parameters of the same name, such as those of two wrapped models of one class.
+    Models whose parameters' names differ accumulate as on one device."""
     merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge_k > 1]
     if grad_merge is not None and len(merging) > 1:
         raise FleetError(
             f"strategy.gradient_merge with {len(merging)} distributed optimizers in one step is "
             "not supported: their merged gradients would be divided once per optimizer. Step "
             "each optimizer in its own fleet.distributed_step (one call each per batch).")
-    keys = [k for k in accum_keys if k is not None]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if not any(k is not None for k in accum_keys):
+        return
+    owner: dict[str, int] = {}  # a wrapped parameter's name -> its variable
+    twice = set()
+    for obj in objs:
+        if not isinstance(obj, GradientMerge):
+            for key, v in module_variables(obj).items():
+                if isinstance(v, _sync.SyncedRead) and owner.setdefault(key, id(v)) != id(v):
+                    twice.add(key)
+    twice = sorted(twice)
     if twice:
         raise FleetError(
-            f"two distributed optimizers in this step accumulate gradients (no_sync or "
-            f"gradient_merge) for parameters of the same name ({', '.join(map(repr, twice[:3]))}"
+            f"this step accumulates gradients (no_sync or gradient_merge) for two wrapped "
+            f"parameters of the same name ({', '.join(map(repr, twice[:3]))}"
             f"{', ...' if len(twice) > 3 else ''}): fleet keeps one sum per name, so the "
             "models' sums would mix. Step each model and its optimizer in its own "
             "fleet.distributed_step, or give the models' layers different names.")
