@@ -119,6 +119,14 @@ def make_loader(data: Any, batch_size: int, shuffle: bool, drop_last: bool, num_
     return DataLoader(data, batch_sampler=sampler, num_workers=num_workers), True
 
 
+def close_own(*loaders: tuple[Any, bool]) -> None:
+    """Closes each ``(loader, own)`` of :func:`make_loader`'s that ``fleet.Model``
+    made; a caller's own ``fleet.io.DataLoader`` stays open."""
+    for loader, own in loaders:
+        if own:
+            loader.close()
+
+
 def as_tuple(x: Any) -> tuple:
     if x is None:
         return ()
@@ -138,6 +146,20 @@ def int_at_least(name: str, value: Any, low: int) -> int:
     if value < low:
         raise FleetConfigError(f"{name}={value} must be at least {low}")
     return int(value)
+
+
+def fit_counts(batch_size: Any, epochs: Any, eval_freq: Any, log_freq: Any,
+               accumulate_grad_batches: Any, num_iters: Any, verbose: Any) -> tuple:
+    """``Model.fit``'s counts, checked: ``batch_size, epochs, eval_freq, log_freq,
+    accumulate_grad_batches`` each an int of at least 1, ``num_iters`` too unless
+    ``None``, and ``verbose``. Returns the counts (``verbose`` aside) as ints."""
+    batch_size, epochs, eval_freq, log_freq, accumulate = (
+        int_at_least(name, value, 1) for name, value in zip(
+            ("batch_size", "epochs", "eval_freq", "log_freq", "accumulate_grad_batches"),
+            (batch_size, epochs, eval_freq, log_freq, accumulate_grad_batches)))
+    num_iters = None if num_iters is None else int_at_least("num_iters", num_iters, 1)
+    check_verbose(verbose)
+    return batch_size, epochs, eval_freq, log_freq, accumulate, num_iters
 
 
 def check_verbose(verbose: Any) -> None:

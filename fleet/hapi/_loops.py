@@ -80,6 +80,15 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
         done += 1
         logs.update(metric_logs(metrics), step=step, batch_size=n)
         cbks.on_batch_end(mode, step, logs)
+    return _end_epoch(mode, cbks, logs, loss_sum, count, done), outputs
+
+
+def _end_epoch(mode: str, cbks: Any, logs: dict[str, Any], loss_sum: Any, count: int,
+               done: int) -> dict[str, Any]:
+    """:func:`run_epoch`'s logs at the end of its pass: the last step's, less its
+    ``step`` and ``batch_size``; in ``"train"`` mode with the mean loss over the
+    epoch's examples and the steps ``done`` (none is an error), otherwise handed
+    to the callbacks' ``on_end``."""
     logs = {k: v for k, v in logs.items() if k not in ("step", "batch_size")}
     if mode == "train":
         if done == 0:
@@ -91,7 +100,7 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
         logs["_steps"] = done
     else:
         cbks.on_end(mode, logs)
-    return logs, outputs
+    return logs
 
 
 AMP_LOGS = ("loss_scaling", "skipped_steps")
@@ -141,10 +150,13 @@ def _number(value: Any) -> float | int:
 
 
 def train_epochs(model: Any, cbks: Any, train_loader: Any, eval_loader: Any, epochs: range,
-                 eval_freq: int, num_iters: int | None, accumulate: int) -> dict[str, Any]:
-    """``Model.fit``'s epochs: each trained, then evaluated every ``eval_freq``
-    epochs from the first (Paddle's ``epoch % eval_freq == 0``), its record added
-    to ``model.history``; returns the last epoch's logs."""
+                 eval_freq: int, num_iters: int | None, accumulate: int) -> list[dict[str, Any]]:
+    """``Model.fit``'s epochs, between the callbacks' ``on_begin`` and ``on_end``:
+    each trained, then evaluated every ``eval_freq`` epochs from the first
+    (Paddle's ``epoch % eval_freq == 0``), its record added to ``model.history``
+    (emptied first); returns ``model.history``."""
+    model.stop_training, model.history = False, []
+    cbks.on_begin("train")
     logs: dict[str, Any] = {}
     done = 0
     for epoch in epochs:
@@ -160,4 +172,5 @@ def train_epochs(model: Any, cbks: Any, train_loader: Any, eval_loader: Any, epo
         model.history.append(record)
         if model.stop_training or (num_iters is not None and done >= num_iters):
             break
-    return logs
+    cbks.on_end("train", logs)
+    return model.history

@@ -33,7 +33,9 @@ from fleet.hapi._inputs import (
     check_prepare,
     check_ready,
     check_verbose,
+    close_own,
     count_inputs,
+    fit_counts,
     int_at_least,
     make_loader,
 )
@@ -202,12 +204,8 @@ class Model:
             ``skipped_steps`` at the epoch's end, and ``eval_*`` values when evaluated.
         """
         check_ready(self, "fit", need_optimizer=True, need_loss=True)
-        batch_size, epochs, eval_freq, log_freq, accumulate = (
-            int_at_least(name, value, 1) for name, value in zip(
-                ("batch_size", "epochs", "eval_freq", "log_freq", "accumulate_grad_batches"),
-                (batch_size, epochs, eval_freq, log_freq, accumulate_grad_batches)))
-        num_iters = None if num_iters is None else int_at_least("num_iters", num_iters, 1)
-        check_verbose(verbose)
+        batch_size, epochs, eval_freq, log_freq, accumulate, num_iters = fit_counts(
+            batch_size, epochs, eval_freq, log_freq, accumulate_grad_batches, num_iters, verbose)
         train_loader, own_train = make_loader(train_data, batch_size, shuffle, drop_last,
                                               num_workers, "train_data")
         eval_loader, own_eval = (None, False) if eval_data is None else make_loader(
@@ -222,16 +220,10 @@ class Model:
                 "save_dir": None if save_dir is None else os.fspath(save_dir)},
                 save_dir, save_freq, train_loader, resume)
             start = checkpoint.restore_latest() if resume else 0
-            self.stop_training, self.history = False, []
-            cbks.on_begin("train")
-            logs = train_epochs(self, cbks, train_loader, eval_loader, range(start, epochs),
+            return train_epochs(self, cbks, train_loader, eval_loader, range(start, epochs),
                                 eval_freq, num_iters, accumulate)
-            cbks.on_end("train", logs)
-            return self.history
         finally:
-            for loader, own in ((train_loader, own_train), (eval_loader, own_eval)):
-                if own:
-                    loader.close()
+            close_own((train_loader, own_train), (eval_loader, own_eval))
 
     def evaluate(self, eval_data: Any, batch_size: int = 1, log_freq: int = 10,
                  verbose: int = 1, num_workers: int = 0,
@@ -283,8 +275,7 @@ class Model:
                 "metrics": self.metrics_name() if mode == "eval" else []})
             return run_epoch(self, loader, mode, cbks, num_iters)
         finally:
-            if own:
-                loader.close()
+            close_own((loader, own))
 
     # -- saving, loading, summary -------------------------------------------------------
 

@@ -128,6 +128,36 @@ def _wait_for_coordinator(env: WorkerEnv, kwargs: dict) -> None:
         kwargs["initialization_timeout"] = max(1, int(timeout - waited))
 
 
+def _refuse_a_workers_child(env: WorkerEnv) -> None:
+    """Refuses to join a job from a process that one of its workers started (see
+    ``WORKER_PID``) while the job's variables would make it join."""
+    parent = started_by_a_worker()
+    if parent is not None and (env.is_multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        raise FleetConfigError(
+            f"this process (pid {os.getpid()}) was started by process {env.rank} of the job "
+            f"(pid {parent}); only the processes the launcher started join the job. Give a "
+            "child process its own job (fleetrun, fleet.spawn), or let it train alone: "
+            f"remove the FLEET_* and PADDLE_* variables (and {WORKER_PID}) from its "
+            "environment"
+        )
+
+
+def _add_launcher_timeouts(kwargs: dict) -> None:
+    """Adds the launcher's timeouts to ``jax.distributed.initialize``'s ``kwargs``
+    (fleet/launch/_main.py documents them): JAX's heartbeat must outlast fleet's
+    own stuck-worker watchdog."""
+    for variable, argument in (("FLEET_JAX_HEARTBEAT_TIMEOUT", "heartbeat_timeout_seconds"),
+                               ("FLEET_JAX_INIT_TIMEOUT", "initialization_timeout")):
+        value = os.environ.get(variable)
+        if value:
+            try:
+                kwargs[argument] = int(float(value))
+            except ValueError:
+                raise FleetConfigError(
+                    f"environment variable {variable}={value!r} is not a number of seconds"
+                ) from None
+
+
 def initialize_distributed(env: WorkerEnv) -> None:
     """Joins the job's distributed runtime (``jax.distributed.initialize``) if any.
 
@@ -140,15 +170,7 @@ def initialize_distributed(env: WorkerEnv) -> None:
     """
     if jax.distributed.is_initialized():
         return
-    parent = started_by_a_worker()
-    if parent is not None and (env.is_multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS")):
-        raise FleetConfigError(
-            f"this process (pid {os.getpid()}) was started by process {env.rank} of the job "
-            f"(pid {parent}); only the processes the launcher started join the job. Give a "
-            "child process its own job (fleetrun, fleet.spawn), or let it train alone: "
-            f"remove the FLEET_* and PADDLE_* variables (and {WORKER_PID}) from its "
-            "environment"
-        )
+    _refuse_a_workers_child(env)
     if env.is_multiprocess and not env.from_cluster:
         kwargs = dict(
             coordinator_address=env.coordinator,
@@ -164,18 +186,7 @@ def initialize_distributed(env: WorkerEnv) -> None:
             print(f"fleet: training alone in one process ({note})", file=sys.stderr,
                   flush=True)
         return
-    # Timeouts from the launcher (fleet/launch/_main.py documents them): JAX's
-    # heartbeat must outlast fleet's own stuck-worker watchdog.
-    for variable, argument in (("FLEET_JAX_HEARTBEAT_TIMEOUT", "heartbeat_timeout_seconds"),
-                               ("FLEET_JAX_INIT_TIMEOUT", "initialization_timeout")):
-        value = os.environ.get(variable)
-        if value:
-            try:
-                kwargs[argument] = int(float(value))
-            except ValueError:
-                raise FleetConfigError(
-                    f"environment variable {variable}={value!r} is not a number of seconds"
-                ) from None
+    _add_launcher_timeouts(kwargs)
     if _compat.backends_are_initialized():  # JAX joins a job only before it computes
         raise FleetConfigError(
             "fleet.init must run before any JAX computation in a multi-process job (this "

@@ -99,6 +99,32 @@ def init(
     global _WORLD
     # before the CPU client exists (a no-op after)
     _xla_flags.apply_cpu_collective_environ(started=_compat.backends_are_initialized)
+    strategy = _checked_strategy(is_collective, strategy)
+    env = WorkerEnv.from_environ()
+    initialize_distributed(env)
+    if _WORLD is not None and devices is None:
+        check_degrees(strategy, _WORLD.num_replicas)
+        _WORLD = dataclasses.replace(_WORLD, strategy=strategy)
+        return _WORLD
+    if devices is None:
+        devices = jax.devices()
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise FleetConfigError(
+            f"devices must be a non-empty sequence of jax.Device, got {devices!r}; "
+            "pick them from jax.devices()"
+        )
+    mesh = Mesh(np.array(devices), (DATA_AXIS,))
+    check_degrees(strategy, len(devices))
+    _WORLD = World(mesh=mesh, strategy=strategy, env=env)
+    _say_alone(env, devices)
+    return _WORLD
+
+
+def _checked_strategy(is_collective: bool, strategy: DistributedStrategy | None,
+                      ) -> DistributedStrategy:
+    """``init``'s arguments checked: collective mode only, and the strategy (the
+    defaults for ``None``), checked and returned."""
     if not isinstance(is_collective, bool):
         raise FleetConfigError(
             f"fleet.init(is_collective={is_collective!r}): is_collective must be True or "
@@ -117,23 +143,13 @@ def init(
             f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
         )
     strategy.check()
-    env = WorkerEnv.from_environ()
-    initialize_distributed(env)
-    if _WORLD is not None and devices is None:
-        check_degrees(strategy, _WORLD.num_replicas)
-        _WORLD = dataclasses.replace(_WORLD, strategy=strategy)
-        return _WORLD
-    if devices is None:
-        devices = jax.devices()
-    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    if not devices or not all(isinstance(d, jax.Device) for d in devices):
-        raise FleetConfigError(
-            f"devices must be a non-empty sequence of jax.Device, got {devices!r}; "
-            "pick them from jax.devices()"
-        )
-    mesh = Mesh(np.array(devices), (DATA_AXIS,))
-    check_degrees(strategy, len(devices))
-    _WORLD = World(mesh=mesh, strategy=strategy, env=env)
+    return strategy
+
+
+def _say_alone(env: WorkerEnv, devices: list) -> None:
+    """The one-process line on stderr, printed once, for a script that no launcher
+    started: how many devices it trains on, and that fleetrun starts several
+    processes."""
     if env.launcher is None and jax.process_count() == 1 and not _said_alone:
         _said_alone.append(True)
         kind = devices[0].platform.upper() if devices[0].platform == "cpu" else \
@@ -141,7 +157,6 @@ def init(
         print(f"fleet: 1 process, {len(devices)} {kind} device{'s' * (len(devices) > 1)}: "
               "data-parallel over this process's devices (fleetrun starts several "
               "processes)", file=sys.stderr, flush=True)
-    return _WORLD
 
 
 def init_parallel_env() -> World:

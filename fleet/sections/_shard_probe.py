@@ -45,14 +45,7 @@ def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
     try:
         full_state = inner.init(jax.tree.unflatten(p_def, p0))
         state_layouts = plan(inner.init, jax.tree.unflatten(p_def, p0), probe_cfg)
-        ref_updates, p = [], p0
-        state = full_state
-        for g in grads:
-            u, state = inner.update(jax.tree.unflatten(p_def, g), state,
-                                    jax.tree.unflatten(p_def, p))
-            u = jax.tree.leaves(u)
-            ref_updates.append(u)
-            p = [a + b for a, b in zip(p, u)]
+        ref_updates = _whole_updates(inner, p_def, p0, grads, full_state)
 
         def replica(r, state_leaves):
             del r
@@ -82,6 +75,27 @@ def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use an "
             "elementwise optax optimizer (adam, sgd, lamb, lars...) or turn "
             "strategy.sharding off") from e
+    _compare(params, ref_updates, got, layouts)
+
+
+def _whole_updates(inner: Any, p_def: Any, p0: list, grads: list, full_state: Any) -> list:
+    """The reference: the optimizer's updates (leaves) of each probe step on the
+    whole probe parameters ``p0``, each applied before the next."""
+    ref_updates, p = [], p0
+    state = full_state
+    for g in grads:
+        u, state = inner.update(jax.tree.unflatten(p_def, g), state,
+                                jax.tree.unflatten(p_def, p))
+        u = jax.tree.leaves(u)
+        ref_updates.append(u)
+        p = [a + b for a, b in zip(p, u)]
+    return ref_updates
+
+
+def _compare(params: Any, ref_updates: list, got: list, layouts: list) -> None:
+    """Refuses the optimizer at the first parameter (named by its path in
+    ``params``) and step whose update on slices, ``got``, differs from the slice
+    of its whole update, ``ref_updates``."""
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(params)[0]]
     for step, (ref, sliced) in enumerate(zip(ref_updates, got)):
