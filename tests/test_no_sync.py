@@ -189,6 +189,17 @@ def two_models(seeds=(0, 1)):
     return made
 
 
+def assert_sgd_on_summed_gradients(model, reference, data):
+    """``model`` equals ``reference`` (its single-device twin) after one SGD step
+    on the sum of its gradients over ``data`` (a no_sync call, then a synced one)."""
+    grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference) for x, y in data]
+    nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param).update(
+        reference, jax.tree.map(lambda a, b: a + b, *grads))
+    d = models.max_diff(models.flat_params(model), models.flat_params(reference))
+    print(f"{type(reference).__name__}: |fleet - one device| = {d:.2e}")
+    assert d < 1e-6
+
+
 def both_step(m1, o1, m2, o2, x, y):
     return models.nnx_train_step(m1, o1, x, y) + models.nnx_train_step(m2, o2, x, y)
 
@@ -218,14 +229,7 @@ def test_two_models_in_their_own_steps_accumulate_as_on_one_device(make_world):
         steps[0](m1, o1, x0, y0), steps[1](m2, o2, x0, y0)
     steps[0](m1, o1, x1, y1), steps[1](m2, o2, x1, y1)
     for seed, model in ((0, m1), (1, m2)):
-        reference = models.LinearNet(nnx.Rngs(seed))
-        grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference)
-                 for x, y in ((x0, y0), (x1, y1))]
-        nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param).update(
-            reference, jax.tree.map(lambda a, b: a + b, *grads))
-        d = models.max_diff(models.flat_params(model), models.flat_params(reference))
-        print(f"model {seed}: |fleet - one device| = {d:.2e}")
-        assert d < 1e-6
+        assert_sgd_on_summed_gradients(model, models.LinearNet(nnx.Rngs(seed)), ((x0, y0), (x1, y1)))
 
 
 def test_gradient_merge_with_two_optimizers_in_one_step_is_refused(make_world):
@@ -290,11 +294,4 @@ def test_two_models_with_different_names_accumulate_in_one_step_as_on_one_device
         step(m1, o1, m2, o2, x0, y0)
     step(m1, o1, m2, o2, x1, y1)
     for cls, seed, model in ((models.LinearNet, 0, m1), (Head, 1, m2)):
-        reference = cls(nnx.Rngs(seed))
-        grads = [nnx.grad(lambda m, x=x, y=y: models.loss_of(m(x), y))(reference)
-                 for x, y in ((x0, y0), (x1, y1))]
-        nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param).update(
-            reference, jax.tree.map(lambda a, b: a + b, *grads))
-        d = models.max_diff(models.flat_params(model), models.flat_params(reference))
-        print(f"{cls.__name__}: |fleet - one device| = {d:.2e}")
-        assert d < 1e-6
+        assert_sgd_on_summed_gradients(model, cls(nnx.Rngs(seed)), ((x0, y0), (x1, y1)))
