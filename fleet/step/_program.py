@@ -213,7 +213,7 @@ class Program:
         trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
         trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
         trace.finite.check = plan.check_nan_inf
-        check_one_sum_each(self.graph.accum_keys, objs, plan.grad_merge)
+        check_one_sum_each(self.graph.accum_keys, objs)
         trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}
         enter_trace(trace, objs, grad_merge=plan.grad_merge, sharded=plan.sharded,
                     replicas=plan.mesh.devices.size)

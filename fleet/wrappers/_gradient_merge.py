@@ -135,19 +135,18 @@ class MergePosition:
         merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge_k > 1]
         if not merging or no_sync:  # explicit no_sync: accumulate, do not count
             return None, 0
-        positions = []
-        for opt in merging:
-            value = opt.merge_count.get_raw_value()
-            seen = self._seen.get(id(opt))
-            if seen is None or seen[0]() is not value:
-                seen = (weakref.ref(value), int(np.asarray(value.addressable_shards[0].data)))
-                self._seen[id(opt)] = seen
-            positions.append(seen[1])
-        if len(set(positions)) > 1:
+        if len(merging) > 1:  # (one divisor in the trace: it would be k_steps ** 2)
             raise FleetError(
-                f"the step gets {len(merging)} optimizers that merge gradients, at different "
-                f"points of their cycle ({positions}); pass one distributed optimizer")
-        return merging[0], positions[0]
+                f"strategy.gradient_merge with {len(merging)} distributed optimizers in one step "
+                "is not supported: their merged gradients would be divided once per optimizer. "
+                "Step each optimizer in its own fleet.distributed_step (one call each per batch).")
+        opt = merging[0]
+        value = opt.merge_count.get_raw_value()
+        seen = self._seen.get(id(opt))
+        if seen is None or seen[0]() is not value:
+            seen = (weakref.ref(value), int(np.asarray(value.addressable_shards[0].data)))
+            self._seen[id(opt)] = seen
+        return opt, seen[1]
 
     def advanced(self, objs: tuple) -> None:
         """After a call that updated a merging optimizer: its new count, known."""
@@ -170,18 +169,12 @@ def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -
             leaves[i] = jnp.zeros_like(leaves[i]) if new is None else new
 
 
-def check_one_sum_each(accum_keys: list, objs: tuple, grad_merge: str | None) -> None:
+def check_one_sum_each(accum_keys: list, objs: tuple) -> None:
     """Refuses a step whose accumulated sums would mix (the trace keeps one sum per
-    parameter name, and one merge divisor): two distributed optimizers merging
-    gradients, or accumulated sums (``no_sync``, gradient merge) for two wrapped
-    parameters of the same name, such as those of two wrapped models of one class.
-    Models whose parameters' names differ accumulate as on one device."""
-    merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge_k > 1]
-    if grad_merge is not None and len(merging) > 1:
-        raise FleetError(
-            f"strategy.gradient_merge with {len(merging)} distributed optimizers in one step is "
-            "not supported: their merged gradients would be divided once per optimizer. Step "
-            "each optimizer in its own fleet.distributed_step (one call each per batch).")
+    parameter name): sums (``no_sync``, gradient merge) for two wrapped parameters
+    of the same name, such as those of two wrapped models of one class. Models
+    whose parameters' names differ accumulate as on one device. (Two optimizers
+    that merge gradients are refused before, by :meth:`MergePosition.find`.)"""
     if not any(k is not None for k in accum_keys):
         return
     owner: dict[str, int] = {}  # a wrapped parameter's name -> its variable
