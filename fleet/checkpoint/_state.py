@@ -31,6 +31,7 @@ from flax import nnx
 
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
+from fleet.comm._shard_comm import to_logical, to_shards
 from fleet.runtime._leaves import module_variables
 from fleet.sections import _sharding
 
@@ -54,7 +55,7 @@ class Part:
             variables = module_variables(obj)
             layouts = {k: lay for k, v in variables.items()
                        if (lay := _sharding.layout_of(v)) is not None}
-            leaves = {k: _sharding.to_logical(v.get_value(), layouts[k]) if k in layouts
+            leaves = {k: to_logical(v.get_raw_value(), layouts[k]) if k in layouts
                       else v.get_value() for k, v in variables.items()}
             return cls(name, obj, leaves, variables=variables, layouts=layouts)
         try:
@@ -62,7 +63,7 @@ class Part:
         except ValueError as e:
             raise FleetCheckpointError(f"{name}: {e}") from None
         layouts = {k: v.layout for k, v in leaves.items() if _sharding.is_shard(v)}
-        leaves = {k: _sharding.to_logical(v.value, v.layout) if _sharding.is_shard(v) else v
+        leaves = {k: to_logical(v.value, v.layout) if _sharding.is_shard(v) else v
                   for k, v in leaves.items()}
         bad = [k for k, v in leaves.items()
                if not isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, bool))]
@@ -95,12 +96,15 @@ class Part:
         (a new pytree for a pytree part)."""
         new = {k: _tree.restored(values[k], leaf) for k, leaf in self.leaves.items()}
         for key, layout in self.layouts.items():
-            new[key] = _sharding.to_shards(new[key], layout)
+            new[key] = to_shards(new[key], layout)
             if self.variables is None:
                 new[key] = _sharding.Shard(new[key], layout)
         if self.variables is not None:
-            for key, var in self.variables.items():
-                var.set_value(new[key])
+            for key, var in self.variables.items():  # (a sharded leaf holds its slices)
+                if key in self.layouts:
+                    var.set_raw_value(new[key])
+                else:
+                    var.set_value(new[key])
             return self.obj
         return jax.tree_util.tree_unflatten(self.treedef, list(new.values()))
 

@@ -21,9 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fleet.comm._buckets import MB, Bucket, BucketConfig, plan_leaves, reduce_buckets
-from fleet.runtime._world import DATA_AXIS
+from fleet.runtime._world import DATA_AXIS, world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +50,38 @@ class Layout:
         return self.chunk * self.degree
 
 
-@functools.partial(jax.jit, static_argnames="specs")
-def fleet_shard_grad(specs: tuple) -> list:
+@functools.cache
+def _converters(layout: Layout, mesh: Any) -> tuple[Any, Any]:
+    def shards(x):
+        flat = jnp.pad(jnp.ravel(x), (0, layout.padded - layout.size))
+        return jnp.tile(flat.reshape(layout.degree, layout.chunk),
+                        (layout.replicas // layout.degree, 1))
+
+    def logical(x):
+        return x[:layout.degree].reshape(-1)[:layout.size].reshape(layout.shape)
+
+    return (jax.jit(shards, out_shardings=NamedSharding(mesh, P(DATA_AXIS))),
+            jax.jit(logical, out_shardings=NamedSharding(mesh, P())))
+
+
+def to_shards(x: Any, layout: Layout) -> jax.Array:
+    """A logical array as the global ``(replicas, chunk)`` array sharded over ``data``."""
+    return _converters(layout, world().mesh)[0](x)
+
+
+def to_logical(x: jax.Array, layout: Layout) -> jax.Array:
+    """The logical array (replicated) of a sharded one; the padding is dropped."""
+    return _converters(layout, world().mesh)[1](x)
+
+
+@functools.partial(jax.jit, static_argnames=("specs", "vary"))
+def fleet_shard_grad(specs: tuple, vary: bool = False) -> list:
     """Placeholders (zeros) for the gradients of a sharded step: the reduced
     gradient exists only as slices (see :mod:`fleet.sections._sharding`). A ``jit``
-    named so in the jaxpr: the step refuses a program that reads them."""
-    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+    named so in the jaxpr: the step refuses a program that reads them. ``vary``:
+    typed varying (stage 3's, the gradients of per-replica slices)."""
+    zeros = [jnp.zeros(shape, dtype) for shape, dtype in specs]
+    return [jax.lax.pcast(z, DATA_AXIS, to="varying") for z in zeros] if vary else zeros
 
 
 def _shard_index(layout_degree: int) -> Any:

@@ -47,6 +47,8 @@ from fleet._compat import is_differentiated
 from fleet._errors import FleetError
 from fleet.comm._buckets import Bucket, BucketConfig, plan_leaves, reduce_buckets
 from fleet.comm._hooks import fleet_bucket, gradient_hook, zero_backward
+from fleet.comm._param_gather import gather_leaves
+from fleet.comm._shard_comm import to_logical, to_shards
 from fleet.comm._trace import SyncTrace
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
@@ -169,11 +171,21 @@ def _make_bucket_sync(bucket: Bucket, keys: tuple, wire: str | None):
     return sync
 
 
-def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig) -> list:
+def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig,
+                layouts: Sequence | None = None) -> list:
     """The leaves, each through its bucket's custom-VJP sync (differentiated leaves
-    only; others pass through). ``keys`` name the leaves for the accumulator."""
+    only; others pass through). ``keys`` name the leaves for the accumulator.
+    ``layouts``: stage 3's parameters (a layout, else ``None``) are slices,
+    gathered whether differentiated or not (:mod:`fleet.comm._param_gather`)."""
     trace = current()
     out = list(leaves)
+    sliced = [i for i, lay in enumerate(layouts or ()) if lay is not None]
+    if sliced and trace is not None:
+        whole = gather_leaves(trace, [keys[i] for i in sliced], [leaves[i] for i in sliced],
+                              [layouts[i] for i in sliced])
+        for i, x in zip(sliced, whole):
+            out[i] = x
+        leaves = out
     todo = [i for i, x in enumerate(leaves) if is_differentiated(x) and not is_varying(x)
             and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if trace is None or not todo:
@@ -214,6 +226,9 @@ class SyncSpec:
 
     key: str
     buckets: BucketConfig
+    #: stage 3 (``sharding_configs.stage = 3``): how the parameter is split
+    #: (a fleet.comm._shard_comm.Layout; its value is the replicas' slices)
+    layout: Any = None
 
 
 class SyncedRead:
@@ -230,13 +245,30 @@ class SyncedRead:
 
     def get_value(self, *, index: Any = MISSING) -> Any:
         trace = current()
-        if trace is not None:
-            raw = self.get_raw_value()
-            if is_differentiated(raw) and not is_varying(raw):
-                spec = self.get_metadata("fleet_sync")
-                value = sync_leaves([spec.key], [raw], spec.buckets)[0]
-                return value if isinstance(index, Missing) or index is ... else value[index]
+        spec = self.get_metadata("fleet_sync")
+        raw = self.get_raw_value()
+        if spec.layout is not None:  # stage 3: whole, gathered inside a step
+            if trace is None:
+                return _indexed(to_logical(raw, spec.layout), index)
+            if id(raw) not in trace.shard.whole:
+                return _indexed(sync_leaves([spec.key], [raw], spec.buckets, [spec.layout])[0],
+                                index)
+        elif trace is not None and is_differentiated(raw) and not is_varying(raw):
+            return _indexed(sync_leaves([spec.key], [raw], spec.buckets)[0], index)
         return super().get_value(index=index)
+
+    def set_value(self, value: Any, *, index: Any = MISSING) -> None:
+        spec = self.get_metadata("fleet_sync")
+        if spec.layout is None or current() is not None:
+            return super().set_value(value, index=index)
+        whole = value
+        if not (isinstance(index, Missing) or index is ...):
+            whole = to_logical(self.get_raw_value(), spec.layout).at[index].set(value)
+        return self.set_raw_value(to_shards(whole, spec.layout))
+
+
+def _indexed(value: Any, index: Any) -> Any:
+    return value if isinstance(index, Missing) or index is ... else value[index]
 
 
 @contextlib.contextmanager
@@ -280,7 +312,9 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
         return
     keys = list(variables)
     raw = [variables[k].get_raw_value() for k in keys]
-    synced = sync_leaves(keys, raw, buckets)
+    layouts = [variables[k].get_metadata("fleet_sync").layout
+               if isinstance(variables[k], SyncedRead) else None for k in keys]
+    synced = sync_leaves(keys, raw, buckets, layouts)
     changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
     for v, _, s in changed:
         v.set_raw_value(s)

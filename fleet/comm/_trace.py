@@ -77,6 +77,10 @@ class ShardGrads:
     #: id(placeholder) -> (key, the local gradient or its reduced slice, stage 2)
     grads: dict = dataclasses.field(default_factory=dict)
     finite: Any = None  # float16 amp under sharding: all replicas' slices finite
+    #: stage 3: ids of the parameters gathered in this trace (fleet.comm._param_gather)
+    whole: set = dataclasses.field(default_factory=set)
+    #: stage 3: id(placeholder) -> the layout of the parameter it stands for
+    layouts: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

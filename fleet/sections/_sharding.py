@@ -47,7 +47,6 @@ sharding.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,15 +54,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from fleet import _compat
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm import _sync
 from fleet.comm._buckets import strategy_buckets
 from fleet.comm._hooks import reduce_slices
-from fleet.comm._shard_comm import Layout, gather, own_slice
+from fleet.comm._shard_comm import Layout, gather, own_slice, to_shards
 from fleet.runtime._world import DATA_AXIS, current_strategy, world
 from fleet.sections import _finite_replay, _slices
 
@@ -142,30 +139,6 @@ def mark_sharded(variable: nnx.Variable, layout: Layout) -> None:
 
 def layout_of(variable: nnx.Variable) -> Layout | None:
     return variable.get_metadata("fleet_shard") if isinstance(variable, ShardedState) else None
-
-
-@functools.cache
-def _converters(layout: Layout, mesh: Any) -> tuple[Any, Any]:
-    def shards(x):
-        flat = jnp.pad(jnp.ravel(x), (0, layout.padded - layout.size))
-        return jnp.tile(flat.reshape(layout.degree, layout.chunk),
-                        (layout.replicas // layout.degree, 1))
-
-    def logical(x):
-        return x[:layout.degree].reshape(-1)[:layout.size].reshape(layout.shape)
-
-    return (jax.jit(shards, out_shardings=NamedSharding(mesh, P(DATA_AXIS))),
-            jax.jit(logical, out_shardings=NamedSharding(mesh, P())))
-
-
-def to_shards(x: Any, layout: Layout) -> jax.Array:
-    """A logical array as the global ``(replicas, chunk)`` array sharded over ``data``."""
-    return _converters(layout, world().mesh)[0](x)
-
-
-def to_logical(x: jax.Array, layout: Layout) -> jax.Array:
-    """The logical array (replicated) of a sharded one; the padding is dropped."""
-    return _converters(layout, world().mesh)[1](x)
 
 
 _PROBE_LENGTH = 1_000_003  # a probe parameter i gets this + i elements
@@ -269,14 +242,15 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
             "inside a fleet.distributed_step that differentiates the wrapped model")
     cfg: Config = trace.shard.config
     g_leaves, g_def = jax.tree.flatten(grads)
-    layouts = [cfg.layout(jnp.shape(g)) for g in g_leaves]
+    # (stage 3's gradients are its slices' placeholders: their layouts are kept)
+    layouts = [trace.shard.layouts.get(id(g)) or cfg.layout(jnp.shape(g)) for g in g_leaves]
     slices = _reduced_slices(trace, grads)
     s_leaves, s_def = jax.tree.flatten(state, is_leaf=is_shard)
     inner_state = jax.tree.unflatten(s_def, [x.value if is_shard(x) else x for x in s_leaves])
     p_slices = None
-    if params is not None:
-        p_slices = jax.tree.unflatten(g_def, [own_slice(p, lay) for p, lay in
-                                              zip(jax.tree.leaves(params), layouts)])
+    if params is not None:  # (stage 3 holds its slices already)
+        p_slices = params if cfg.stage == 3 else jax.tree.unflatten(g_def, [
+            own_slice(p, lay) for p, lay in zip(jax.tree.leaves(params), layouts)])
     marks = jax.tree.unflatten(s_def, [is_shard(x) for x in s_leaves])
 
     def core(g_slices: Any, sliced_state: Any, p: Any) -> tuple[Any, Any]:
@@ -292,8 +266,9 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
             Shard(v, x.layout) if is_shard(x) else v
             for v, x in zip(jax.tree.leaves(new_inner), s_leaves)])
         new_params = None
-        if p_slices is not None and apply:
-            new_params = full(_apply(p_slices, updates, keep))
+        if p_slices is not None and apply:  # (stage 3 keeps its slices)
+            new_params = _apply(p_slices, updates, keep)
+            new_params = new_params if cfg.stage == 3 else full(new_params)
         return new_params, full(updates), new_state
 
     return core, (jax.tree.unflatten(g_def, slices), inner_state, p_slices), finish

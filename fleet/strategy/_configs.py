@@ -186,7 +186,8 @@ class ShardingConfigs:
     """ZeRO sharding (``strategy.sharding``): ``stage`` 1 splits the optimizer
     state over ``sharding_degree`` replicas (0, the default: all of them; a
     divisor of the replica count shards inside groups and replicates across
-    them), stage 2 the gradients too; ``segment_broadcast_MB`` is the bucket size
+    them), stage 2 the gradients too, stage 3 the parameters too (gathered per
+    bucket where the model reads them); ``segment_broadcast_MB`` is the bucket size
     of the parameter all-gather."""
 
     stage: int = 1
@@ -208,7 +209,7 @@ class ShardingConfigs:
     use_calc_stream: bool = False
 
     def check(self) -> None:
-        _one_of("sharding_configs.stage", self.stage, (1, 2))
+        _one_of("sharding_configs.stage", self.stage, (1, 2, 3))
         _positive("sharding_configs.sharding_degree", self.sharding_degree, strict=False)
         _positive("sharding_configs.segment_broadcast_MB", self.segment_broadcast_MB)
         _positive("sharding_configs.dp_degree", self.dp_degree, at_least=1, strict=False)

@@ -65,7 +65,7 @@ _MP = ("fleet is data-parallel only; for tensor parallelism shard the model with
 _PP = ("fleet is data-parallel only; for models that do not fit on one device use "
        "strategy.recompute and strategy.amp, or JAX's own sharding (jax.sharding)")
 _SHARD = ("fleet runs ZeRO sharding as strategy.sharding = True with "
-          "strategy.sharding_configs = {'stage': 1 or 2, 'sharding_degree': N}")
+          "strategy.sharding_configs = {'stage': 1, 2 or 3, 'sharding_degree': N}")
 _GROUP = "configures the groups of a parallelism whose degree must be 1 in fleet, so it has no effect"
 _LOCALSGD = ("local SGD is not available; use strategy.gradient_merge (k_steps) to communicate once "
              "every k steps")
@@ -94,7 +94,7 @@ TOP: dict[str, Field] = {
     "lars_configs": _f(RUN, None, "see its keys"),
     "lamb": _f(RUN, False, "an Adam optimizer becomes optax.lamb"),
     "lamb_configs": _f(RUN, None, "see its keys"),
-    "sharding": _f(RUN, False, "ZeRO stage 1 or 2 over the replicas"),
+    "sharding": _f(RUN, False, "ZeRO stage 1, 2 or 3 over the replicas"),
     "sharding_configs": _f(RUN, None, "see its keys"),
     "hybrid_configs": _f(MAPPED, None, "only dp_degree may be above 1: plain data parallelism"),
     "gradient_scale_configs": _f(RUN, None, "see its keys"),
@@ -222,7 +222,7 @@ KEYS: dict[str, dict[str, Field]] = {
         "pp_degree": _f(REFUSED, 1, _PP),
         "optimize_cast": _f(NOOP, False, _GRAPH),
         "_dp_as_optimizer_sharding": _f(NOOP, False, _GRAPH),
-        "stage": _f(RUN, 1, "ZeRO stage 1 or 2"),
+        "stage": _f(RUN, 1, "ZeRO stage 1, 2 or 3"),
         "enable_tuning": _f(NOOP, False, _AUTO),
         "use_calc_stream": _f(NOOP, False, _NCCL),
     },

@@ -38,10 +38,11 @@ from flax import nnx
 from fleet import _compat
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet.comm import _sync
+from fleet.comm._shard_comm import to_shards
 from fleet.runtime._leaves import module_variables
 from fleet.runtime._replicate import replicate_in_place
 from fleet.runtime._world import current_strategy
-from fleet.sections import _amp, _finite_replay, _large_batch, _shard_probe, _sharding
+from fleet.sections import _amp, _finite_replay, _large_batch, _shard_probe, _sharding, _stage3
 from fleet.wrappers._distributed_tx import _distributed_tx
 from fleet.wrappers._gradient_merge import GradientMerge
 
@@ -110,8 +111,10 @@ class DistributedOptimizer(GradientMerge, nnx.Optimizer):
             _shard_probe.verify(inner, params, cfg)
             for var, layout in zip(self._state_variables(), layouts):
                 if layout is not None:
-                    var.set_value(_sharding.to_shards(var.get_value(), layout))
+                    var.set_value(to_shards(var.get_value(), layout))
                     _sharding.mark_sharded(var, layout)
+            if cfg.stage == 3:  # the parameters too (fleet.sections._stage3)
+                _stage3.shard_parameters(obj, self.wrt, cfg)
             self.shard_pending = False
             return True
         return False

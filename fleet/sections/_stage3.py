@@ -1,0 +1,58 @@
+"""``sharding_configs.stage = 3``: ZeRO stage 3 (Paddle's ``level="p_g_os"``,
+torch's FSDP): the parameters are split too.
+
+At the first step, where the distributed optimizer splits its state
+(:mod:`fleet.sections._sharding`, stages 1 and 2), it also splits the
+parameters of the wrapped model it updates, in the same layout as their
+state (:func:`shard_parameters`): each is stored as the global ``(replicas,
+chunk)`` array of the replicas' slices, flattened and zero padded, so each
+device holds ``1/degree`` of its bytes. Inside a step the model reads them
+whole: gathered in buckets where it reads them, their gradients
+reduce-scattered on the way back (:mod:`fleet.comm._param_gather`); the
+optimizer updates each replica's slices and gathers nothing.
+
+Outside a step a parameter still reads as the user's: ``variable[...]``,
+``variable.get_value()``, ``model(x)`` and ``fleet.save`` see the whole array
+(gathered at each read), and writing one splits it again
+(:class:`fleet.comm._sync.SyncedRead`). The raw value (``nnx.split``,
+``jax.tree.leaves(nnx.state(model))``) is the ``(replicas, chunk)`` array of
+slices, a shape of its own. Checkpoints hold the whole arrays
+(:mod:`fleet.checkpoint._state`), so they restore onto any replica count and
+any stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+
+from fleet._errors import FleetUnsupportedError
+from fleet.comm import _sync
+from fleet.comm._shard_comm import to_shards
+from fleet.runtime._leaves import module_variables
+from fleet.sections._sharding import Config, mark_sharded
+
+
+def shard_parameters(obj: Any, wrt: Any, cfg: Config) -> None:
+    """Stage 3: splits ``obj``'s ``wrt`` parameters over the replicas, in place
+    (see the module docstring). Each must be a wrapped model's parameter."""
+    allowed = nnx.filterlib.to_predicate(wrt)
+    variables = {k: v for k, v in module_variables(obj).items()
+                 if allowed(tuple(k.split(".")), v)}
+    plain = [k for k, v in variables.items() if not isinstance(v, _sync.SyncedRead)]
+    if plain:
+        raise FleetUnsupportedError(
+            f"sharding_configs.stage = 3 splits the parameters of a model wrapped by "
+            f"fleet.distributed_model, and {type(obj).__name__}'s parameter {plain[0]!r} is "
+            "not one: wrap the model (model = fleet.distributed_model(model)) before building "
+            "its optimizer, or use stage 2")
+    for var in variables.values():
+        spec = var.get_metadata("fleet_sync")
+        if spec.layout is not None:
+            continue
+        layout = cfg.layout(var.get_raw_value().shape)
+        var.set_raw_value(to_shards(var.get_raw_value(), layout))
+        var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=layout))
+        mark_sharded(var, layout)
