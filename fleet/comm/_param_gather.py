@@ -93,6 +93,7 @@ def gather_leaves(trace: SyncTrace, keys: Sequence, slices: Sequence,
     plan = plan_leaves(whole, BucketConfig(size, size), by_dtype=True)
 
     def hook(bucket: Bucket, xs: list) -> Sequence:
+        trace.wrapped_syncs += 1
         members = bucket.members
         return _bucket_gather(trace, tuple(keys[i] for i in members),
                               tuple(layouts[i] for i in members))(*xs)

@@ -248,9 +248,11 @@ class SyncedRead:
         spec = self.get_metadata("fleet_sync")
         raw = self.get_raw_value()
         if spec.layout is not None:  # stage 3: whole, gathered inside a step
-            if trace is None:
+            if trace is None:  # (a tree mapped over the state holds other values)
+                if getattr(raw, "shape", None) != (spec.layout.replicas, spec.layout.chunk):
+                    return super().get_value(index=index)
                 return _indexed(to_logical(raw, spec.layout), index)
-            if id(raw) not in trace.shard.whole:
+            if not _whole(raw, spec.layout, trace):
                 return _indexed(sync_leaves([spec.key], [raw], spec.buckets, [spec.layout])[0],
                                 index)
         elif trace is not None and is_differentiated(raw) and not is_varying(raw):
@@ -265,6 +267,14 @@ class SyncedRead:
         if not (isinstance(index, Missing) or index is ...):
             whole = to_logical(self.get_raw_value(), spec.layout).at[index].set(value)
         return self.set_raw_value(to_shards(whole, spec.layout))
+
+
+def _whole(raw: Any, layout: Any, trace: SyncTrace) -> bool:
+    """Whether a stage-3 parameter's value inside a step is whole (gathered: by
+    its shape, or where a slice has the same shape, a value gathered here)."""
+    if raw.shape != layout.shape:
+        return False
+    return raw.shape != (layout.chunk,) or id(raw) in trace.shard.whole
 
 
 def _indexed(value: Any, index: Any) -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 
 from flax import nnx
 
-from fleet._errors import FleetUnsupportedError
+from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm import _sync
 from fleet.comm._shard_comm import to_shards
 from fleet.runtime._leaves import module_variables
@@ -56,3 +56,33 @@ def shard_parameters(obj: Any, wrt: Any, cfg: Config) -> None:
         var.set_raw_value(to_shards(var.get_raw_value(), layout))
         var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=layout))
         mark_sharded(var, layout)
+
+
+def active(strategy: Any) -> bool:
+    """Whether ``strategy`` shards the parameters (stage 3)."""
+    return bool(strategy.sharding) and strategy.sharding_configs.stage == 3
+
+
+#: What stage 3 does not compose with yet, and what to write instead.
+_REFUSED = {
+    "no_sync": (
+        "model.no_sync() keeps each replica's local gradients of the whole parameters "
+        "between steps, and stage 3 holds only the replicas' slices of them; make the "
+        "batch larger instead, or use sharding_configs.stage = 2 with no_sync"),
+    "gradient_merge": (
+        "strategy.gradient_merge accumulates each replica's local gradients of the whole "
+        "parameters over k_steps calls, and stage 3 holds only the replicas' slices of "
+        "them; use sharding_configs.stage = 2 with gradient_merge, or optax.MultiSteps "
+        "inside the optimizer"),
+    "an optax transformation": (
+        "stage 3 splits the parameters of an NNX model wrapped by fleet.distributed_model "
+        "and updated by fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param)); "
+        "an optax transformation (a Linen TrainState, the functional style) gets its "
+        "parameters as arguments of the step, which fleet does not split. Use an NNX model, "
+        "or sharding_configs.stage = 2 (the optimizer state and the gradients split)"),
+}
+
+
+def refuse(feature: str) -> FleetError:
+    """The error for ``feature`` (a key of ``_REFUSED``) under stage 3."""
+    return FleetUnsupportedError(f"sharding_configs.stage = 3 with {feature}: {_REFUSED[feature]}")

@@ -22,7 +22,7 @@ import jax
 from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.comm import _sync
 from fleet.runtime._world import World, world
-from fleet.sections import _sharding
+from fleet.sections import _sharding, _stage3
 from fleet.step import _roles
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._program import Program
@@ -52,6 +52,8 @@ def decide(program: Program, merge: MergePosition, batch_argnums: tuple | None,
     if merging is not None:
         grad_merge = "final" if position == merging.merge_k - 1 else "local"
         no_sync = grad_merge == "local"
+    if no_sync and _stage3.active(w.strategy):
+        raise _stage3.refuse("no_sync" if grad_merge is None else "gradient_merge")
     if no_sync and prepare_accumulators(objs):
         program.graph = None
     if w.strategy.sharding and prepare_sharding(objs):

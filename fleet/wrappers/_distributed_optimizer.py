@@ -63,6 +63,8 @@ class DistributedOptimizer(GradientMerge, nnx.Optimizer):
         _compat.share_fields(self, optimizer)
         self.tx = _distributed_tx(optimizer.tx)
         self.init_merge(strategy)  # strategy.gradient_merge (fleet.wrappers._gradient_merge)
+        if self.merge_k > 1 and _stage3.active(strategy):
+            raise _stage3.refuse("gradient_merge")
         policy = _amp.policy_of(strategy)
         self.amp_rules = _amp.ScaleRules.of(strategy.amp_configs) if (
             policy and policy.loss_scaling) else None
@@ -225,6 +227,8 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         _large_batch.swap_optimizer_state(optimizer, _large_batch.swap_tx(optimizer.tx, strategy))
         return DistributedOptimizer(optimizer)
     if isinstance(optimizer, optax.GradientTransformation):
+        if _stage3.active(strategy):
+            raise _stage3.refuse("an optax transformation")
         needs = [name for name, on in (
             (f"gradient_merge (k_steps={strategy.gradient_merge_configs.k_steps})",
              strategy.gradient_merge and strategy.gradient_merge_configs.k_steps > 1),
