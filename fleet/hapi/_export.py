@@ -60,6 +60,7 @@ from fleet.checkpoint._errors import first_line
 from fleet.hapi import _export_check
 from fleet.runtime import _world
 from fleet.runtime._leaves import dotted
+from fleet.sections import _stage3
 from fleet.static import dims
 
 #: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
@@ -102,7 +103,8 @@ def input_specs(given: Any, seen: Sequence[Any]) -> list:
 def export(network: nnx.Module, specs: list, path: str) -> None:
     """Writes ``{path}.jaxexport`` and ``{path}.pdiparams`` (on the first worker; the
     others wait)."""
-    graphdef, rng_state, weights = nnx.split(network, nnx.RngState, ...)
+    # (stage 3's parameters whole: fleet.sections._stage3)
+    graphdef, rng_state, weights = nnx.split(_stage3.whole_copy(network), nnx.RngState, ...)
     flat, treedef = jax.tree_util.tree_flatten_with_path(weights)
     names = [dotted(p) for p, _ in flat]
     values = [np.asarray(x) for _, x in flat]

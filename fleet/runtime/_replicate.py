@@ -44,8 +44,8 @@ def load_state_dict(obj: nnx.Pytree, values: dict[str, Any], what: str, hint: st
             + ("; ..." if len(problems) > 8 else "") + f". {hint}"
         )
     placed = replicate({k: like(current[k].get_value(), np.asarray(values[k])) for k in current})
-    for key, var in current.items():
-        var.set_raw_value(placed[key])
+    for key, var in current.items():  # (a ZeRO stage-3 parameter splits it: fleet.comm._sync)
+        var.set_value(placed[key])
 
 
 def _check_same_across_processes(call: str, paths: list[str], leaves: list[np.ndarray]) -> None:

@@ -30,7 +30,7 @@ from flax import nnx
 
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm import _sync
-from fleet.comm._shard_comm import to_shards
+from fleet.comm._shard_comm import to_logical, to_shards
 from fleet.runtime._leaves import module_variables
 from fleet.sections._sharding import Config, mark_sharded
 
@@ -56,6 +56,24 @@ def shard_parameters(obj: Any, wrt: Any, cfg: Config) -> None:
         var.set_raw_value(to_shards(var.get_raw_value(), layout))
         var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=layout))
         mark_sharded(var, layout)
+
+
+def whole_copy(module: Any) -> Any:
+    """A copy of ``module`` whose stage-3 parameters hold their whole values as
+    plain (unsplit) parameters: what an export traces (``Model.save(path,
+    training=False)``). ``module`` itself, when none is split."""
+    split = [v for v in module_variables(module).values()
+             if isinstance(v, _sync.SyncedRead) and v.get_metadata("fleet_sync").layout is not None]
+    if not split:
+        return module
+    copy = nnx.clone(module)
+    for var in module_variables(copy).values():
+        spec = var.get_metadata("fleet_sync") if isinstance(var, _sync.SyncedRead) else None
+        if spec is not None and spec.layout is not None:
+            var.set_raw_value(to_logical(var.get_raw_value(), spec.layout))
+            var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=None))
+            var.set_metadata("fleet_shard", None)
+    return copy
 
 
 def active(strategy: Any) -> bool:

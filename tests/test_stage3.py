@@ -1,0 +1,249 @@
+"""sharding_configs.stage = 3 (issue 37): the parameters split too, against the unsharded run.
+
+The reference is the same fleet run with ``strategy.sharding`` off (itself
+tested against the single-device step elsewhere, and here once against
+``nnx.jit`` on one device): stage 3 changes where the parameters live and how
+they reach the model, not the arithmetic, so the parameters and the optimizer
+state must be within 1e-6 of it. Each replica's copy of what stays replicated
+(the step count, Adam's count) is checked equal, and each parameter's bytes
+per device are 1/N of its padded size.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from fleet.sections import _sharding
+from tests import models, tiers
+from tests.test_sharding import (
+    OPTIMIZERS,
+    _continue,
+    bytes_on,
+    logical_opt_state,
+    strategy,
+    train_nnx,
+)
+
+STEPS = 12
+OPTIMIZERS = {**OPTIMIZERS,
+              "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))}
+
+
+def sharded_params(model) -> list:
+    return [v for v in jax.tree.leaves(nnx.state(model, nnx.Param),
+                                       is_leaf=lambda v: isinstance(v, nnx.Variable))
+            if _sharding.layout_of(v) is not None]
+
+
+def assert_replicated_state_equal(opt) -> None:
+    """Every leaf of ``opt`` that is not split is the same on every device."""
+    for v in jax.tree.leaves(nnx.state(opt), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        if _sharding.layout_of(v) is not None:
+            continue
+        shards = [np.asarray(s.data) for s in v.get_raw_value().addressable_shards]
+        assert all(np.array_equal(shards[0], s) for s in shards[1:])
+
+
+def compare(kind, data, tx, devices, stage=3, **sections):
+    """The stage-3 run and the unsharded run of ``kind`` on ``data``: their
+    distances (parameters, optimizer state) and the stage-3 model and optimizer."""
+    make_world_ = compare.make_world
+    make_world_(devices, strategy(**sections))
+    ref_model, ref_opt, _, ref_losses = train_nnx(kind, data, tx())
+    make_world_(devices, strategy(stage, **sections))
+    model, opt, _, losses = train_nnx(kind, data, tx())
+    d_params = models.max_diff(models.flat_params(model), models.flat_params(ref_model))
+    d_state = models.max_diff(logical_opt_state(opt), logical_opt_state(ref_opt))
+    d_loss = float(np.max(np.abs(np.subtract(losses, ref_losses))))
+    return d_params, d_state, d_loss, model, opt
+
+
+@pytest.fixture(autouse=True)
+def _world(make_world):
+    compare.make_world = make_world
+
+
+# -- acceptance 1 and 2: the step equals the unsharded step --------------------------------------
+
+@pytest.mark.parametrize("devices", tiers.devices(2, 4, 8))
+@pytest.mark.parametrize("opt_name", ["adam", "lamb", "clip+adam",
+                                      pytest.param("momentum", marks=tiers.slow)])
+def test_stage_3_equals_the_unsharded_run(devices, opt_name):
+    data = models.batches("linear", STEPS, 16)
+    d_params, d_state, d_loss, model, opt = compare("linear", data, OPTIMIZERS[opt_name], devices)
+    print(f"stage 3, {opt_name}, {devices} devices: |params| = {d_params:.2e}, "
+          f"|opt state| = {d_state:.2e}, |losses| = {d_loss:.2e}")
+    assert d_params < 1e-6 and d_state < 1e-6 and d_loss < 1e-6
+    params = sharded_params(model)
+    assert len(params) == 4 and opt.sharded
+    device = jax.devices()[0]
+    for v in params:  # each device holds its chunk of each parameter
+        layout = _sharding.layout_of(v)
+        assert bytes_on(v.get_raw_value(), device) == layout.chunk * 4
+    assert_replicated_state_equal(opt)
+
+
+def test_stage_3_equals_the_single_device_step(make_world):
+    """Directly against ``nnx.jit`` on one device (a CNN: 4-d kernels, uneven chunks)."""
+    data = models.batches("cnn", 6, 16)
+    ref_losses, ref_params = models.nnx_reference("cnn", data, optax.adam(1e-2))
+    make_world(4, strategy(3))
+    model, opt, _, losses = train_nnx("cnn", data, optax.adam(1e-2))
+    d_params = models.max_diff(models.flat_params(model), ref_params)
+    d_loss = float(np.max(np.abs(np.subtract(losses, ref_losses))))
+    print(f"stage 3 CNN vs one device: |params| = {d_params:.2e}, |losses| = {d_loss:.2e}")
+    assert d_params < 1e-5 and d_loss < 1e-5
+    assert len(sharded_params(model)) == 6
+
+
+@pytest.mark.parametrize("sections", [
+    pytest.param({"amp": True, "amp_configs": {"dtype": "bfloat16"}}, id="amp_bf16"),
+    pytest.param({"amp": True, "amp_configs": {"dtype": "float16"}}, id="amp_fp16"),
+    pytest.param({"recompute": True, "recompute_configs": {"checkpoints": ["conv1", "conv2"]}},
+                 id="recompute"),
+    pytest.param({"sync_batch_norm": True}, id="sync_batch_norm"),
+    pytest.param({"check_nan_inf": True}, id="check_nan_inf"),
+    pytest.param({"fp16_allreduce": True}, id="fp16_allreduce"),
+])
+def test_sections_compose_with_stage_3(sections):
+    data = models.batches("cnn", 6, 16)
+    d_params, d_state, d_loss, model, opt = compare("cnn", data, OPTIMIZERS["adam"], 4,
+                                                    **sections)
+    print(f"stage 3 + {sorted(sections)}: |params| = {d_params:.2e}, |opt state| = "
+          f"{d_state:.2e}, |losses| = {d_loss:.2e}")
+    assert d_params < 1e-6 and d_state < 1e-6 and d_loss < 1e-6
+    assert len(sharded_params(model)) == 6
+    assert_replicated_state_equal(opt)
+
+
+def test_optax_multi_steps_composes_with_stage_3():
+    """What the gradient-merge refusal proposes: optax.MultiSteps in the optimizer."""
+    data = models.batches("linear", 8, 16)
+    d_params, d_state, _, _, opt = compare(
+        "linear", data, lambda: optax.MultiSteps(optax.adam(1e-2), 2), 4)
+    print(f"stage 3 + optax.MultiSteps(k=2): |params| = {d_params:.2e}, |opt state| = "
+          f"{d_state:.2e}")
+    assert d_params < 1e-6 and d_state < 1e-6
+
+
+def test_check_nan_inf_names_the_gradient_and_keeps_the_slices(make_world):
+    make_world(4, strategy(3, check_nan_inf=True))
+    data = models.batches("linear", 2, 16)
+    model, opt, step, _ = train_nnx("linear", data[:1], optax.adam(1e-2))
+    before, state = models.flat_params(model), logical_opt_state(opt)
+    bad = data[1][0].copy()
+    bad[5, 3] = np.nan
+    with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
+                                               r"holds NaN or infinity after call 2"):
+        step(model, opt, bad, data[1][1])
+        step.wait()
+    assert models.max_diff(models.flat_params(model), before) == 0
+    assert models.max_diff(logical_opt_state(opt), state) == 0
+
+
+def test_fleet_model_with_stage_3_equals_the_low_level_loop(make_world, tmp_path):
+    data = models.batches("cnn", 4, 16)
+    make_world(4, strategy())
+    ref, _, _, _ = train_nnx("cnn", data, optax.adam(1e-2))
+    make_world(4, strategy(3))
+    model = fleet.Model(models.CNN(nnx.Rngs(0)))
+    model.prepare(optax.adam(1e-2), optax.softmax_cross_entropy_with_integer_labels)
+    for x, y in data:
+        model.train_batch(x, y)
+    d = models.max_diff(models.flat_params(model.network), models.flat_params(ref))
+    print(f"fleet.Model, stage 3: |params| = {d:.2e}")
+    assert d < 1e-6 and len(sharded_params(model.network)) == 6
+    # Outside a step it reads as the user's model (acceptance 3).
+    summary = model.summary()
+    assert summary["total_params"] == sum(v.size for v in models.flat_params(ref).values())
+    x = data[0][0]
+    eval_out = np.asarray(model.network(x))  # whole parameters, gathered at each read
+    np.testing.assert_allclose(eval_out, np.asarray(ref(x)), atol=1e-6)
+    model.save(str(tmp_path / "infer"), training=False)
+    np.testing.assert_allclose(np.asarray(fleet.load_inference(tmp_path / "infer")(x)), eval_out,
+                               atol=1e-6)
+    fleet.save(model.network.state_dict(), str(tmp_path / "net.pdparams"))
+    loaded = {k: np.asarray(v) for k, v in fleet.load(str(tmp_path / "net.pdparams")).items()}
+    expected = {k: np.asarray(v) for k, v in ref.state_dict().items()}
+    assert {k: v.shape for k, v in loaded.items()} == {k: v.shape for k, v in expected.items()}
+    assert models.max_diff(loaded, expected) < 1e-6
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+def _no_sync_call(model, opt, step, x, y):
+    with model.no_sync():
+        step(model, opt, x, y)
+
+
+@pytest.mark.parametrize("what, match", [
+    ("no_sync", r"stage = 3 with no_sync: .*use sharding_configs.stage = 2 with no_sync"),
+    ("gradient_merge", r"stage = 3 with gradient_merge: .*optax.MultiSteps"),
+    ("linen", r"stage = 3 with an optax transformation: .*Use an NNX model"),
+    ("unwrapped", r"stage = 3 splits the parameters of a model wrapped by "
+                  r"fleet.distributed_model, and LinearNet's parameter '_linear1.bias'"),
+])
+def test_what_stage_3_does_not_compose_with_is_refused_by_name(make_world, what, match):
+    data = models.batches("linear", 1, 16)
+    x, y = data[0]
+    sections = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}} if (
+        what == "gradient_merge") else {}
+    make_world(4, strategy(3, **sections))
+    with pytest.raises(fleet.FleetUnsupportedError, match=match):
+        if what == "linen":
+            fleet.distributed_optimizer(optax.adam(1e-2))
+        elif what == "unwrapped":
+            model = models.LinearNet(nnx.Rngs(0))
+            opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2),
+                                                            wrt=nnx.Param))
+            fleet.distributed_step(models.nnx_train_step)(model, opt, x, y)
+        else:
+            model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+            opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2),
+                                                            wrt=nnx.Param))
+            _no_sync_call(model, opt, fleet.distributed_step(models.nnx_train_step), x, y)
+
+
+# -- acceptance 4: checkpoints across replica counts and stages -----------------------------------
+
+@pytest.mark.parametrize("saved", [(4, 3), pytest.param((4, 2), marks=tiers.slow),
+                                   pytest.param((1, 0), marks=tiers.slow)])
+def test_checkpoints_move_between_stage_3_replica_counts_and_stages(make_world, tmp_path, saved):
+    """Saved at stage 3 on 4 devices, restored on 2 (stage 3), on 1 unsharded, under
+    stage 2 and on 4 unsharded; and back: saved at stage 2 or on one device,
+    restored at stage 3. The restored state is bitwise the saved one, and 6 more
+    steps give the straight run's parameters. ``fleet.save`` of the state dict
+    holds the whole parameters, and ``set_state_dict`` splits them again."""
+    data = models.batches("cnn", 12, 16)
+    make_world(saved[0], strategy(saved[1]))
+    model, opt, step, _ = train_nnx("cnn", data[:6], optax.adam(1e-2))
+    saved_state = logical_opt_state(opt)
+    saved_params = models.flat_params(model)
+    with fleet.checkpoint.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(6, model=model, optimizer=opt)
+    fleet.save(model.state_dict(), str(tmp_path / "model.pdparams"))
+    for x, y in data[6:]:
+        step(model, opt, x, y)
+    straight = models.flat_params(model)
+    if saved[1] == 3:  # restored into the running stage-3 model: its slices set again
+        with fleet.checkpoint.CheckpointManager(tmp_path / "ckpt") as manager:
+            manager.restore(6, model=model, optimizer=opt)
+        assert models.max_diff(models.flat_params(model), saved_params) == 0
+        assert models.max_diff(logical_opt_state(opt), saved_state) == 0
+        model.set_state_dict(fleet.load(str(tmp_path / "model.pdparams")))
+        assert models.max_diff(models.flat_params(model), saved_params) == 0
+        assert len(sharded_params(model)) == 6
+    targets = [(2, 3), (1, 0), (4, 2), (4, 0)] if saved == (4, 3) else [(4, 3), (2, 3)]
+    for n, stage in targets:
+        state, params = _continue(make_world, n, stage, data[6:], tmp_path, 6)
+        same = all(np.array_equal(state[k], saved_state[k]) for k in saved_state)
+        d = models.max_diff(params, straight)
+        print(f"saved at {saved[0]} replicas (stage {saved[1]}), restored at {n} "
+              f"(stage {stage}): state bitwise equal {same}, after 6 more steps |params| = {d:.2e}")
+        assert state.keys() == saved_state.keys() and same
+        assert d < 1e-6
