@@ -109,6 +109,7 @@ def test_stage_3_equals_the_single_device_step(make_world):
     pytest.param({"sync_batch_norm": True}, id="sync_batch_norm"),
     pytest.param({"check_nan_inf": True}, id="check_nan_inf"),
     pytest.param({"fp16_allreduce": True}, id="fp16_allreduce"),
+    pytest.param({"verify_steps": 2}, id="verify_steps"),
 ])
 def test_sections_compose_with_stage_3(sections):
     data = models.batches("cnn", 6, 16)

@@ -1,7 +1,7 @@
 """A fleetrun worker for strategy.sharding (issue 13).
 
-``python sharding_train.py OUT CKPT``: trains the CNN (NNX, stage 1) and the
-Linen CNN (TrainState, stage 2) with Adam, each process feeding its own rows of
+``python sharding_train.py OUT CKPT``: trains the CNN (NNX, stage 1), the
+Linen CNN (TrainState, stage 2) and the CNN at stage 3 (issue 37) with Adam, each process feeding its own rows of
 the global batch, saves the NNX model and optimizer to CKPT (the logical
 layout), and rank 0 writes parameters, the logical optimizer state and losses
 to OUT (.npz). The test runs :func:`train` in one process on 4 devices and
@@ -62,6 +62,16 @@ def train(rows=lambda x: x, checkpoint=None, init=lambda s: None) -> dict:
     for x, y in data:
         state, _ = linen_step(state, rows(x), rows(y))
     out.update({"l" + k: v for k, v in models.flat_params(state.params).items()})
+
+    init(strategy(3))
+    model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(
+        nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in data:
+        step(model, optimizer, rows(x), rows(y))
+    assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
+    out.update({"s" + k: v for k, v in models.flat_params(model).items()})
     return out
 
 
