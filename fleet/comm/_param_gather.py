@@ -21,8 +21,11 @@ makes them whole, one custom-VJP call per bucket of ``segment_broadcast_MB``
   placeholder the step refuses to read (``fleet_shard_grad``), as at stages 1
   and 2: the reduced gradient exists only as slices.
 
-The gathered values are kept by id (``trace.shard.whole``), so a read of a
-parameter that holds one does not gather it again.
+A slice is gathered once per trace, as a parameter is synced once
+(:func:`fleet.comm._sync.sync_leaves`): a second read gets the same whole
+value, so the optimizer gets one gradient per parameter. The gathered values
+are kept by id too (``trace.shard.whole``): a parameter that holds one is not
+gathered again.
 """
 
 from __future__ import annotations

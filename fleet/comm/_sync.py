@@ -176,27 +176,40 @@ def sync_leaves(keys: Sequence, leaves: Sequence, buckets: BucketConfig,
     """The leaves, each through its bucket's custom-VJP sync (differentiated leaves
     only; others pass through). ``keys`` name the leaves for the accumulator.
     ``layouts``: stage 3's parameters (a layout, else ``None``) are slices,
-    gathered whether differentiated or not (:mod:`fleet.comm._param_gather`)."""
+    gathered whether differentiated or not (:mod:`fleet.comm._param_gather`).
+
+    A value is synced once per trace (``trace.synced``, by its id): a second read
+    of it -- the model called twice, a weight decay term read outside
+    ``__call__`` -- gets the same synced value, so JAX adds its cotangents
+    before the one reduction. (Two syncs would each add what ``no_sync``
+    accumulated for the parameter, and under sharding each would leave its own
+    slice for one gradient.)"""
     trace = current()
+    if trace is None:
+        return list(leaves)
+    known = [trace.synced.get(id(x)) for x in leaves]
+    layouts = list(layouts or [None] * len(leaves))
+    sliced = [i for i, lay in enumerate(layouts) if lay is not None and known[i] is None]
+    todo = [i for i, x in enumerate(leaves) if known[i] is None and layouts[i] is None
+            and is_differentiated(x) and not is_varying(x)
+            and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     out = list(leaves)
-    sliced = [i for i, lay in enumerate(layouts or ()) if lay is not None]
-    if sliced and trace is not None:
+    if sliced:
         whole = gather_leaves(trace, [keys[i] for i in sliced], [leaves[i] for i in sliced],
                               [layouts[i] for i in sliced])
         for i, x in zip(sliced, whole):
             out[i] = x
-        leaves = out
-    todo = [i for i, x in enumerate(leaves) if is_differentiated(x) and not is_varying(x)
-            and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    if trace is None or not todo:
-        return out
+    if todo:
+        def synced(bucket: Bucket, xs: list) -> Sequence:
+            trace.wrapped_syncs += 1
+            keyed = tuple(keys[i] for i in bucket.members)
+            return _make_bucket_sync(bucket, keyed, buckets.wire_dtype)(*xs)
 
-    def synced(bucket: Bucket, xs: list) -> Sequence:
-        trace.wrapped_syncs += 1
-        keyed = tuple(keys[i] for i in bucket.members)
-        return _make_bucket_sync(bucket, keyed, buckets.wire_dtype)(*xs)
-
-    return reduce_buckets(plan_leaves(leaves, buckets, todo), leaves, synced)
+        out = reduce_buckets(plan_leaves(leaves, buckets, todo), out, synced)
+    made = sliced + todo
+    for i, x in zip(made, trace.hold([leaves[i] for i in made])):
+        trace.synced[x] = out[i]
+    return [x if k is None else k for x, k in zip(out, known)]
 
 
 class PerReplica:

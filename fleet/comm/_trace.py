@@ -112,6 +112,9 @@ class SyncTrace:
     finite: FiniteFlags = dataclasses.field(default_factory=FiniteFlags)
     #: the metric updates of this trace (fleet.semantics._metrics.Updates), if any
     metrics: Any = None
+    #: id(parameter value) -> its synced (stage 3: gathered) value, read once per trace
+    #: (fleet.comm._sync.sync_leaves)
+    synced: dict = dataclasses.field(default_factory=dict)
     #: the values whose ids tx.grads and shard.grads hold, kept alive for the trace so
     #: that no later value (an output) gets one of their ids
     held: list = dataclasses.field(default_factory=list)
