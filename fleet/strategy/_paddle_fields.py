@@ -63,7 +63,8 @@ _TRAINER = "Paddle's static-graph dataset trainer (dumps, sparse tables); fleet 
 _MP = ("fleet is data-parallel only; for tensor parallelism shard the model with JAX's own "
        "sharding (jax.sharding, flax.nnx.with_partitioning)")
 _PP = ("fleet is data-parallel only; for models that do not fit on one device use "
-       "strategy.recompute and strategy.amp, or JAX's own sharding (jax.sharding)")
+       "strategy.sharding with sharding_configs = {'stage': 3}, strategy.recompute and "
+       "strategy.amp, or JAX's own sharding (jax.sharding)")
 _SHARD = ("fleet runs ZeRO sharding as strategy.sharding = True with "
           "strategy.sharding_configs = {'stage': 1, 2 or 3, 'sharding_degree': N}")
 _GROUP = "configures the groups of a parallelism whose degree must be 1 in fleet, so it has no effect"
