@@ -16,9 +16,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training.train_state import TrainState
 
 import fleet
-from fleet.sections import _sharding
+from fleet.sections import _sharding, _stage3
 from tests import models, tiers
 from tests.test_sharding import (
     OPTIMIZERS,
@@ -86,6 +87,43 @@ def test_stage_3_equals_the_unsharded_run(devices, opt_name):
         layout = _sharding.layout_of(v)
         assert bytes_on(v.get_raw_value(), device) == layout.chunk * 4
     assert_replicated_state_equal(opt)
+
+
+def train_linen(kind, data, tx, steps=None):
+    model = fleet.distributed_model(models.LINEN_MODELS[kind]())
+    state = TrainState.create(apply_fn=model.apply,
+                              params=model.init(jax.random.key(0), data[0][0])["params"],
+                              tx=fleet.distributed_optimizer(tx))
+    step = fleet.distributed_step(models.linen_train_step)
+    losses = []
+    for x, y in data[:steps]:
+        state, loss = step(state, x, y)
+        losses.append(float(loss))
+    return model, state, losses
+
+
+@pytest.mark.parametrize("kind, opt_name", [("linear", "adam"), ("cnn", "lamb"),
+                                            ("linear", "clip+adam")])
+def test_linen_stage_3_equals_the_unsharded_run(make_world, kind, opt_name):
+    """A Linen TrainState: the wrapped model's init splits the parameters (each a
+    Shard, as the optimizer state's leaves are), apply gathers them."""
+    data = models.batches(kind, 8, 16)
+    make_world(4, strategy())
+    _, ref, ref_losses = train_linen(kind, data, OPTIMIZERS[opt_name]())
+    make_world(4, strategy(3))
+    model, state, losses = train_linen(kind, data, OPTIMIZERS[opt_name]())
+    shards = jax.tree.leaves(state.params, is_leaf=_sharding.is_shard)
+    assert shards and all(map(_sharding.is_shard, shards))
+    d_params = models.max_diff(models.flat_params(_stage3.whole_params(state.params)),
+                               models.flat_params(ref.params))
+    d_loss = float(np.max(np.abs(np.subtract(losses, ref_losses))))
+    x = data[0][0]
+    d_apply = float(np.abs(np.asarray(model.apply({"params": state.params}, x))
+                           - np.asarray(model.apply({"params": ref.params}, x))).max())
+    print(f"Linen stage 3, {kind}, {opt_name}: |params| = {d_params:.2e}, |losses| = "
+          f"{d_loss:.2e}, |apply outside the step| = {d_apply:.2e}")
+    assert d_params < 1e-6 and d_loss < 1e-6 and d_apply < 1e-6
+    assert fleet.check_replicas(state) == []
 
 
 def test_stage_3_equals_the_single_device_step(make_world):
@@ -185,7 +223,8 @@ def _no_sync_call(model, opt, step, x, y):
 @pytest.mark.parametrize("what, match", [
     ("no_sync", r"stage = 3 with no_sync: .*use sharding_configs.stage = 2 with no_sync"),
     ("gradient_merge", r"stage = 3 with gradient_merge: .*optax.MultiSteps"),
-    ("linen", r"stage = 3 with an optax transformation: .*Use an NNX model"),
+    ("linen", r"stage = 3 with parameters fleet did not split: a Linen model's parameters "
+              r"are split by the wrapped model's init"),
     ("unwrapped", r"stage = 3 splits the parameters of a model wrapped by "
                   r"fleet.distributed_model, and LinearNet's parameter '_linear1.bias'"),
 ])
@@ -196,8 +235,10 @@ def test_what_stage_3_does_not_compose_with_is_refused_by_name(make_world, what,
         what == "gradient_merge") else {}
     make_world(4, strategy(3, **sections))
     with pytest.raises(fleet.FleetUnsupportedError, match=match):
-        if what == "linen":
-            fleet.distributed_optimizer(optax.adam(1e-2))
+        if what == "linen":  # parameters from the plain module's init
+            TrainState.create(apply_fn=fleet.distributed_model(models.LinenLinearNet()).apply,
+                              params=models.linen_init("linear", data)["params"],
+                              tx=fleet.distributed_optimizer(optax.adam(1e-2)))
         elif what == "unwrapped":
             model = models.LinearNet(nnx.Rngs(0))
             opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2),
@@ -269,3 +310,24 @@ def test_a_parameter_read_outside_call_is_gathered_once(stage):
     print(f"stage {stage}, weight decay read outside __call__: |params| = {d_params:.2e}, "
           f"|opt state| = {d_state:.2e}, |losses| = {d_loss:.2e}")
     assert d_params < 1e-6 and d_state < 1e-6 and d_loss < 1e-6
+
+
+def test_a_linen_train_state_moves_between_stage_3_and_stage_2(make_world, tmp_path):
+    """A TrainState saved at stage 3 on 4 devices restores, bitwise, into stage 2 on
+    2 devices and into stage 3 on 2 devices (whose parameters are Shards again)."""
+    data = models.batches("linear", 4, 16)
+    make_world(4, strategy(3))
+    _, state, _ = train_linen("linear", data, optax.adam(1e-2))
+    with fleet.checkpoint.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(4, state=state)
+    saved = models.flat_params(_stage3.whole_params({"p": state.params, "o": state.opt_state}))
+    for stage in (2, 3):
+        make_world(2, strategy(stage))
+        _, target, _ = train_linen("linear", data, optax.adam(1e-2), steps=0)
+        with fleet.checkpoint.CheckpointManager(tmp_path / "ckpt") as manager:
+            got = manager.restore(4, state=target).state
+        assert all(map(_sharding.is_shard, jax.tree.leaves(got.params, is_leaf=_sharding.is_shard))
+                   ) == (stage == 3)
+        flat = models.flat_params(_stage3.whole_params({"p": got.params, "o": got.opt_state}))
+        assert flat.keys() == saved.keys()
+        assert all(np.array_equal(flat[k], saved[k]) for k in saved), stage

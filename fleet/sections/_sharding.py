@@ -47,6 +47,7 @@ sharding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -241,6 +242,10 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
             "this optimizer's state is sharded (strategy.sharding), and it updates only "
             "inside a fleet.distributed_step that differentiates the wrapped model")
     cfg: Config = trace.shard.config
+    rewrap = _identity
+    if params is not None and cfg.stage == 3 and any(map(is_shard, jax.tree.leaves(
+            params, is_leaf=is_shard))):  # a Linen model's (fleet.sections._stage3)
+        grads, params, rewrap = _unwrap(grads, params)
     g_leaves, g_def = jax.tree.flatten(grads)
     # (stage 3's gradients are its slices' placeholders: their layouts are kept)
     layouts = [trace.shard.layouts.get(id(g)) or cfg.layout(jnp.shape(g)) for g in g_leaves]
@@ -268,10 +273,35 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
         new_params = None
         if p_slices is not None and apply:  # (stage 3 keeps its slices)
             new_params = _apply(p_slices, updates, keep)
-            new_params = new_params if cfg.stage == 3 else full(new_params)
-        return new_params, full(updates), new_state
+            new_params = rewrap(new_params) if cfg.stage == 3 else full(new_params)
+        return new_params, full(updates) if rewrap is _identity else rewrap(updates), new_state
 
     return core, (jax.tree.unflatten(g_def, slices), inner_state, p_slices), finish
+
+
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+def _unwrap(grads: Any, params: Any) -> tuple[Any, Any, Callable]:
+    """Stage 3's Linen parameters (a tree of :class:`Shard` nodes) and their
+    gradients as slices, and the function that wraps a tree of slices as the
+    parameters are (their updates, the new parameters)."""
+    p_leaves, p_def = jax.tree.flatten(params, is_leaf=is_shard)
+    plain = [i for i, x in enumerate(p_leaves) if not is_shard(x)]
+    if plain:
+        raise FleetError(
+            "sharding_configs.stage = 3: some of this optimizer's parameters are split "
+            "(fleet.distributed_model(module).init) and some are not; initialise all of "
+            "them with the wrapped model's init")
+
+    def rewrap(tree: Any) -> Any:
+        return jax.tree.unflatten(p_def, [Shard(v, x.layout)
+                                          for v, x in zip(jax.tree.leaves(tree), p_leaves)])
+
+    strip = functools.partial(jax.tree.map, lambda x: x.value if is_shard(x) else x,
+                              is_leaf=is_shard)
+    return strip(grads), strip(params), rewrap
 
 
 def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:

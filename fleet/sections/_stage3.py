@@ -19,6 +19,13 @@ Outside a step a parameter still reads as the user's: ``variable[...]``,
 slices, a shape of its own. Checkpoints hold the whole arrays
 (:mod:`fleet.checkpoint._state`), so they restore onto any replica count and
 any stage.
+
+A Linen model holds no parameters: its wrapped ``init`` splits the ``params``
+collection (:func:`split_params`: each leaf a
+:class:`~fleet.sections._sharding.Shard`, which a ``TrainState`` carries into
+the step, as it carries the optimizer state's), its ``apply`` gathers them, and
+the distributed optax transformation updates the slices and returns its updates
+as ``Shard`` s, so ``optax.apply_updates`` keeps them split.
 """
 
 from __future__ import annotations
@@ -26,13 +33,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 from flax import nnx
 
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm import _sync
 from fleet.comm._shard_comm import to_logical, to_shards
 from fleet.runtime._leaves import module_variables
-from fleet.sections._sharding import Config, mark_sharded
+from fleet.sections._sharding import Config, Shard, config, is_shard, mark_sharded
 
 
 def shard_parameters(obj: Any, wrt: Any, cfg: Config) -> None:
@@ -76,6 +84,26 @@ def whole_copy(module: Any) -> Any:
     return copy
 
 
+def split_params(variables: Any) -> Any:
+    """Stage 3, a Linen model's ``init``: each leaf of the ``params`` collection as a
+    :class:`~fleet.sections._sharding.Shard` (its replicas' slices), which the
+    ``TrainState`` holds; the distributed optimizer's state is split alike."""
+    cfg = config()
+
+    def split(x: Any) -> Shard:
+        layout = cfg.layout(x.shape)
+        return Shard(to_shards(x, layout), layout)
+
+    return {**variables, "params": jax.tree.map(split, variables["params"])}
+
+
+def whole_params(variables: Any) -> Any:
+    """``variables`` with each :class:`~fleet.sections._sharding.Shard` whole (a Linen
+    model's ``apply`` outside a step)."""
+    return jax.tree.map(lambda x: to_logical(x.value, x.layout) if is_shard(x) else x,
+                        variables, is_leaf=is_shard)
+
+
 def active(strategy: Any) -> bool:
     """Whether ``strategy`` shards the parameters (stage 3)."""
     return bool(strategy.sharding) and strategy.sharding_configs.stage == 3
@@ -92,12 +120,11 @@ _REFUSED = {
         "parameters over k_steps calls, and stage 3 holds only the replicas' slices of "
         "them; use sharding_configs.stage = 2 with gradient_merge, or optax.MultiSteps "
         "inside the optimizer"),
-    "an optax transformation": (
-        "stage 3 splits the parameters of an NNX model wrapped by fleet.distributed_model "
-        "and updated by fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param)); "
-        "an optax transformation (a Linen TrainState, the functional style) gets its "
-        "parameters as arguments of the step, which fleet does not split. Use an NNX model, "
-        "or sharding_configs.stage = 2 (the optimizer state and the gradients split)"),
+    "parameters fleet did not split": (
+        "a Linen model's parameters are split by the wrapped model's init "
+        "(variables = fleet.distributed_model(module).init(rng, x)), and the optimizer got "
+        "whole ones (from module.init, or raw parameters of the functional style). "
+        "Initialise them with the wrapped model, or use sharding_configs.stage = 2"),
 }
 
 

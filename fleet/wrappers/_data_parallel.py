@@ -34,7 +34,7 @@ from fleet.comm._reduce import reduce_gradients
 from fleet.runtime._leaves import dotted, module_variables, state_dict
 from fleet.runtime._replicate import load_state_dict, replicate, replicate_in_place
 from fleet.runtime._world import current_strategy, world
-from fleet.sections import _amp, _batch_norm, _recompute
+from fleet.sections import _amp, _batch_norm, _recompute, _sharding, _stage3
 
 
 def _bucket_config(comm_buffer_size: Any, last_comm_buffer_size: Any) -> BucketConfig:
@@ -270,21 +270,29 @@ class LinenDataParallel(DataParallel):
         places them so itself: every process computes them from the same key."""
         variables = self.module.init(*args, **kwargs)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(variables)):
-            return jax.lax.with_sharding_constraint(variables, world().replicated)
-        return replicate(variables)
+            variables = jax.lax.with_sharding_constraint(variables, world().replicated)
+        else:
+            variables = replicate(variables)
+        if _stage3.active(current_strategy()) and "params" in variables:
+            return _stage3.split_params(variables)  # (a TrainState holds the slices)
+        return variables
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.apply``; inside a step, the ``params`` collection's gradients
         are averaged over the replicas in the backward pass, and each
         ``nn.BatchNorm`` in training mode runs as ``strategy.sync_batch_norm`` or
         its ``axis_name`` says (``fleet.sections._batch_norm.linen_interceptor``)."""
-        if _sync.current() is not None:
-            flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+        if _sync.current() is None:  # (stage 3's slices whole: fleet.sections._stage3)
+            variables = _stage3.whole_params(variables)
+        else:
+            flat, treedef = jax.tree_util.tree_flatten_with_path(variables,
+                                                                 is_leaf=_sharding.is_shard)
             keys = [dotted(p) for p, _ in flat]
-            leaves = [x for _, x in flat]
+            leaves = [x.value if _sharding.is_shard(x) else x for _, x in flat]
+            layouts = [x.layout if _sharding.is_shard(x) else None for _, x in flat]
             todo = [i for i, k in enumerate(keys) if k == "params" or k.startswith("params.")]
             synced = _sync.sync_leaves([keys[i] for i in todo], [leaves[i] for i in todo],
-                                       self._fleet_buckets)
+                                       self._fleet_buckets, [layouts[i] for i in todo])
             for i, y in zip(todo, synced):
                 leaves[i] = y
             variables = jax.tree_util.tree_unflatten(treedef, leaves)

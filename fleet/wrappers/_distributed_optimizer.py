@@ -227,8 +227,6 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         _large_batch.swap_optimizer_state(optimizer, _large_batch.swap_tx(optimizer.tx, strategy))
         return DistributedOptimizer(optimizer)
     if isinstance(optimizer, optax.GradientTransformation):
-        if _stage3.active(strategy):
-            raise _stage3.refuse("an optax transformation")
         needs = [name for name, on in (
             (f"gradient_merge (k_steps={strategy.gradient_merge_configs.k_steps})",
              strategy.gradient_merge and strategy.gradient_merge_configs.k_steps > 1),

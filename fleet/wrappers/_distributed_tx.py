@@ -23,7 +23,7 @@ from fleet.comm import _sync
 from fleet.comm._buckets import strategy_buckets
 from fleet.comm._reduce import reduce_gradients
 from fleet.runtime._leaves import dotted
-from fleet.sections import _finite_replay, _shard_probe, _sharding
+from fleet.sections import _finite_replay, _shard_probe, _sharding, _stage3
 
 
 class AllReduceThen(optax.GradientTransformationExtraArgs):
@@ -71,6 +71,11 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
     shard = _sharding.config()
 
     def init(params):
+        if shard is not None and shard.stage == 3:  # (fleet.sections._stage3.split_params)
+            leaves = jax.tree.leaves(params, is_leaf=_sharding.is_shard)
+            if not any(map(_sharding.is_shard, leaves)):
+                raise _stage3.refuse("parameters fleet did not split")
+            params = _stage3.whole_params(params)
         state = inner.init(params)
         if shard is None:
             return state
