@@ -63,6 +63,7 @@ from fleet.step._decorator import DistributedStep, distributed_step
 from fleet.strategy import DistributedStrategy
 from fleet.wrappers._data_parallel import DataParallel, LinenDataParallel, distributed_model
 from fleet.wrappers._distributed_optimizer import DistributedOptimizer, distributed_optimizer
+from fleet.wrappers._group_sharded import group_sharded_parallel
 
 __all__ = [
     # the job: joining it, and where this process sits in it
@@ -86,6 +87,7 @@ __all__ = [
     "distributed_step",
     "DistributedStep",
     "fused_allreduce_gradients",
+    "group_sharded_parallel",
     "check_replicas",
     "io",
     "optimizer",

@@ -79,7 +79,7 @@ def test_a_section_fleet_does_not_run_is_refused_with_what_to_use(section, inste
     ("amp", {"use_pure_fp16": True, "use_pure_bf16": True}, "choose one"),
     ("gradient_merge", {"k_steps": 0}, "k_steps must be a finite number greater than 0"),
     ("recompute", {"policy": "everything"}, "policy must be one of 'nothing_saveable'"),
-    ("sharding", {"stage": 3}, "sharding_configs.stage must be one of 1, 2, got 3"),
+    ("sharding", {"stage": 4}, "sharding_configs.stage must be one of 1, 2, 3, got 4"),  # (3: issue 37)
     ("sharding", {"sharding_degree": -2}, "sharding_degree must be a finite number at least 0"),
     ("sharding", {"segment_broadcast_MB": 0}, "segment_broadcast_MB must be a finite number "
                                               "greater than 0"),

@@ -331,3 +331,37 @@ def test_a_linen_train_state_moves_between_stage_3_and_stage_2(make_world, tmp_p
         flat = models.flat_params(_stage3.whole_params({"p": got.params, "o": got.opt_state}))
         assert flat.keys() == saved.keys()
         assert all(np.array_equal(flat[k], saved[k]) for k in saved), stage
+
+
+# -- Paddle's spelling -----------------------------------------------------------------------------
+
+def test_group_sharded_parallel_p_g_os_is_stage_3(make_world):
+    """``fleet.group_sharded_parallel(model, opt, "p_g_os")`` after a plain
+    ``fleet.init``: the same run as ``sharding_configs = {"stage": 3}``."""
+    data = models.batches("linear", 6, 16)
+    make_world(4, strategy(3))
+    ref, _, _, _ = train_nnx("linear", data, optax.adam(1e-2))
+    make_world(4, strategy())
+    model = models.LinearNet(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    model, opt, scaler = fleet.group_sharded_parallel(model, opt, "p_g_os")
+    assert scaler is None and fleet.world().strategy.sharding_configs.stage == 3
+    step = fleet.distributed_step(models.nnx_train_step)
+    for x, y in data:
+        step(model, opt, x, y)
+    assert len(sharded_params(model)) == 4 and opt.sharded
+    assert models.max_diff(models.flat_params(model), models.flat_params(ref)) == 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"level": "p_g"}, fleet.FleetConfigError, r"level must be one of \['os', 'os_g', 'p_g_os'\]"),
+    ({"level": "os", "offload": True}, fleet.FleetUnsupportedError,
+     r"group_sharded_parallel\(offload=...\) is not supported"),
+    ({"level": "os_g", "segment_size": 0}, fleet.FleetConfigError,
+     r"segment_size must be a positive number of bytes, got 0"),
+])
+def test_group_sharded_parallel_refuses_what_it_cannot_run(make_world, kwargs, error, match):
+    make_world(4, strategy())
+    model = models.LinearNet(nnx.Rngs(0))
+    with pytest.raises(error, match=match):
+        fleet.group_sharded_parallel(model, optax.adam(1e-2), **kwargs)
