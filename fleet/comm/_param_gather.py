@@ -21,6 +21,10 @@ makes them whole, one custom-VJP call per bucket of ``segment_broadcast_MB``
   placeholder the step refuses to read (``fleet_shard_grad``), as at stages 1
   and 2: the reduced gradient exists only as slices.
 
+A bucket read where nothing differentiates it (an evaluation, a norm of the
+updated parameters) is gathered plainly: invariant, the same on every replica,
+as a parameter read outside ``jax.grad`` is at the other stages.
+
 A slice is gathered once per trace, as a parameter is synced once
 (:func:`fleet.comm._sync.sync_leaves`): a second read gets the same whole
 value, so the optimizer gets one gradient per parameter. The gathered values
@@ -36,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fleet._compat import is_differentiated
 from fleet.comm._buckets import MB, Bucket, BucketConfig, plan_leaves, reduce_buckets
 from fleet.comm._hooks import gradient_hook
 from fleet.comm._shard_comm import AllGather, Layout, fleet_shard_grad
@@ -96,10 +101,12 @@ def gather_leaves(trace: SyncTrace, keys: Sequence, slices: Sequence,
     plan = plan_leaves(whole, BucketConfig(size, size), by_dtype=True)
 
     def hook(bucket: Bucket, xs: list) -> Sequence:
-        trace.wrapped_syncs += 1
         members = bucket.members
-        return _bucket_gather(trace, tuple(keys[i] for i in members),
-                              tuple(layouts[i] for i in members))(*xs)
+        lays = tuple(layouts[i] for i in members)
+        if not any(map(is_differentiated, xs)):  # (read, not differentiated: invariant)
+            return AllGather(lays)(Bucket(0, tuple(range(len(xs)))), xs)
+        trace.wrapped_syncs += 1
+        return _bucket_gather(trace, tuple(keys[i] for i in members), lays)(*xs)
 
     out = reduce_buckets(plan, list(slices), hook)
     trace.shard.whole.update(trace.hold(out))

@@ -258,8 +258,10 @@ class SyncedRead:
 
     def get_value(self, *, index: Any = MISSING) -> Any:
         trace = current()
-        spec = self.get_metadata("fleet_sync")
+        spec = self.get_metadata("fleet_sync", None)  # (None: a copy being built)
         raw = self.get_raw_value()
+        if spec is None:
+            return super().get_value(index=index)
         if spec.layout is not None:  # stage 3: whole, gathered inside a step
             if trace is None:  # (a tree mapped over the state holds other values)
                 if getattr(raw, "shape", None) != (spec.layout.replicas, spec.layout.chunk):
@@ -273,13 +275,20 @@ class SyncedRead:
         return super().get_value(index=index)
 
     def set_value(self, value: Any, *, index: Any = MISSING) -> None:
-        spec = self.get_metadata("fleet_sync")
-        if spec.layout is None or current() is not None:
+        spec = self.get_metadata("fleet_sync", None)
+        if spec is None or spec.layout is None or current() is not None:
             return super().set_value(value, index=index)
         whole = value
         if not (isinstance(index, Missing) or index is ...):
             whole = to_logical(self.get_raw_value(), spec.layout).at[index].set(value)
         return self.set_raw_value(to_shards(whole, spec.layout))
+
+
+def _layout(variable: Any) -> Any:
+    """Stage 3's layout of a wrapped parameter (``None``: whole, or not wrapped; a
+    parameter of a synced type made by hand carries no spec)."""
+    spec = variable.get_metadata("fleet_sync", None) if isinstance(variable, SyncedRead) else None
+    return None if spec is None else spec.layout
 
 
 def _whole(raw: Any, layout: Any, trace: SyncTrace) -> bool:
@@ -335,8 +344,7 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
         return
     keys = list(variables)
     raw = [variables[k].get_raw_value() for k in keys]
-    layouts = [variables[k].get_metadata("fleet_sync").layout
-               if isinstance(variables[k], SyncedRead) else None for k in keys]
+    layouts = [_layout(variables[k]) for k in keys]
     synced = sync_leaves(keys, raw, buckets, layouts)
     changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
     for v, _, s in changed:
