@@ -10,7 +10,9 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -18,7 +20,11 @@ import fleet
 from fleet.checkpoint import _migrate
 from fleet.hapi import _saving
 from fleet.runtime._leaves import state_dict
-from tests import features_v1
+from fleet.sections._amp import ScaleRules, ScaleState
+from fleet.wrappers._fleet_state import FleetState
+from fleet.wrappers._gradient_merge import MergeState, MergeSteps
+from tests import features_v1, models
+from tests.test_strategy import paddle_scale_rules
 
 DATA = Path(__file__).parent / "data" / "checkpoint" / "features_v1"
 
@@ -97,3 +103,37 @@ def test_an_earlier_pdopt_loads_under_todays_names(make_world):
         assert np.asarray(got[k]).tobytes() == np.asarray(today[k]).tobytes(), k
     with pytest.raises(fleet.FleetError, match="does not fit this optimizer"):
         _saving.set_optimizer_state_dict(fresh, {**earlier, "loss_scale": earlier["loss_scaling"]})
+
+
+def test_the_features_are_optax_style_init_update_pairs(make_world):
+    """Gradient merge and float16 amp as ``optax.MultiSteps`` / ``apply_if_finite``
+    are: ``init()`` a NamedTuple state, ``update`` a pure function of it (jitted
+    here), the scale moving by Paddle's rules; with neither on, the optimizer
+    holds what ``nnx.Optimizer`` holds."""
+    merge = MergeSteps(k_steps=4, avg=True)
+    state, counts = merge.init(), []
+    for _ in range(6):
+        state = jax.jit(merge.update)(state)
+        counts.append(int(state.mini_step))
+    assert isinstance(state, MergeState) and counts == [1, 2, 3, 0, 1, 2]
+
+    rules = ScaleRules(init_loss_scaling=1024.0, use_dynamic_loss_scaling=True,
+                       incr_every_n_steps=2, decr_every_n_nan_or_inf=2, incr_ratio=2.0,
+                       decr_ratio=0.5)
+    finite = [True, True, False, False, True, False, True, True, True, False, True]
+    state, scales = rules.init(), []
+    for ok in finite:
+        state = jax.jit(rules.update)(state, jnp.asarray(ok))
+        scales.append(float(state.loss_scaling))
+    assert isinstance(state, ScaleState)
+    assert scales == paddle_scale_rules(finite, 1024.0, 2, 2, 2.0, 0.5)
+    assert int(state.skipped_steps) == finite.count(False)
+
+    make_world(2)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    plain = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+    assert opt.fleet_state == FleetState(merge=None, amp=None)
+    assert state_dict(opt).keys() == state_dict(plain).keys()
+    with pytest.raises(AttributeError, match="keeps no loss scale"):
+        opt.loss_scaling  # noqa: B018
