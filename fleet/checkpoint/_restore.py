@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from fleet._errors import FleetError, FleetWarning
-from fleet.checkpoint import _integrity, _meta, _settle, _state, _tree
+from fleet.checkpoint import _integrity, _meta, _migrate, _settle, _state, _tree
 from fleet.checkpoint._errors import Damaged, FleetCheckpointError, first_line
 from fleet.runtime import _agree
 from fleet.runtime._world import world
@@ -177,7 +177,9 @@ def _verdict(meta: dict[str, Any], values: dict[str, dict[str, Any]]) -> str:
 def _problems(orbax: ocp.CheckpointManager, directory: str, step: int, meta: dict,
               parts: dict[str, _state.Part]) -> list[str]:
     """Every way the arrays of ``step`` do not fit ``parts`` (a part whose object
-    grows a gradient accumulator is replaced by the grown one)."""
+    grows a gradient accumulator is replaced by the grown one; a part's leaves
+    written under an earlier fleet's names are read under those,
+    :mod:`fleet.checkpoint._migrate`)."""
     try:
         with _settle.collect() as failed:  # (a failed read leaves nothing running)
             items = orbax.metadata(step).item_metadata
@@ -201,6 +203,8 @@ def _problems(orbax: ocp.CheckpointManager, directory: str, step: int, meta: dic
         saved = {k: (tuple(m.shape), np.dtype(m.dtype).name) for k, m in tree.items()}
         if _grows_accumulator(part, saved):
             part = parts[name] = _state.Part.of(name, part.obj)
+        part.stored_as = _migrate.renames(name, saved, part.leaves)  # an earlier fleet's names
+        saved = _migrate.as_today(saved, part.stored_as)
         problems += [f"{name}: {p}" for p in _tree.differences(
             saved, part.signatures(), meta["key_impls"].get(name, {}), part.impls())]
     return problems

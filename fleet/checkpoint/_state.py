@@ -48,6 +48,9 @@ class Part:
     # strategy.sharding: the sharded leaves' layouts; they are saved and restored
     # in their logical (unsharded) layout, so any replica count can read them.
     layouts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # a checkpoint of an earlier fleet: {key: the key it was written under}
+    # (fleet.checkpoint._migrate); read under that key, put back under this one.
+    stored_as: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, obj: Any) -> Part:
@@ -88,13 +91,14 @@ class Part:
 
     def targets(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(items, restore args)`` for orbax's ``PyTreeRestore``."""
-        pairs = {k: _tree.target(v) for k, v in self.leaves.items()}
+        pairs = {self.stored_as.get(k, k): _tree.target(v) for k, v in self.leaves.items()}
         return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
 
     def put(self, values: dict[str, jax.Array]) -> Any:
         """Puts restored ``values`` back: NNX variables in place; returns the object
         (a new pytree for a pytree part)."""
-        new = {k: _tree.restored(values[k], leaf) for k, leaf in self.leaves.items()}
+        new = {k: _tree.restored(values[self.stored_as.get(k, k)], leaf)
+               for k, leaf in self.leaves.items()}
         for key, layout in self.layouts.items():
             new[key] = to_shards(new[key], layout)
             if self.variables is None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from fleet import checkpoint
 from fleet._errors import FleetError
+from fleet.checkpoint import _migrate
 from fleet.runtime import _world
 from fleet.runtime._leaves import state_dict
 from fleet.runtime._replicate import load_state_dict
@@ -46,7 +47,9 @@ def optimizer_state_dict(optimizer: Any) -> dict[str, np.ndarray]:
 
 
 def set_optimizer_state_dict(optimizer: Any, state: dict[str, Any]) -> None:
-    """Loads values saved by :func:`optimizer_state_dict`; all or nothing."""
+    """Loads values saved by :func:`optimizer_state_dict` (by this fleet or an
+    earlier one, :mod:`fleet.checkpoint._migrate`); all or nothing."""
+    state = _migrate.as_today(state, _migrate.renames("optimizer", state, state_dict(optimizer)))
     load_state_dict(optimizer, state, "optimizer",
                     "Build the same optimizer as when saving, or load with reset_optimizer=True",
                     intro="the saved optimizer state does not fit this optimizer")

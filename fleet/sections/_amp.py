@@ -13,13 +13,15 @@ float16 also scales the loss (dynamic loss scaling): the cotangent of the
 model's outputs is multiplied by the scale, the reduced gradients are divided
 by it, and a step whose gradients are not finite on any replica is skipped on
 all of them. The scale moves by Paddle's rules (:func:`next_scale`); its state
-lives in the distributed optimizer, so checkpoints carry it.
+(:class:`ScaleState`, made and moved by :class:`ScaleRules`' ``init`` and
+``update``) lives in the distributed optimizer's ``fleet_state.amp``, so
+checkpoints carry it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,10 +107,23 @@ def _scale_bwd(scale, ct):
 scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
 
 
+class ScaleState(NamedTuple):
+    """float16 amp's dynamic loss-scaling state: the scale, Paddle's good- and
+    bad-step counts, and the number of skipped steps (shown by ``fleet.Model``)."""
+
+    loss_scaling: Any
+    good_steps: Any
+    bad_steps: Any
+    skipped_steps: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class ScaleRules:
-    """Paddle's dynamic loss-scaling rules (from ``amp_configs``)."""
+    """Paddle's dynamic loss-scaling rules (from ``amp_configs``), as an
+    optax-style ``(init, update)`` pair over :class:`ScaleState` (after
+    ``optax.apply_if_finite``, which counts the skipped steps the same way)."""
 
+    init_loss_scaling: float
     use_dynamic_loss_scaling: bool
     incr_every_n_steps: int
     decr_every_n_nan_or_inf: int
@@ -119,20 +134,21 @@ class ScaleRules:
     def of(cls, cfg: Any) -> ScaleRules:
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
+    def init(self) -> ScaleState:
+        zero = jnp.zeros((), jnp.int32)
+        return ScaleState(jnp.asarray(self.init_loss_scaling, jnp.float32), zero, zero, zero)
+
+    def update(self, state: ScaleState, finite: Any) -> ScaleState:
+        """``state`` after a step whose gradients were ``finite`` (a bool array):
+        :func:`next_scale`, and one more skipped step where they were not."""
+        scale, good, bad = next_scale(state.loss_scaling, state.good_steps, state.bad_steps,
+                                      finite, self)
+        return ScaleState(scale, good, bad, state.skipped_steps + (~finite).astype(jnp.int32))
+
 
 class LossScale(nnx.Variable):
-    """Dynamic loss-scaling state of a distributed optimizer (float16 amp)."""
-
-
-def scale_state(init_loss_scaling: float) -> dict[str, LossScale]:
-    """The state: the scale, Paddle's good- and bad-step counts, and the number
-    of skipped steps (shown by ``fleet.Model``)."""
-    return {
-        "loss_scaling": LossScale(jnp.asarray(init_loss_scaling, jnp.float32)),
-        "good_steps": LossScale(jnp.zeros((), jnp.int32)),
-        "bad_steps": LossScale(jnp.zeros((), jnp.int32)),
-        "skipped_steps": LossScale(jnp.zeros((), jnp.int32)),
-    }
+    """Dynamic loss-scaling state of a distributed optimizer (float16 amp): the
+    leaves of :class:`ScaleState` on the optimizer."""
 
 
 def next_scale(scale, good, bad, finite, cfg: ScaleRules) -> tuple:

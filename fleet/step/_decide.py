@@ -50,7 +50,7 @@ def decide(program: Program, merge: MergePosition, batch_argnums: tuple | None,
     merging, position = merge.find(objs, no_sync)
     grad_merge = None
     if merging is not None:
-        grad_merge = "final" if position == merging.merge_k - 1 else "local"
+        grad_merge = "final" if position == merging.merge.k_steps - 1 else "local"
         no_sync = grad_merge == "local"
     if no_sync and _stage3.active(w.strategy):
         raise _stage3.refuse("no_sync" if grad_merge is None else "gradient_merge")

@@ -135,8 +135,8 @@ class Accumulation:
         opts = [o for o in objs if isinstance(o, DistributedOptimizer)]
         accumulates = bool(plan.no_sync) and bool(opts)
         applies = not plan.no_sync and (plan.grad_merge == "final" or self.status != "none")
-        divisor = max([o.merge_k for o in opts if o.merge_avg and plan.grad_merge == "final"],
-                      default=1)
+        divisor = max([o.merge.k_steps for o in opts if o.merge is not None and o.merge.avg
+                       and plan.grad_merge == "final"], default=1)
         if not verified or (self.status == "lost" and (accumulates or applies)):
             self.status = "lost" if accumulates else "none" if applies else self.status
             return None
@@ -169,7 +169,8 @@ def _holds_a_sum(obj: Any) -> bool:
     or its accumulator not zero)."""
     if not isinstance(obj, DistributedOptimizer):
         return False
-    if obj.merge_k > 1 and int(np.asarray(whole(obj.merge_count.get_raw_value()))) != 0:
+    merge = obj.fleet_state.merge
+    if merge is not None and int(np.asarray(whole(merge.mini_step.get_raw_value()))) != 0:
         return True
     accum = getattr(obj, "grad_accum", None)
     if accum is None:

@@ -17,9 +17,10 @@ reach the optimizer averaged already, so this one does not reduce them again. Wh
   (:mod:`fleet.sections._large_batch`); ``gradient_merge`` steps once every ``k_steps``
   calls; float16 ``amp`` keeps the loss scale and skips steps whose gradients are not finite.
 
-Its state is the inner optimizer's state, plus what those sections keep (``grad_accum``,
-``merge_count``, the loss scale), so with none of them on, checkpoints move freely
-between single-device and distributed runs.
+Its state is the inner optimizer's state, plus what those sections keep: ``grad_accum``
+(the wrapped model's local sums) and ``fleet_state`` (gradient merge's count, the loss
+scale: :mod:`fleet.wrappers._fleet_state`), so with none of them on, checkpoints move
+freely between single-device and distributed runs.
 
 The optax transformation (the functional style, and the update inside this
 optimizer) is :mod:`fleet.wrappers._distributed_tx`; gradient merge and the
@@ -44,17 +45,19 @@ from fleet.runtime._replicate import replicate_in_place
 from fleet.runtime._world import current_strategy
 from fleet.sections import _amp, _finite_replay, _large_batch, _shard_probe, _sharding, _stage3
 from fleet.wrappers._distributed_tx import _distributed_tx
+from fleet.wrappers._fleet_state import FleetStateHolder
 from fleet.wrappers._gradient_merge import GradientMerge
 
 
-class DistributedOptimizer(GradientMerge, nnx.Optimizer):
+class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
     """An ``nnx.Optimizer`` that averages gradients still differing across
     replicas and does not step under ``no_sync`` (see the module docstring).
 
     With ``strategy.gradient_merge`` it steps once every ``k_steps`` calls
     (``merge_count`` counts them); with float16 ``strategy.amp`` it holds the
     loss scale (``loss_scaling``, ``good_steps``, ``bad_steps``,
-    ``skipped_steps``) and skips a step whose gradients are not finite."""
+    ``skipped_steps``) and skips a step whose gradients are not finite. Those
+    are views of ``fleet_state`` (:mod:`fleet.wrappers._fleet_state`)."""
 
     def __init__(self, optimizer: nnx.Optimizer):  # pylint: disable=super-init-not-called
         strategy = current_strategy()
@@ -62,15 +65,9 @@ class DistributedOptimizer(GradientMerge, nnx.Optimizer):
         # wrt...), whatever nnx.Optimizer holds; only the transformation changes.
         _compat.share_fields(self, optimizer)
         self.tx = _distributed_tx(optimizer.tx)
-        self.init_merge(strategy)  # strategy.gradient_merge (fleet.wrappers._gradient_merge)
-        if self.merge_k > 1 and _stage3.active(strategy):
+        self.init_fleet_state(strategy)  # gradient merge, float16 amp (fleet.wrappers._fleet_state)
+        if self.merge is not None and _stage3.active(strategy):
             raise _stage3.refuse("gradient_merge")
-        policy = _amp.policy_of(strategy)
-        self.amp_rules = _amp.ScaleRules.of(strategy.amp_configs) if (
-            policy and policy.loss_scaling) else None
-        if self.amp_rules is not None:
-            for name, var in _amp.scale_state(strategy.amp_configs.init_loss_scaling).items():
-                setattr(self, name, var)
         # strategy.sharding: the state is split at the first step, where the model's
         # parameters are known (ensure_sharded).
         self.shard_pending = strategy.sharding and not self.sharded
@@ -183,10 +180,8 @@ class DistributedOptimizer(GradientMerge, nnx.Optimizer):
                                         if jnp.issubdtype(g.dtype, jnp.inexact)]))
         for v, old in zip(kept, before):
             v.set_raw_value(jnp.where(finite, v.get_raw_value(), old))
-        scale, good, bad = _amp.next_scale(self.loss_scaling[...], self.good_steps[...],
-                                           self.bad_steps[...], finite, self.amp_rules)
-        self.loss_scaling[...], self.good_steps[...], self.bad_steps[...] = scale, good, bad
-        self.skipped_steps[...] = self.skipped_steps[...] + (~finite).astype(jnp.int32)
+        state = self.pure_fleet_state()
+        self.update_fleet_state(state._replace(amp=self.amp_rules.update(state.amp, finite)))
         return None
 
     def _variables(self, model) -> list:
@@ -270,9 +265,11 @@ def enter_trace(trace: _sync.SyncTrace, objs: tuple, *, grad_merge: str | None,
     for opt in objs:
         if not isinstance(opt, DistributedOptimizer):
             continue
-        if opt.amp_rules is not None and trace.tx.loss_scale is None:
-            trace.tx.loss_scale = divisor = opt.loss_scaling[...]
-        divisor = opt.merged_divisor(divisor, grad_merge)
+        state = opt.pure_fleet_state()
+        if state.amp is not None and trace.tx.loss_scale is None:
+            trace.tx.loss_scale = divisor = state.amp.loss_scaling
+        if opt.merge is not None:
+            divisor = opt.merge.divisor(divisor, grad_merge)
     trace.tx.divisor = divisor
     trace.accum.merge_counts = grad_merge is not None
     if sharded:

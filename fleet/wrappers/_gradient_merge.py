@@ -5,13 +5,18 @@ A distributed
 optimizer that merges steps once every ``k_steps`` calls: the calls before the
 ``k_steps``-th run as under ``no_sync`` (each replica adds its local gradients to
 the optimizer's ``grad_accum``), the ``k_steps``-th syncs the sum (divided by
-``k_steps`` under ``gradient_merge_configs.avg``) and steps. ``merge_count`` counts
-the calls on the device, so a checkpoint carries the position in the cycle; the
-state names ``grad_accum`` and ``merge_count`` are what checkpoints hold.
+``k_steps`` under ``gradient_merge_configs.avg``) and steps. The count of calls
+lives on the device, as ``optax.MultiSteps`` keeps its ``mini_step``: the state
+:class:`MergeState`, made and moved by :class:`MergeSteps` (``init``, ``update``),
+held in the optimizer's ``fleet_state.merge`` (:mod:`fleet.wrappers._fleet_state`),
+so a checkpoint carries the position in the cycle (``fleet_state.merge.mini_step``;
+``merge_count`` before, read by :mod:`fleet.checkpoint._migrate`), beside the sums,
+``grad_accum``.
 
-Here: :class:`MergeCount`, the :class:`GradientMerge` part of
-:class:`~fleet.wrappers._distributed_optimizer.DistributedOptimizer` (its merge
-settings, accumulator, counting and divisor), and the step's side
+Here: :class:`MergeCount`, :class:`MergeState`, :class:`MergeSteps`, the
+:class:`GradientMerge` part of
+:class:`~fleet.wrappers._distributed_optimizer.DistributedOptimizer` (its
+accumulator and counting), and the step's side
 (:func:`prepare_accumulators`, :class:`MergePosition`, :func:`leave_accumulators`,
 :func:`check_one_sum_each`).
 
@@ -29,12 +34,14 @@ Where gradient merge still touches other files, and why (one line each):
 * ``step/_recall.py``: merge calls skip the fast path (their program changes with the position).
 * ``step/_verify.py``, ``step/_verify_sections.py``: verify's reference sums like ``optax.MultiSteps``.
 * ``checkpoint/_restore.py``: a mid-accumulation checkpoint grows ``grad_accum`` (``ensure_accumulator``).
+* ``checkpoint/_migrate.py``: reads an older checkpoint's ``merge_count`` as ``fleet_state.merge.mini_step``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,19 +55,59 @@ from fleet.runtime._world import world
 
 
 class MergeCount(nnx.Variable):
-    """``strategy.gradient_merge``: calls since the last optimizer step."""
+    """``strategy.gradient_merge``: calls since the last optimizer step (the leaf
+    of :class:`MergeState` on the optimizer)."""
+
+
+class MergeState(NamedTuple):
+    """Gradient merge's state, as ``optax.MultiStepsState`` keeps it: ``mini_step``,
+    the calls since the last optimizer step (0 .. ``k_steps - 1``). The sums
+    themselves are the wrapped model's (``grad_accum``, per replica)."""
+
+    mini_step: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeSteps:
+    """``strategy.gradient_merge`` as an optax-style ``(init, update)`` pair, after
+    ``optax.MultiSteps``: :meth:`init` makes the state, :meth:`update` gives the
+    state after one call (counted when the call counts in the cycle)."""
+
+    k_steps: int
+    avg: bool
+
+    @classmethod
+    def of(cls, strategy: Any) -> MergeSteps | None:
+        """The strategy's merge (``None`` unless it merges ``k_steps > 1`` calls)."""
+        cfg = strategy.gradient_merge_configs
+        return cls(cfg.k_steps, cfg.avg) if strategy.gradient_merge and cfg.k_steps > 1 else None
+
+    def init(self) -> MergeState:
+        return MergeState(jnp.zeros((), jnp.int32))
+
+    def update(self, state: MergeState) -> MergeState:
+        """``state`` after a call that counts in the cycle (not an explicit ``no_sync``)."""
+        return MergeState((state.mini_step + 1) % self.k_steps)
+
+    def divisor(self, divisor: Any, grad_merge: str | None) -> Any:
+        """``gradient_merge_configs.avg``: on the final call, ``divisor`` (or 1)
+        times ``k_steps``."""
+        if grad_merge == "final" and self.avg:
+            k = jnp.asarray(self.k_steps, jnp.float32)
+            divisor = k if divisor is None else divisor * k
+        return divisor
 
 
 class GradientMerge:
     """The gradient merge and ``no_sync`` part of a distributed optimizer (an
-    ``nnx.Optimizer``): ``merge_k``, ``merge_avg``, ``merge_count`` and ``grad_accum``."""
+    ``nnx.Optimizer``): ``merge`` (its :class:`MergeSteps`, or ``None``) and
+    ``grad_accum``; the merge's state is ``fleet_state.merge``
+    (:mod:`fleet.wrappers._fleet_state`)."""
 
-    def init_merge(self, strategy: Any) -> None:
-        """The strategy's merge settings; ``merge_count`` where it merges."""
-        self.merge_k = strategy.gradient_merge_configs.k_steps if strategy.gradient_merge else 1
-        self.merge_avg = strategy.gradient_merge_configs.avg
-        if self.merge_k > 1:
-            self.merge_count = MergeCount(jnp.zeros((), jnp.int32))
+    @property
+    def merge_count(self) -> MergeCount:
+        """The calls since the last step (``fleet_state.merge.mini_step``)."""
+        return self.fleet_state.merge.mini_step
 
     def ensure_accumulator(self, params: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
         """Creates ``grad_accum`` (zeros, one local sum per replica) for the wrapped
@@ -84,20 +131,13 @@ class GradientMerge:
         """An update's start in ``trace``: counted in the merge cycle; under
         ``no_sync`` (or a merge call before the ``k_steps``-th) the gradients are
         added to the accumulator. Returns whether they were (nothing steps)."""
-        if self.merge_k > 1 and trace is not None and trace.accum.count_merge():
-            self.merge_count[...] = (self.merge_count[...] + 1) % self.merge_k
+        if self.merge is not None and trace is not None and trace.accum.count_merge():
+            state = self.pure_fleet_state()
+            self.update_fleet_state(state._replace(merge=self.merge.update(state.merge)))
         if trace is not None and trace.accum.no_sync:  # add to the accumulator; nothing steps
             _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
             return True
         return False
-
-    def merged_divisor(self, divisor: Any, grad_merge: str | None) -> Any:
-        """``gradient_merge_configs.avg``: on the final call, ``divisor`` (or 1)
-        times ``k_steps``."""
-        if grad_merge == "final" and self.merge_avg:
-            k = jnp.asarray(self.merge_k, jnp.float32)
-            divisor = k if divisor is None else divisor * k
-        return divisor
 
 
 # --------------------------------------------------------------------------- the step's side
@@ -132,7 +172,7 @@ class MergePosition:
         call sits in its cycle of ``k_steps`` calls. The count lives on the
         device (it is checkpointed); the host follows it without reading it back,
         and reads it only when someone else wrote it (a restore)."""
-        merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge_k > 1]
+        merging = [o for o in objs if isinstance(o, GradientMerge) and o.merge is not None]
         if not merging or no_sync:  # explicit no_sync: accumulate, do not count
             return None, 0
         if len(merging) > 1:  # (one divisor in the trace: it would be k_steps ** 2)
@@ -141,7 +181,7 @@ class MergePosition:
                 "is not supported: their merged gradients would be divided once per optimizer. "
                 "Step each optimizer in its own fleet.distributed_step (one call each per batch).")
         opt = merging[0]
-        value = opt.merge_count.get_raw_value()
+        value = opt.fleet_state.merge.mini_step.get_raw_value()
         seen = self._seen.get(id(opt))
         if seen is None or seen[0]() is not value:
             seen = (weakref.ref(value), int(np.asarray(value.addressable_shards[0].data)))
@@ -153,8 +193,8 @@ class MergePosition:
         for opt in objs:
             seen = self._seen.get(id(opt))
             if isinstance(opt, GradientMerge) and seen is not None:
-                self._seen[id(opt)] = (weakref.ref(opt.merge_count.get_raw_value()),
-                                       (seen[1] + 1) % opt.merge_k)
+                self._seen[id(opt)] = (weakref.ref(opt.fleet_state.merge.mini_step.get_raw_value()),
+                                       (seen[1] + 1) % opt.merge.k_steps)
 
 
 def leave_accumulators(trace: _sync.SyncTrace, accum_keys: list, leaves: list) -> None:
