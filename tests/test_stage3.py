@@ -31,7 +31,7 @@ from tests.test_sharding import (
 )
 
 STEPS = 12
-OPTIMIZERS = {**OPTIMIZERS,
+OPTIMIZERS = {**OPTIMIZERS, "sgd": lambda: optax.sgd(1e-1),  # (no state: the parameters split)
               "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))}
 
 
@@ -72,7 +72,7 @@ def _world(make_world):
 # -- acceptance 1 and 2: the step equals the unsharded step --------------------------------------
 
 @pytest.mark.parametrize("devices", tiers.devices(2, 4, 8))
-@pytest.mark.parametrize("opt_name", ["adam", "lamb", "clip+adam",
+@pytest.mark.parametrize("opt_name", ["adam", "lamb", "clip+adam", "sgd",
                                       pytest.param("momentum", marks=tiers.slow)])
 def test_stage_3_equals_the_unsharded_run(devices, opt_name):
     data = models.batches("linear", STEPS, 16)
@@ -103,7 +103,7 @@ def train_linen(kind, data, tx, steps=None):
 
 
 @pytest.mark.parametrize("kind, opt_name", [("linear", "adam"), ("cnn", "lamb"),
-                                            ("linear", "clip+adam")])
+                                            ("linear", "clip+adam"), ("linear", "sgd")])
 def test_linen_stage_3_equals_the_unsharded_run(make_world, kind, opt_name):
     """A Linen TrainState: the wrapped model's init splits the parameters (each a
     Shard, as the optimizer state's leaves are), apply gathers them."""
@@ -144,7 +144,6 @@ def test_stage_3_equals_the_single_device_step(make_world):
     pytest.param({"amp": True, "amp_configs": {"dtype": "float16"}}, id="amp_fp16"),
     pytest.param({"recompute": True, "recompute_configs": {"checkpoints": ["conv1", "conv2"]}},
                  id="recompute"),
-    pytest.param({"sync_batch_norm": True}, id="sync_batch_norm"),
     pytest.param({"check_nan_inf": True}, id="check_nan_inf"),
     pytest.param({"fp16_allreduce": True}, id="fp16_allreduce"),
     pytest.param({"verify_steps": 2}, id="verify_steps"),
@@ -158,6 +157,31 @@ def test_sections_compose_with_stage_3(sections):
     assert d_params < 1e-6 and d_state < 1e-6 and d_loss < 1e-6
     assert len(sharded_params(model)) == 6
     assert_replicated_state_equal(opt)
+
+
+@pytest.mark.parametrize("sync_batch_norm", [True, False])
+def test_batch_norm_statistics_stay_whole_and_replicated_under_stage_3(make_world,
+                                                                        sync_batch_norm):
+    """A model with nnx.BatchNorm: its parameters split, its statistics (not the
+    optimizer's) whole and replicated, both equal to the unsharded run."""
+    from tests import test_batch_norm as bn
+
+    runs = {}
+    for stage in (0, 3):
+        make_world(4, strategy(stage, sync_batch_norm=sync_batch_norm))
+        runs[stage] = train_nnx(None, bn.data(), optax.sgd(bn.LR), bn.train_step,
+                                model=bn.Net(nnx.Rngs(0)))
+    (model, opt, _, losses), (ref, _, _, ref_losses) = runs[3], runs[0]
+    stats = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.BatchStat))}
+    ref_stats = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(ref, nnx.BatchStat))}
+    d_params = models.max_diff(models.flat_params(model), models.flat_params(ref))
+    d_stats = models.max_diff(stats, ref_stats)
+    d_loss = float(np.max(np.abs(np.subtract(losses, ref_losses))))
+    print(f"stage 3, BatchNorm (sync_batch_norm={sync_batch_norm}): |params| = {d_params:.2e}, "
+          f"|batch stats| = {d_stats:.2e}, |losses| = {d_loss:.2e}")
+    assert d_params < 1e-6 and d_stats < 1e-6 and d_loss < 1e-6
+    assert len(sharded_params(model)) == 6
+    assert fleet.check_replicas(model) == []
 
 
 def test_optax_multi_steps_composes_with_stage_3():

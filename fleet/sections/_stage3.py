@@ -104,6 +104,15 @@ def whole_params(variables: Any) -> Any:
                         variables, is_leaf=is_shard)
 
 
+def split_gradients(trace: Any, grads: Any) -> bool:
+    """Whether ``grads`` (in a step's ``trace``) are stage 3's: the placeholders of
+    split parameters' gradients (an optimizer with no state shaped like the
+    parameters, plain SGD, still updates them as slices)."""
+    if trace is None or trace.shard.config is None or trace.shard.config.stage != 3:
+        return False
+    return any(id(g) in trace.shard.layouts for g in jax.tree.leaves(grads))
+
+
 def active(strategy: Any) -> bool:
     """Whether ``strategy`` shards the parameters (stage 3)."""
     return bool(strategy.sharding) and strategy.sharding_configs.stage == 3

@@ -24,6 +24,7 @@ cannot be rebuilt: such calls are skipped, and said.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -63,6 +64,8 @@ def unshard(objs: tuple) -> None:
     """The reference's clones: sharded variables get their logical value and their
     own class back, so the optimizer updates them as one device does."""
     for obj in objs:
+        if getattr(obj, "params_split", False):  # stage 3's optimizer: whole parameters now
+            obj.params_split = False
         for var in module_variables(obj).values():
             layout = _sharding.layout_of(var)
             if layout is None:
@@ -70,6 +73,9 @@ def unshard(objs: tuple) -> None:
             var.set_raw_value(logical(var.get_raw_value(), layout))
             base = next(c for c in type(var).__mro__[1:] if not issubclass(c, _sync.PerReplica))
             _compat.set_class(var, base)
+            spec = var.get_metadata("fleet_sync", None) if isinstance(var, _sync.SyncedRead) else None
+            if spec is not None:  # stage 3's parameter: read whole, synced as at stage 0
+                var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=None))
 
 
 # -- no_sync and gradient_merge ------------------------------------------------------------

@@ -70,6 +70,7 @@ class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
             raise _stage3.refuse("gradient_merge")
         # strategy.sharding: the state is split at the first step, where the model's
         # parameters are known (ensure_sharded).
+        self.params_split = False  # stage 3: the parameters it updates are split
         self.shard_pending = strategy.sharding and not self.sharded
         # Replicate the state on the mesh now (Adam's counters and ``step`` sit on
         # one device otherwise), equal on every replica.
@@ -77,8 +78,11 @@ class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
 
     @property
     def sharded(self) -> bool:
-        """Whether its state is split over the replicas (``strategy.sharding``)."""
-        return any(isinstance(v, _sharding.ShardedState) for v in self._state_variables())
+        """Whether its state (stage 3: or its parameters, where its state holds
+        nothing shaped like them, plain SGD) is split over the replicas
+        (``strategy.sharding``)."""
+        return self.params_split or any(isinstance(v, _sharding.ShardedState)
+                                        for v in self._state_variables())
 
     def _state_variables(self) -> list:
         return jax.tree.leaves(self.opt_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -114,6 +118,7 @@ class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
                     _sharding.mark_sharded(var, layout)
             if cfg.stage == 3:  # the parameters too (fleet.sections._stage3)
                 _stage3.shard_parameters(obj, self.wrt, cfg)
+                self.params_split = True
             self.shard_pending = False
             return True
         return False

@@ -88,7 +88,8 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
         ``core(*args)`` updates the arrays this replica holds (its slices under
         sharding), ``finish`` makes the full parameters, updates and state."""
         grads = _prepare(grads)
-        if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))):
+        if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))) or (
+                _stage3.split_gradients(_sync.current(), grads)):  # (plain SGD's empty state)
             return _sharding.local_update(inner, grads, state, params, **extra)
 
         def core(g, s, p):
