@@ -180,7 +180,7 @@ def test_batch_norm_statistics_stay_whole_and_replicated_under_stage_3(make_worl
     print(f"stage 3, BatchNorm (sync_batch_norm={sync_batch_norm}): |params| = {d_params:.2e}, "
           f"|batch stats| = {d_stats:.2e}, |losses| = {d_loss:.2e}")
     assert d_params < 1e-6 and d_stats < 1e-6 and d_loss < 1e-6
-    assert len(sharded_params(model)) == 6
+    assert len(sharded_params(model)) == 6 and opt.sharded  # (SGD: no state, split params)
     assert fleet.check_replicas(model) == []
 
 
