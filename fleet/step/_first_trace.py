@@ -100,6 +100,14 @@ def probe_view(closed: ClosedJaxpr, outputs: int) -> ClosedJaxpr:
     return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns, outvars=outvars))
 
 
+def evaluated(closed: ClosedJaxpr, shape: Any, args: tuple, decided: list[str]) -> tuple:
+    """The real program in the probe's jaxpr on ``args`` (:func:`evaluate`): its new
+    state, its outputs in order (as ``decided`` groups them) and its chain (a
+    list, empty without check_nan_inf)."""
+    new_state, replicated, rest, *checked = evaluate(closed, shape, args)
+    return new_state, ungroup(replicated, rest, decided), checked
+
+
 def evaluate(closed: ClosedJaxpr, shape: Any, args: tuple) -> Any:
     """The real program in the probe's jaxpr, on ``args`` (in the trace that calls
     it): the probe's own outputs and what only they need left out (so the
