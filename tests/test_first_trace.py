@@ -129,12 +129,16 @@ def test_a_float_sum_decided_after_the_probe_traces_the_step_twice(make_world):
 def compiles_during(call, *args):
     """``call(*args)``'s result and how many programs XLA compiled meanwhile."""
     seen = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: seen.append(event) if event == COMPILE_EVENT else None)
+
+    def listener(event, _secs, **_):
+        if event == COMPILE_EVENT:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         return call(*args), len(seen)
     finally:
-        jax.monitoring.clear_event_listeners()
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -1,12 +1,14 @@
 """A plan's compiled program: :meth:`fleet.step._program.Program.run` under ``jax.jit``.
 
 Moved out of ``fleet.step._decorator`` (``DistributedStep._compiled``, which keeps
-one :func:`jitted` per mesh and pytree layout and asks :func:`runner` for each
-plan's). The NNX objects' old state is donated to the program (its leaves split
-into donated and kept ones by ``fleet.step._donate``); the pytree arguments, the
-batch and the replicated values are placed by ``in_shardings``, and arguments
-that ``jit`` refuses because they were committed elsewhere are placed on the mesh
-(``fleet.step._global_arrays.placed``) before one more try.
+one :func:`jitted` per plan and asks :func:`runner` for its call). A plan's first
+call compiles its program while the step is checked (:func:`first_program`,
+``fleet.step._first_trace``). The NNX objects' old state is donated to the
+program (its leaves split into donated and kept ones by ``fleet.step._donate``);
+the pytree arguments, the batch and the replicated values are placed by
+``in_shardings``, and arguments that ``jit`` refuses because they were committed
+elsewhere are placed on the mesh (``fleet.step._global_arrays.placed``) before
+one more try.
 """
 
 from __future__ import annotations
