@@ -154,11 +154,14 @@ class Program:
         reference's error first, as when the reference was traced first."""
         _guards.check_closures(self.fn)
         record, both = PlanRecord(), {}
+        failed = None
         try:
             closed, shape = self.probe(plan, record, args, specs, state_specs, both)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 (raised below, after the reference's)
+            failed = e
+        if failed is not None:  # (outside the except: the reference's error stands alone)
             self.replay(plan, args, specs)
-            raise
+            raise failed
 
         def check() -> tuple:
             probe_body, reference = self.replay(plan, args, specs)
