@@ -31,6 +31,10 @@ need                               private symbol
                                    reduced to what its used outputs need
 :func:`user_line`                  an equation's ``source_info.traceback`` (undocumented): the user's line
                                    that made it
+:func:`inline_jaxpr`               ``jax._src.interpreters.partial_eval.inline_jaxpr_into_trace``,
+                                   ``DynamicJaxprTrace.to_jaxpr_tracer``, ``jax._src.core.trace_ctx`` and
+                                   ``jax._src.source_info_util.current``: the probe's program copied into
+                                   the real program's trace as it is (an inlined ``jit`` does so)
 :func:`threefry`                   ``jax.extend.random.threefry_prng_impl``'s fields (``seed``, ``split``,
                                    ``fold_in``, ``random_bits``): the parts of fleet's row-offset PRNG
                                    (``_random``)
@@ -76,7 +80,7 @@ import optax
 from flax import nnx
 from jax._src import config as jax_config
 from jax._src import core as jax_core
-from jax._src import distributed, xla_bridge
+from jax._src import distributed, source_info_util, xla_bridge
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib import _jax
@@ -145,6 +149,21 @@ def without_dead_code(closed: Any, used_outputs: Sequence[bool]) -> tuple[Any, l
     too), used on the probe's program (``fleet.step._first_trace.evaluate``)."""
     jaxpr, used_inputs = _pe.dce_jaxpr(closed.jaxpr, list(used_outputs))
     return closed.replace(jaxpr=jaxpr), list(used_inputs)
+
+
+def inline_jaxpr(closed: Any, args: Sequence) -> list:
+    """``closed`` (a ``ClosedJaxpr``) on ``args``, in the trace that calls it: its
+    equations copied into that trace as they are
+    (``jax._src.interpreters.partial_eval.inline_jaxpr_into_trace``, what an inlined
+    ``jit`` does), without binding each again (``jaxpr_as_fun``: a trace of its
+    own). Outside a ``jit`` or ``make_jaxpr`` trace: ``jaxpr_as_fun``."""
+    trace = jax_core.trace_ctx.trace
+    if not isinstance(trace, _pe.DynamicJaxprTrace):
+        return extend_core.jaxpr_as_fun(closed)(*args)
+    src = source_info_util.current()
+    tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
+    out = _pe.inline_jaxpr_into_trace(trace, src, closed.jaxpr, closed.consts, *tracers)
+    return [trace.to_jaxpr_tracer(x, src) for x in out]
 
 
 def threefry() -> Any:
@@ -323,9 +342,15 @@ def check() -> None:
         (extend_core.Primitive, "jax.extend.core.Primitive", "get_bind_params"),
         (jax.extend.random, "jax.extend.random", "define_prng_impl"),
         (_pe, "jax._src.interpreters.partial_eval", "dce_jaxpr"),
+        (_pe, "jax._src.interpreters.partial_eval", "inline_jaxpr_into_trace"),
+        (getattr(_pe, "DynamicJaxprTrace", None), "jax._src.interpreters.partial_eval."
+         "DynamicJaxprTrace", "to_jaxpr_tracer"),
+        (source_info_util, "jax._src.source_info_util", "current"),
         (jax_config, "jax._src.config", "traceback_filtering"),
         (threading, "threading", "_register_atexit"),
     ) if not callable(getattr(owner, name, None))]
+    if not hasattr(getattr(jax_core, "trace_ctx", None), "trace"):
+        missing.append("jax._src.core.trace_ctx.trace")
     if not hasattr(getattr(distributed, "global_state", None), "client"):
         missing.append("jax._src.distributed.global_state.client")
     make_cpu_client = getattr(xla_bridge, "make_cpu_client", None)

@@ -3,6 +3,8 @@ probe, whose program is the real one: fleet.step._first_trace), a repeated call
 with the same shapes not at all, a call with new shapes at most twice again; and
 every result is the single-device step's."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,3 +103,98 @@ def test_decisions_other_than_the_assumed_ones_trace_once_more(make_world):
     assert (traced, again) == (3, 0)
     np.testing.assert_allclose(float(loss), float(models.loss_of(out, y)), atol=TOL)
     np.testing.assert_allclose(float(top), out.max(), atol=TOL)
+
+
+def test_a_float_sum_decided_after_the_probe_traces_the_step_twice(make_world):
+    # The program compiled while the guards run assumes a float scalar is a mean;
+    # a float count is a sum: the probe's program is evaluated once more (the
+    # combination outside the body differs), the step is not traced again.
+    make_world(4)
+    x, y = models.batches("linear", 1, 8)[0]
+    out = np.asarray(models.LinearNet(nnx.Rngs(0))(x))
+
+    def evaluate(model, x, y):
+        pred = model(x)
+        return models.loss_of(pred, y), (pred > 0).sum().astype(jnp.float32)
+
+    fn = counted(evaluate)
+    step = fleet.distributed_step(fn)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    [((loss, count), traced), (_, again)] = traces_per_call(step, fn, [(model, x, y)] * 2)
+    assert (traced, again, step.trace_count) == (2, 0, 1)
+    np.testing.assert_allclose(float(loss), float(models.loss_of(out, y)), atol=TOL)
+    assert float(count) == float((out > 0).sum())
+
+
+def compiles_during(call, *args):
+    """``call(*args)``'s result and how many programs XLA compiled meanwhile."""
+    seen = []
+
+    def listener(event, _secs, **_):
+        if event == COMPILE_EVENT:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        return call(*args), len(seen)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def test_a_first_call_compiles_its_program_once(make_world):
+    # XLA compiles the probe's program while the guards run; the call then runs
+    # that executable (jit's cache), and the next calls too.
+    make_world(4)
+    data = models.batches("linear", 3, 8)
+    ref_losses, ref_params = models.nnx_reference("linear", data, optax.sgd(0.1))
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(models.nnx_train_step)
+    got = [compiles_during(step, model, optimizer, x, y) for x, y in data]
+    assert [n for _, n in got] == [1, 0, 0]
+    np.testing.assert_allclose([float(loss) for loss, _ in got], ref_losses, atol=TOL)
+    assert models.max_diff(models.flat_params(model), ref_params) < TOL
+
+
+def compile_threads():
+    return [t for t in threading.enumerate() if t.name == "fleet-compile"]
+
+
+def test_a_refusal_by_the_guards_waits_for_the_compilation_and_donates_nothing(make_world):
+    # The guards refuse a loss summed over the batch while XLA compiles: the error
+    # is the guards', no compiling thread is left, and the state was not donated.
+    make_world(4)
+    x, y = models.batches("linear", 1, 8)[0]
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    before = models.flat_params(model)
+
+    def train(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).sum())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with pytest.raises(fleet.FleetError, match="summed over the batch"):
+        fleet.distributed_step(train)(model, optimizer, x, y)
+    assert compile_threads() == []
+    assert models.max_diff(models.flat_params(model), before) == 0
+
+
+def test_a_failed_compilation_is_raised_by_the_call(make_world, monkeypatch):
+    make_world(4)
+    x, y = models.batches("linear", 1, 8)[0]
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    before = models.flat_params(model)
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("XLA failed")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", failing)
+    with pytest.raises(RuntimeError, match="XLA failed"):
+        fleet.distributed_step(models.nnx_train_step)(model, optimizer, x, y)
+    assert compile_threads() == []
+    assert models.max_diff(models.flat_params(model), before) == 0

@@ -203,8 +203,7 @@ class DistributedStep:
         self._compiled(plan)
         chain = self._finite.chain(plan.mesh) if plan.check_nan_inf else None
         layout, donated, kept = _donate.split(state, (trees, batch, repl), self._donate)
-        return self._jitted[(plan.mesh, plan.tree_shards)].lower(
-            plan, layout, donated, kept, trees, batch, repl, chain)
+        return self._jitted[plan].lower(plan, layout, donated, kept, trees, batch, repl, chain)
 
     def _check_replicas(self, out: Any) -> None:
         graph = self._program.graph
@@ -257,11 +256,10 @@ class DistributedStep:
 
     def _compiled(self, plan: Plan) -> Callable:
         """The call of the plan's compiled program (fleet.step._jitted), one ``jit``
-        per mesh and pytree layout."""
-        key = (plan.mesh, plan.tree_shards)
-        if key not in self._jitted:
-            self._jitted[key] = jitted(self._program, plan)
-        return runner(self._jitted[key], plan, self._program, self._donate)
+        per plan."""
+        if plan not in self._jitted:
+            self._jitted[plan] = jitted(self._program, plan)
+        return runner(self._jitted, plan, self._program, self._donate)
 
 
 def distributed_step(

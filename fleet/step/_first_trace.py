@@ -19,19 +19,39 @@ A first call thus traces the step twice (the reference and the probe), and a
 repeated call with the same shapes not at all (``fleet.step._recall``). The
 compiled program is the one the third trace made (a CNN with Adam on 4 CPU
 devices, with and without ``check_nan_inf``: the optimized HLO is the same but
-for one instruction's name).
+for one instruction's name). The probe's jaxpr is copied into the real
+program's trace as it is (``fleet._compat.inline_jaxpr``), not bound again.
 
-Measured (``benchmarks/first_step.py --rounds 4 --compare-with <base checkout>``:
+The program compiles while the step is checked
+(``fleet.step._jitted.first_program``): the probe is traced first
+(``Program.speculate``), its program lowered on the decisions the tail assumed
+(outside the body: an integer scalar summed, any other a mean), and XLA
+compiles it in a thread (the compilation releases the GIL) while the calling
+thread traces the one-device reference and runs the guards
+(``Program.settle``). Nothing runs before they passed (the state is donated);
+their errors are raised once the thread has ended, as before (a probe that
+fails raises the reference's error first, as when the reference was traced
+first). When the guards decided what the probe assumed, ``jit``'s cache holds
+the compiled program and the call runs it (one compilation); when only the
+combination outside the body differs, the probe's jaxpr is evaluated again
+with the decisions (no third trace; a second compilation); otherwise the step
+is traced for real, as before.
+
+Measured (``benchmarks/first_step.py --rounds 5 --compare-with <base checkout>``:
 a 16-layer Transformer, Adam, 4 CPU devices, a fresh process per first call,
-interleaved rounds on a shared 2-core machine): the first finished step took
-9.28 s against 9.78 s with three traces (1.38x against 1.45x the hand-written
-``jax.jit(jax.shard_map(...))`` step's 6.73 s; ``nnx.jit``: 5.52 s). At 48
-layers (3 rounds, one of them disturbed) the two were within the noise. In
-one such first call: the reference trace 1.8 s, the probe 1.9 s, evaluating
-its jaxpr 0.5 s, the guards' walks 0.1 s; lowering and compiling
-take the rest. What remains over the hand-written step is the reference trace
-and a fleet trace's own cost (the NNX graph, the buckets' custom VJPs, the
-probe's records).
+interleaved rounds on a 2-core machine shared with other work; four runs, the
+first before the inlining): the first finished step takes 1.04x to 1.19x the
+hand-written ``jax.jit(jax.shard_map(...))`` step (median of the per-round
+ratios; 6.8-7.0 s against 6.1-6.3 s in the least disturbed rounds), where the
+checkout before took 1.21x to 1.42x (8.2-8.6 s); three traces took 1.45x. With
+no free core the overlap is lost: a fifth run, at a load average of 6 (rounds
+of 8 to 22 s), gave 1.56x against the checkout before's 1.14x. In one first
+call on a quiet machine: the probe 1.3-1.4 s (the hand-written step's trace:
+1.2 s), evaluating its jaxpr 0.01 s (bound again: 0.3 s), lowering 0.2 s, and
+XLA's compilation 4.0 s, during which the reference trace (1.4 s) and the
+guards' walks (0.1 s) run. What remains over the hand-written step is a fleet
+trace's own cost (the NNX graph, the buckets' custom VJPs, the probe's
+records) and the compilation slowed by the reference trace on the second core.
 """
 
 from __future__ import annotations
@@ -40,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr
 
 from fleet import _compat
 from fleet._errors import FleetError
@@ -100,16 +120,27 @@ def probe_view(closed: ClosedJaxpr, outputs: int) -> ClosedJaxpr:
     return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns, outvars=outvars))
 
 
+def evaluated(closed: ClosedJaxpr, shape: Any, args: tuple, decided: list[str]) -> tuple:
+    """The real program in the probe's jaxpr on ``args`` (:func:`evaluate`): its new
+    state, its outputs in order (as ``decided`` groups them) and its chain (a
+    list, empty without check_nan_inf)."""
+    new_state, replicated, rest, *checked = evaluate(closed, shape, args)
+    return new_state, ungroup(replicated, rest, decided), checked
+
+
 def evaluate(closed: ClosedJaxpr, shape: Any, args: tuple) -> Any:
     """The real program in the probe's jaxpr, on ``args`` (in the trace that calls
     it): the probe's own outputs and what only they need left out (so the
     program lowered is the one a trace of the real body makes), its outputs in
-    the structure of the probe body's, but the first."""
+    the structure of the probe body's, but the first. Its equations are copied
+    into the calling trace as they are (``fleet._compat.inline_jaxpr``: the
+    optimized HLO is the one that binding each again made, 0.3 s faster on the
+    16-layer Transformer of ``benchmarks/first_step.py``)."""
     probed = len(jax.tree.leaves(shape[0]))
     total = len(closed.jaxpr.outvars)
     real, used = _compat.without_dead_code(closed, [i >= probed for i in range(total)])
     flat = [x for x, u in zip(jax.tree.leaves(args), used) if u]
-    return jax.tree.unflatten(jax.tree.structure(shape[1:]), jaxpr_as_fun(real)(*flat))
+    return jax.tree.unflatten(jax.tree.structure(shape[1:]), _compat.inline_jaxpr(real, flat))
 
 
 def ungroup(replicated: list, rest: list, decided: list[str]) -> list:

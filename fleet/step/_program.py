@@ -22,6 +22,7 @@ decisions made from the probe's jaxpr in ``fleet.step._probe_checks``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,12 @@ class Program:
         self.graph: GraphCache | None = None
         self.records: dict[Plan, PlanRecord] = {}
         self.trace_count = 0  # how often the body was traced for real (tests read it)
+        # A first trace whose checks run while XLA compiles (fleet.step._jitted): the
+        # plan traced so, its checks still to run, and the plans whose next trace
+        # is the real one (the probe's program to evaluate again, or None).
+        self.speculating: Plan | None = None
+        self.pending: dict[Plan, Callable] = {}
+        self.again: dict[Plan, tuple | None] = {}
 
     def run(self, plan: Plan, state, trees, batch, repl, chain=None):
         """The global program (``jit`` traces it): the per-replica body under
@@ -79,12 +86,18 @@ class Program:
             specs, args = (*specs, P()), (*args, chain)
         record = self.records.get(plan)
         first = None
-        if record is None:
+        if record is None and self.speculating is plan:  # checked later (fleet.step._jitted)
+            record, first = self.speculate(plan, args, specs, state_specs, trees, batch)
+        elif record is None:
             record, first = self.first_trace(plan, args, specs, state_specs, trees, batch)
             self.records[plan] = record
+        elif plan in self.again:  # a speculated first trace whose program was not the real one
+            probed = self.again.pop(plan)
+            if probed is not None:  # only the combination outside the body differed
+                first = _first_trace.evaluated(*probed, args, self.forms(record))
         else:  # a known plan's new shapes are checked on one device too
             self.replay(plan, args, specs)
-        self.trace_count += 1
+        self.trace_count += self.speculating is not plan
         if first is not None:  # the probe's program is the real one (fleet.step._first_trace)
             new_state, out_leaves, checked = first
         else:
@@ -107,17 +120,74 @@ class Program:
         probe_body, reference = self.replay(plan, args, specs)
         record, both = PlanRecord(), {}
         closed, shape = self.probe(plan, record, args, specs, state_specs, both)
+        self.check_probe(plan, record, closed, both, (probe_body, reference, args, specs,
+                                                      trees, batch))
+        decided = self.forms(record)
+        if not _first_trace.reusable(record, both["forms"], decided):
+            return record, None
+        return record, _first_trace.evaluated(closed, shape, args, decided)
+
+    @staticmethod
+    def forms(record: PlanRecord) -> list[str]:
+        """How each output leaves the body, as the record decided."""
+        return _first_trace.forms(record.out, record.summed, COMBINE)
+
+    def check_probe(self, plan: Plan, record: PlanRecord, closed: Any, both: dict,
+                    traced: tuple) -> None:
+        """The guards on the probe's jaxpr (``record``'s decisions made);
+        ``traced``: the reference's body and trace, the arguments, their specs,
+        the trees and the batch."""
+        probe_body, reference, args, specs, trees, batch = traced
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
         check_randomness(plan, jaxpr, reference, batch, record.marked)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
         check_gradients(plan, record, self.graph, jaxpr, trees)
-        decided = _first_trace.forms(record.out, record.summed, COMBINE)
-        if not _first_trace.reusable(record, both["forms"], decided):
-            return record, None
-        new_state, replicated, rest, *checked = _first_trace.evaluate(closed, shape, args)
-        return record, (new_state, _first_trace.ungroup(replicated, rest, decided), checked)
+
+    def speculate(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,
+                  trees: list, batch: list) -> tuple[PlanRecord, tuple]:
+        """A plan's first trace with its checks deferred (fleet.step._jitted compiles
+        meanwhile): the probe, whose program is returned as the real one on the
+        decisions it assumed (a record holding them). The reference and the guards
+        wait in :attr:`pending` for :meth:`settle`. A probe that fails raises the
+        reference's error first, as when the reference was traced first."""
+        _guards.check_closures(self.fn)
+        record, both = PlanRecord(), {}
+        failed = None
+        try:
+            closed, shape = self.probe(plan, record, args, specs, state_specs, both)
+        except Exception as e:  # noqa: BLE001 (raised below, after the reference's)
+            failed = e
+        if failed is not None:  # (outside the except: the reference's error stands alone)
+            self.replay(plan, args, specs)
+            raise failed
+
+        def check() -> tuple:
+            probe_body, reference = self.replay(plan, args, specs)
+            self.check_probe(plan, record, closed, both, (probe_body, reference, args, specs,
+                                                          trees, batch))
+            return record, both, (closed, shape)
+
+        self.pending[plan] = check
+        assumed = dataclasses.replace(record, out=both["out"], summed=both["summed"])
+        return assumed, _first_trace.evaluated(closed, shape, args, both["forms"])
+
+    def settle(self, plan: Plan) -> bool:
+        """A speculated first trace's reference and guards (their errors raised);
+        whether its program is the real one. If not, the plan's next trace is the
+        real one: the probe's program evaluated again with the decisions made
+        (when only the combination outside the body differed), else the step's
+        trace (fleet.step._first_trace)."""
+        record, both, probed = self.pending.pop(plan)()
+        self.records[plan] = record
+        decided = self.forms(record)
+        reusable = _first_trace.reusable(record, both["forms"], decided)
+        if reusable and (record.out, record.summed) == (both["out"], both["summed"]):
+            self.trace_count += 1
+            return True
+        self.again[plan] = probed if reusable else None
+        return False
 
     def out_specs(self, plan: Plan, record: PlanRecord, state_specs: list) -> tuple:
         """The real body's out_specs: the state's, each output's (the chain's)."""

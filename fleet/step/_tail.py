@@ -115,6 +115,12 @@ def with_real_tail(plan: Plan, probed: list, tail: Callable, leaves: list, reduc
     assumed = [r if r != _roles.SCALAR else "mean" for r in reduces]  # (most are)
     both["forms"] = _first_trace.forms(assumed, summed_inside(plan, leaves, assumed),
                                        COMBINE)
+    # What the program outside the body assumes (fleet.step._first_trace.speculated):
+    # an integer scalar summed (a count), any other a mean.
+    both["out"] = [r if r != _roles.SCALAR else "sum" if jnp.issubdtype(
+        jnp.result_type(x), jnp.integer) or jnp.result_type(x) == jnp.bool_ else "mean"
+        for x, r in zip(leaves, reduces)]
+    both["summed"] = summed_inside(plan, leaves, both["out"])
     new_state, out_leaves, *checked = _first_trace.named_tail(lambda: tail(assumed))()
     return (probed, new_state,
             [x for x, f in zip(out_leaves, both["forms"]) if f == _first_trace.REPLICATED],
