@@ -1,5 +1,13 @@
 """sharding_configs.stage = 3 (issue 37): the parameters split too, against the unsharded run.
 
+The default tier runs each mechanism once on 4 devices (Adam, LAMB's and the
+clip's whole-tensor norms, Linen, amp, recompute, check_nan_inf, BatchNorm,
+checkpoints saved at stage 3); the slow tier the other device counts and
+optimizers (plain SGD: no state shaped like the parameters, also in the
+default tier's BatchNorm run), the Linen CNN, fp16_allreduce, verify_steps,
+per-replica BatchNorm, stage 2's weight-decay row and the checkpoints saved
+elsewhere.
+
 The reference is the same fleet run with ``strategy.sharding`` off (itself
 tested against the single-device step elsewhere, and here once against
 ``nnx.jit`` on one device): stage 3 changes where the parameters live and how
@@ -72,7 +80,8 @@ def _world(make_world):
 # -- acceptance 1 and 2: the step equals the unsharded step --------------------------------------
 
 @pytest.mark.parametrize("devices", tiers.devices(2, 4, 8))
-@pytest.mark.parametrize("opt_name", ["adam", "lamb", "clip+adam", "sgd",
+@pytest.mark.parametrize("opt_name", ["adam", "lamb", "clip+adam",
+                                      pytest.param("sgd", marks=tiers.slow),
                                       pytest.param("momentum", marks=tiers.slow)])
 def test_stage_3_equals_the_unsharded_run(devices, opt_name):
     data = models.batches("linear", STEPS, 16)
@@ -102,8 +111,9 @@ def train_linen(kind, data, tx, steps=None):
     return model, state, losses
 
 
-@pytest.mark.parametrize("kind, opt_name", [("linear", "adam"), ("cnn", "lamb"),
-                                            ("linear", "clip+adam"), ("linear", "sgd")])
+@pytest.mark.parametrize("kind, opt_name", [
+    ("linear", "adam"), pytest.param("cnn", "lamb", marks=tiers.slow),
+    ("linear", "clip+adam"), pytest.param("linear", "sgd", marks=tiers.slow)])
 def test_linen_stage_3_equals_the_unsharded_run(make_world, kind, opt_name):
     """A Linen TrainState: the wrapped model's init splits the parameters (each a
     Shard, as the optimizer state's leaves are), apply gathers them."""
@@ -145,8 +155,8 @@ def test_stage_3_equals_the_single_device_step(make_world):
     pytest.param({"recompute": True, "recompute_configs": {"checkpoints": ["conv1", "conv2"]}},
                  id="recompute"),
     pytest.param({"check_nan_inf": True}, id="check_nan_inf"),
-    pytest.param({"fp16_allreduce": True}, id="fp16_allreduce"),
-    pytest.param({"verify_steps": 2}, id="verify_steps"),
+    pytest.param({"fp16_allreduce": True}, id="fp16_allreduce", marks=tiers.slow),
+    pytest.param({"verify_steps": 2}, id="verify_steps", marks=tiers.slow),
 ])
 def test_sections_compose_with_stage_3(sections):
     data = models.batches("cnn", 6, 16)
@@ -159,7 +169,7 @@ def test_sections_compose_with_stage_3(sections):
     assert_replicated_state_equal(opt)
 
 
-@pytest.mark.parametrize("sync_batch_norm", [True, False])
+@pytest.mark.parametrize("sync_batch_norm", [True, pytest.param(False, marks=tiers.slow)])
 def test_batch_norm_statistics_stay_whole_and_replicated_under_stage_3(make_world,
                                                                         sync_batch_norm):
     """A model with nnx.BatchNorm: its parameters split, its statistics (not the
@@ -323,7 +333,7 @@ def _decayed_step(model, optimizer, x, y):
     return models.loss_of(model(x), y)  # (the model called again: gathered again, whole)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=tiers.slow), 3])
 def test_a_parameter_read_outside_call_is_gathered_once(stage):
     """A weight decay term reads a parameter outside ``__call__``: one gradient per
     parameter reaches the optimizer (stages 2 and 3 refused this step before,
