@@ -156,9 +156,12 @@ def inline_jaxpr(closed: Any, args: Sequence) -> list:
     equations copied into that trace as they are
     (``jax._src.interpreters.partial_eval.inline_jaxpr_into_trace``, what an inlined
     ``jit`` does), without binding each again (``jaxpr_as_fun``: a trace of its
-    own). Outside a ``jit`` or ``make_jaxpr`` trace: ``jaxpr_as_fun``."""
+    own). Outside a ``jit`` or ``make_jaxpr`` trace, and under jax's
+    ``jax_custom_vjp3`` / ``jax_remat3`` upgrade flags (their traces hold calls that
+    only a bind lowers): ``jaxpr_as_fun``."""
     trace = jax_core.trace_ctx.trace
-    if not isinstance(trace, _pe.DynamicJaxprTrace):
+    hi = any(getattr(jax.config, flag, False) for flag in ("jax_custom_vjp3", "jax_remat3"))
+    if hi or not isinstance(trace, _pe.DynamicJaxprTrace):
         return extend_core.jaxpr_as_fun(closed)(*args)
     src = source_info_util.current()
     tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
