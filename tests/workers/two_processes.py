@@ -17,7 +17,7 @@ there; its console lines sit between ``=== NAME`` and ``=== NAME done``.
   collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``);
 * ``shapes``: the core contract's step shapes (a), (b) and (e);
 * ``strategy``: amp, recompute, gradient_merge, LAMB, fp16_allreduce and no_sync;
-* ``sharding``: ZeRO stage 1 (NNX, with a checkpoint), stage 2 (Linen) and stage 3 (both);
+* ``sharding``: ZeRO stage 1 (NNX, with a checkpoint), stage 2 (Linen) and stage 3 (NNX);
 * ``finite``: ``check_nan_inf``, a non-finite row on process 1 only;
 * ``same_rows``: both processes pass the whole batch (the four steps as written
   for one card): refused on every process at the first call; then each passes
