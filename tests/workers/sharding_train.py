@@ -3,8 +3,8 @@
 ``python sharding_train.py OUT CKPT``: trains the CNN (NNX, stage 1), the
 Linen CNN (TrainState, stage 2) and the CNN at stage 3 (issue 37) with Adam,
 each process feeding its own rows of the global batch, saves the NNX model
-and optimizer to CKPT (the logical layout), and rank 0 writes parameters, the logical optimizer state and losses
-to OUT (.npz). The test runs :func:`train` in one process on 4 devices and
+and optimizer to CKPT (the logical layout), and rank 0 writes parameters, the
+logical optimizer state and losses to OUT (.npz). The test runs :func:`train` in one process on 4 devices and
 compares, then restores CKPT there.
 """
 
