@@ -69,26 +69,17 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _steps import MLP, loss_of  # noqa: E402
+
 import fleet  # noqa: E402
 from fleet.runtime import _world  # noqa: E402
 
 MB = 2**20
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.layers = nnx.List([nnx.Linear(args.width, args.width, rngs=rngs)
-                                for _ in range(args.depth)])
-        self.head = nnx.Linear(args.width, 10, rngs=rngs)
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = nnx.relu(layer(x))
-        return self.head(x)
-
-
-def loss_of(logits, y):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def make_mlp(rngs):
+    """``--depth`` Linear(W, W) + ReLU layers and a 10-way head (the last layer)."""
+    return MLP([args.width] * (args.depth + 1) + [10], rngs)
 
 
 def train_step(model, optimizer, x, y):
@@ -117,7 +108,7 @@ class Fleet:
         self.strategy = strategy(stage)
         _world._WORLD = None
         fleet.init(is_collective=True, strategy=self.strategy, devices=jax.devices()[:n])
-        self.model = fleet.distributed_model(MLP(nnx.Rngs(0)))
+        self.model = fleet.distributed_model(make_mlp(nnx.Rngs(0)))
         self.opt = fleet.distributed_optimizer(nnx.Optimizer(self.model, optax.adam(1e-3),
                                                              wrt=nnx.Param))
         self.fn = fleet.distributed_step(train_step)
@@ -147,7 +138,7 @@ class HandFSDP:
 
     def __init__(self, n: int, x, y):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
-        flat = nnx.to_flat_state(nnx.state(MLP(nnx.Rngs(0)), nnx.Param))
+        flat = nnx.to_flat_state(nnx.state(make_mlp(nnx.Rngs(0)), nnx.Param))
         self.names = [".".join(map(str, k)) for k, _ in flat]
         params = [v[...] for _, v in flat]
         self.specs = [P("data") if p.shape[0] % n == 0 else P() for p in params]
@@ -163,10 +154,9 @@ class HandFSDP:
             whole = [jax.lax.all_gather(p, "data", axis=0, tiled=True) if s == P("data") else p
                      for p, s in zip(ps, specs)]
             h = xb
-            for i in range(args.depth):  # nnx.to_flat_state order: head, then layers 0..
-                b, k = whole[2 + 2 * i], whole[3 + 2 * i]
-                h = jax.nn.relu(h @ k + b)
-            return h @ whole[1] + whole[0]
+            for i in range(args.depth):  # nnx.to_flat_state order: layer i's bias, kernel
+                h = jax.nn.relu(h @ whole[2 * i + 1] + whole[2 * i])
+            return h @ whole[2 * args.depth + 1] + whole[2 * args.depth]
 
         def per_device(ps, state, xb, yb):
             loss, grads = jax.value_and_grad(lambda q: loss_of(forward(q, xb), yb))(ps)

@@ -282,6 +282,20 @@ def _continue(make_world, n, stage, data, tmp_path, step):
     return state, models.flat_params(model)
 
 
+def assert_restores(make_world, tmp_path, saved, targets, data, saved_state, straight):
+    """The checkpoint at step 6 under ``tmp_path``, saved at ``saved`` (replicas,
+    stage), restores at each of ``targets``: its optimizer state bitwise
+    ``saved_state``, and training on ``data`` ends at ``straight``'s parameters."""
+    for n, stage in targets:
+        state, params = _continue(make_world, n, stage, data, tmp_path, 6)
+        same = all(np.array_equal(state[k], saved_state[k]) for k in saved_state)
+        d = models.max_diff(params, straight)
+        print(f"saved at {saved[0]} replicas (stage {saved[1]}), restored at {n} "
+              f"(stage {stage}): state bitwise equal {same}, after 6 more steps |params| = {d:.2e}")
+        assert state.keys() == saved_state.keys() and same
+        assert d < 1e-6
+
+
 @pytest.mark.parametrize("saved", [pytest.param((4, 2), id="saved_4_sharded", marks=tiers.slow),
                                    pytest.param((1, 0), id="saved_unsharded", marks=tiers.slow)])
 def test_checkpoints_move_between_replica_counts_and_sharding(make_world, tmp_path, saved):
@@ -296,14 +310,7 @@ def test_checkpoints_move_between_replica_counts_and_sharding(make_world, tmp_pa
     straight = models.flat_params(model)
     targets = [(2, 2), (2, 1), (1, 2), (4, 0), (4, 1)] if saved == (1, 0) else \
         [(2, 2), (2, 1), (1, 2), (1, 0), (4, 0)]
-    for n, stage in targets:
-        state, params = _continue(make_world, n, stage, data[6:], tmp_path, 6)
-        same = all(np.array_equal(state[k], saved_state[k]) for k in saved_state)
-        d = models.max_diff(params, straight)
-        print(f"saved at {saved[0]} replicas (stage {saved[1]}), restored at {n} "
-              f"(stage {stage}): state bitwise equal {same}, after 6 more steps |params| = {d:.2e}")
-        assert state.keys() == saved_state.keys() and same
-        assert d < 1e-6
+    assert_restores(make_world, tmp_path, saved, targets, data[6:], saved_state, straight)
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -421,27 +428,36 @@ def test_the_composed_strategy_with_sharding_equals_it_without(make_world, stage
     assert d < 1e-6
 
 
-def test_fleet_model_with_sharding_equals_the_low_level_loop(make_world, tmp_path):
-    """fleet.Model (Paddle's high-level path) with stage 2: the same parameters
-    as the low-level loop without sharding, and its optimizer state is split."""
-    data = models.batches("cnn", 6, 16)
+def fleet_model_and_the_loop(make_world, stage, steps):
+    """``fleet.Model`` trained at ``stage`` and the low-level loop without sharding
+    on the same CNN batches: the Model, the loop's model, the batches and the
+    parameters' distance."""
+    data = models.batches("cnn", steps, 16)
     make_world(4, strategy())
     ref, _, _, _ = train_nnx("cnn", data, optax.adam(1e-2))
-    make_world(4, strategy(2))
+    make_world(4, strategy(stage))
     model = fleet.Model(models.CNN(nnx.Rngs(0)))
     model.prepare(optax.adam(1e-2), optax.softmax_cross_entropy_with_integer_labels)
     for x, y in data:
         model.train_batch(x, y)
     d = models.max_diff(models.flat_params(model.network), models.flat_params(ref))
-    print(f"fleet.Model, stage 2: |params| = {d:.2e}")
+    print(f"fleet.Model, stage {stage}: |params| = {d:.2e}")
+    return model, ref, data, d
+
+
+def test_fleet_model_with_sharding_equals_the_low_level_loop(make_world, tmp_path):
+    """fleet.Model (Paddle's high-level path) with stage 2: the same parameters
+    as the low-level loop without sharding, and its optimizer state is split."""
+    model, _, _, d = fleet_model_and_the_loop(make_world, 2, 6)
     assert model.optimizer.sharded
     assert d < 1e-6
 
 
-@pytest.mark.parametrize("stage", tiers.stages())
+@pytest.mark.parametrize("stage", [*tiers.stages(), 3])
 def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
     """strategy.check_nan_inf checks the reduced gradient slices, names the
-    parameter, and leaves the parameters and the sharded state as they were."""
+    parameter, and leaves the parameters and the sharded state as they were
+    (stage 3: the split parameters too, issue 37)."""
     make_world(4, strategy(stage, check_nan_inf=True))
     data = models.batches("linear", 2, 16)
     model, opt, step, _ = train_nnx("linear", data[:1], optax.adam(1e-2))

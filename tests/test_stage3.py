@@ -32,8 +32,9 @@ from fleet.sections import _sharding, _stage3
 from tests import models, tiers
 from tests.test_sharding import (
     OPTIMIZERS,
-    _continue,
+    assert_restores,
     bytes_on,
+    fleet_model_and_the_loop,
     logical_opt_state,
     strategy,
     train_nnx,
@@ -208,32 +209,8 @@ def test_optax_multi_steps_composes_with_stage_3():
     assert d_params < 1e-6 and d_state < 1e-6
 
 
-def test_check_nan_inf_names_the_gradient_and_keeps_the_slices(make_world):
-    make_world(4, strategy(3, check_nan_inf=True))
-    data = models.batches("linear", 2, 16)
-    model, opt, step, _ = train_nnx("linear", data[:1], optax.adam(1e-2))
-    before, state = models.flat_params(model), logical_opt_state(opt)
-    bad = data[1][0].copy()
-    bad[5, 3] = np.nan
-    with pytest.raises(fleet.FleetError, match=r"check_nan_inf: gradient of '_linear\d\.\w+' "
-                                               r"holds NaN or infinity after call 2"):
-        step(model, opt, bad, data[1][1])
-        step.wait()
-    assert models.max_diff(models.flat_params(model), before) == 0
-    assert models.max_diff(logical_opt_state(opt), state) == 0
-
-
 def test_fleet_model_with_stage_3_equals_the_low_level_loop(make_world, tmp_path):
-    data = models.batches("cnn", 4, 16)
-    make_world(4, strategy())
-    ref, _, _, _ = train_nnx("cnn", data, optax.adam(1e-2))
-    make_world(4, strategy(3))
-    model = fleet.Model(models.CNN(nnx.Rngs(0)))
-    model.prepare(optax.adam(1e-2), optax.softmax_cross_entropy_with_integer_labels)
-    for x, y in data:
-        model.train_batch(x, y)
-    d = models.max_diff(models.flat_params(model.network), models.flat_params(ref))
-    print(f"fleet.Model, stage 3: |params| = {d:.2e}")
+    model, ref, data, d = fleet_model_and_the_loop(make_world, 3, 4)
     assert d < 1e-6 and len(sharded_params(model.network)) == 6
     # Outside a step it reads as the user's model (acceptance 3).
     summary = model.summary()
@@ -319,14 +296,7 @@ def test_checkpoints_move_between_stage_3_replica_counts_and_stages(make_world, 
         assert models.max_diff(models.flat_params(model), saved_params) == 0
         assert len(sharded_params(model)) == 6
     targets = [(2, 3), (1, 0), (4, 2)] if saved == (4, 3) else [(4, 3), (2, 3)]
-    for n, stage in targets:
-        state, params = _continue(make_world, n, stage, data[6:], tmp_path, 6)
-        same = all(np.array_equal(state[k], saved_state[k]) for k in saved_state)
-        d = models.max_diff(params, straight)
-        print(f"saved at {saved[0]} replicas (stage {saved[1]}), restored at {n} "
-              f"(stage {stage}): state bitwise equal {same}, after 6 more steps |params| = {d:.2e}")
-        assert state.keys() == saved_state.keys() and same
-        assert d < 1e-6
+    assert_restores(make_world, tmp_path, saved, targets, data[6:], saved_state, straight)
 
 
 def _decayed_step(model, optimizer, x, y):
