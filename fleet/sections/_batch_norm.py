@@ -55,7 +55,7 @@ from flax import linen, nnx
 
 from fleet import _compat
 from fleet._errors import FleetError
-from fleet.comm import _sync
+from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 
@@ -81,7 +81,7 @@ def _sync_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     axis_name = self.axis_name
     self.axis_name = DATA_AXIS
     try:
-        with _sync.synced_as_raw(self):  # the synced values go in, read outside the jit
+        with _synced.synced_as_raw(self):  # the synced values go in, read outside the jit
             return nnx.jit(fleet_batch_norm)(self, x)
     finally:
         self.axis_name = axis_name

@@ -27,7 +27,7 @@ from flax import nnx
 
 from fleet import _compat
 from fleet._errors import FleetConfigError
-from fleet.comm import _sync
+from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import dotted
 
 _TYPES: dict[type, type] = {}
@@ -48,7 +48,7 @@ def _remat_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     if trace is None:
         return base.__call__(self, *args, **kwargs)
     policy = _policy(self.__fleet_policy__)
-    with _sync.synced_as_raw(self):  # the synced values go in, read outside the checkpoint
+    with _synced.synced_as_raw(self):  # the synced values go in, read outside the checkpoint
         return nnx.remat(lambda m, *a, **k: base.__call__(m, *a, **k), policy=policy)(
             self, *args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""``strategy.sharding``: ZeRO stage 1 and 2 on the ``data`` axis.
+"""``strategy.sharding``: ZeRO stage 1 and 2 on the ``data`` axis (and stage 3's update).
 
 Every parameter-shaped leaf of the optimizer state (Adam's moments, a momentum
 trace) is split over ``degree`` replicas: flattened, padded with zeros to
@@ -39,9 +39,14 @@ size and replicates across them; without grouped collectives it reduces with
 an all-reduce and gathers over all replicas, so it saves memory but not
 traffic.
 
-Checkpoints hold the logical (unsharded) layout (:func:`to_logical`,
-:func:`to_shards`), so they restore onto any replica count, with or without
-sharding.
+Checkpoints hold the logical (unsharded) layout
+(:func:`fleet.comm._shard_comm.to_logical`, ``to_shards``), so they restore onto
+any replica count, with or without sharding.
+
+Stage 3 (:mod:`fleet.sections._stage3`) splits the parameters in the same
+layout, so its update is this one on slices it already holds, gathering
+nothing. (The file is over 350 lines: the state's layout, the split state and
+the sliced update are one mechanism, which stages 1, 2 and 3 share.)
 """
 
 from __future__ import annotations
@@ -230,17 +235,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     gathered updates besides (the MLP of benchmarks/donation.py at stage 2: 84.2
     MB live per device against 78.2 MB). Each element is the same sum either way
     (:func:`_apply`)."""
-    trace = _sync.current()
-    if trace is not None and trace.shard.config is None:
-        raise FleetError(
-            "this optimizer state was split by fleet.distributed_optimizer(tx).init "
-            "(strategy.sharding) and is held where the step cannot see it (an nnx.Optimizer "
-            "built on a distributed optax transformation); for NNX write "
-            "fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))")
-    if trace is None:
-        raise FleetError(
-            "this optimizer's state is sharded (strategy.sharding), and it updates only "
-            "inside a fleet.distributed_step that differentiates the wrapped model")
+    trace = _sharded_trace()
     cfg: Config = trace.shard.config
     rewrap = _identity
     if params is not None and cfg.stage == 3 and any(map(is_shard, jax.tree.leaves(
@@ -279,14 +274,29 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     return core, (jax.tree.unflatten(g_def, slices), inner_state, p_slices), finish
 
 
+def _sharded_trace() -> _sync.SyncTrace:
+    """The step's trace, where a sharded update runs; raises outside one."""
+    trace = _sync.current()
+    if trace is not None and trace.shard.config is None:
+        raise FleetError(
+            "this optimizer state was split by fleet.distributed_optimizer(tx).init "
+            "(strategy.sharding) and is held where the step cannot see it (an nnx.Optimizer "
+            "built on a distributed optax transformation); for NNX write "
+            "fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))")
+    if trace is None:
+        raise FleetError(
+            "this optimizer's state is sharded (strategy.sharding), and it updates only "
+            "inside a fleet.distributed_step that differentiates the wrapped model")
+    return trace
+
+
 def _identity(tree: Any) -> Any:
     return tree
 
 
 def _unwrap(grads: Any, params: Any) -> tuple[Any, Any, Callable]:
-    """Stage 3's Linen parameters (a tree of :class:`Shard` nodes) and their
-    gradients as slices, and the function that wraps a tree of slices as the
-    parameters are (their updates, the new parameters)."""
+    """Stage 3's Linen parameters (:class:`Shard` nodes) and gradients as slices,
+    and the function that wraps slices as the parameters are."""
     p_leaves, p_def = jax.tree.flatten(params, is_leaf=is_shard)
     plain = [i for i, x in enumerate(p_leaves) if not is_shard(x)]
     if plain:

@@ -14,7 +14,7 @@ optimizer updates each replica's slices and gathers nothing.
 Outside a step a parameter still reads as the user's: ``variable[...]``,
 ``variable.get_value()``, ``model(x)`` and ``fleet.save`` see the whole array
 (gathered at each read), and writing one splits it again
-(:class:`fleet.comm._sync.SyncedRead`). The raw value (``nnx.split``,
+(:class:`fleet.comm._synced.SyncedRead`). The raw value (``nnx.split``,
 ``jax.tree.leaves(nnx.state(model))``) is the ``(replicas, chunk)`` array of
 slices, a shape of its own. Checkpoints hold the whole arrays
 (:mod:`fleet.checkpoint._state`), so they restore onto any replica count and
@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 
 from fleet._errors import FleetError, FleetUnsupportedError
-from fleet.comm import _sync
+from fleet.comm import _synced
 from fleet.comm._shard_comm import to_logical, to_shards
 from fleet.runtime._leaves import module_variables
 from fleet.sections._sharding import Config, Shard, config, is_shard, mark_sharded
@@ -49,7 +49,7 @@ def shard_parameters(obj: Any, wrt: Any, cfg: Config) -> None:
     allowed = nnx.filterlib.to_predicate(wrt)
     variables = {k: v for k, v in module_variables(obj).items()
                  if allowed(tuple(k.split(".")), v)}
-    plain = [k for k, v in variables.items() if not isinstance(v, _sync.SyncedRead)]
+    plain = [k for k, v in variables.items() if not isinstance(v, _synced.SyncedRead)]
     if plain:
         raise FleetUnsupportedError(
             f"sharding_configs.stage = 3 splits the parameters of a model wrapped by "
@@ -71,12 +71,12 @@ def whole_copy(module: Any) -> Any:
     plain (unsplit) parameters: what an export traces (``Model.save(path,
     training=False)``). ``module`` itself, when none is split."""
     split = [v for v in module_variables(module).values()
-             if isinstance(v, _sync.SyncedRead) and v.get_metadata("fleet_sync").layout is not None]
+             if isinstance(v, _synced.SyncedRead) and v.get_metadata("fleet_sync").layout is not None]
     if not split:
         return module
     copy = nnx.clone(module)
     for var in module_variables(copy).values():
-        spec = var.get_metadata("fleet_sync") if isinstance(var, _sync.SyncedRead) else None
+        spec = var.get_metadata("fleet_sync") if isinstance(var, _synced.SyncedRead) else None
         if spec is not None and spec.layout is not None:
             var.set_raw_value(to_logical(var.get_raw_value(), spec.layout))
             var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=None))

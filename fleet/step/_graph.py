@@ -21,7 +21,7 @@ from flax import nnx
 
 from fleet import _compat
 from fleet._errors import nth
-from fleet.comm import _sync
+from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import dotted
 from fleet.sections import _sharding
 
@@ -101,7 +101,7 @@ class GraphCache:
             for i, (p, _) in zip(index, with_path)
         ]
         self.state_treedef = jax.tree_util.tree_structure(state)
-        self.synced = [isinstance(v, _sync.SyncedRead) for v in self.variables]
+        self.synced = [isinstance(v, _synced.SyncedRead) for v in self.variables]
         # Per-replica state (no_sync accumulators): sharded over data, varying inside.
         self.per_replica = tuple(isinstance(v, _sync.PerReplica) for v in self.variables)
         self.accum_keys = [p[-1].key.replace(":", ".")

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from fleet import _compat
-from fleet.comm import _sync
+from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import module_variables
 from fleet.sections import _batch_norm, _sharding
 from fleet.step._verify_compare import whole
@@ -73,7 +73,7 @@ def unshard(objs: tuple) -> None:
             var.set_raw_value(logical(var.get_raw_value(), layout))
             base = next(c for c in type(var).__mro__[1:] if not issubclass(c, _sync.PerReplica))
             _compat.set_class(var, base)
-            spec = var.get_metadata("fleet_sync", None) if isinstance(var, _sync.SyncedRead) else None
+            spec = var.get_metadata("fleet_sync", None) if isinstance(var, _synced.SyncedRead) else None
             if spec is not None:  # stage 3's parameter: read whole, synced as at stage 0
                 var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=None))
 

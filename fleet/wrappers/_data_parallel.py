@@ -28,7 +28,7 @@ from flax import linen, nnx
 
 from fleet import _compat
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetUnsupportedError
-from fleet.comm import _sync
+from fleet.comm import _sync, _synced
 from fleet.comm._buckets import BucketConfig, strategy_buckets
 from fleet.comm._reduce import reduce_gradients
 from fleet.runtime._leaves import dotted, module_variables, state_dict
@@ -69,7 +69,7 @@ def _install_hooks(module: nnx.Module, buckets: BucketConfig) -> None:
     """Makes every parameter read through fleet's gradient sync (see fleet.comm._sync)."""
     for key, var in module_variables(module).items():
         if isinstance(var, nnx.Param):
-            _sync.make_synced(var, _sync.SyncSpec(key, buckets))
+            _synced.make_synced(var, _synced.SyncSpec(key, buckets))
 
 
 class DataParallel(nnx.Module):
@@ -156,7 +156,7 @@ class DataParallel(nnx.Module):
             out = call(*args, **kwargs)
         else:
             params = {k: v for k, v in module_variables(self).items() if isinstance(v, nnx.Param)}
-            with _sync.bucketed_call(params, self._fleet_buckets):
+            with _synced.bucketed_call(params, self._fleet_buckets):
                 out = call(*args, **kwargs)
         amp = self._fleet_amp
         if amp is None:

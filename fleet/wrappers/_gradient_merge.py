@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from fleet._errors import FleetError
-from fleet.comm import _sync
+from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import module_variables
 from fleet.runtime._world import world
 
@@ -155,7 +155,7 @@ def prepare_accumulators(objs: tuple) -> bool:
         if not isinstance(obj, GradientMerge):
             params.update({k: (v.get_raw_value().shape, v.get_raw_value().dtype)
                            for k, v in module_variables(obj).items()
-                           if isinstance(v, _sync.SyncedRead)})
+                           if isinstance(v, _synced.SyncedRead)})
     return any([o.ensure_accumulator(params) for o in optimizers])
 
 
@@ -222,7 +222,7 @@ def check_one_sum_each(accum_keys: list, objs: tuple) -> None:
     for obj in objs:
         if not isinstance(obj, GradientMerge):
             for key, v in module_variables(obj).items():
-                if isinstance(v, _sync.SyncedRead) and owner.setdefault(key, id(v)) != id(v):
+                if isinstance(v, _synced.SyncedRead) and owner.setdefault(key, id(v)) != id(v):
                     twice.add(key)
     twice = sorted(twice)
     if twice:

@@ -1,0 +1,153 @@
+"""A wrapped model's parameter: its type, and how a read inside a step reaches
+fleet's gradient sync (:mod:`fleet.comm._sync`).
+
+Wrapping a model (``fleet.distributed_model``) turns each ``nnx.Param`` into a
+subclass of its own class and of :class:`SyncedRead` (``isinstance(p,
+nnx.Param)`` still holds), carrying a :class:`SyncSpec`. Inside a step its
+model's ``__call__`` syncs every parameter at once, in buckets
+(:func:`bucketed_call`); a read elsewhere syncs that one leaf. Under ZeRO stage 3
+(``spec.layout``) the parameter holds its replicas' slices: a read gathers it,
+inside a step or out (:mod:`fleet.comm._param_gather`), and a write outside a
+step splits it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from flax import nnx
+from flax.typing import MISSING, Missing
+
+from fleet import _compat
+from fleet._compat import is_differentiated
+from fleet.comm._buckets import BucketConfig
+from fleet.comm._shard_comm import to_logical, to_shards
+from fleet.comm._sync import current, is_varying, sync_leaves
+from fleet.comm._trace import SyncTrace
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSpec:
+    """What a wrapped NNX model's parameter carries (variable metadata
+    ``fleet_sync``): its name for the accumulator, and its model's buckets."""
+
+    key: str
+    buckets: BucketConfig
+    #: stage 3 (``sharding_configs.stage = 3``): how the parameter is split
+    #: (a fleet.comm._shard_comm.Layout; its value is the replicas' slices)
+    layout: Any = None
+
+
+class SyncedRead:
+    """Mixin of a wrapped NNX model's parameter types (``SyncedParam``).
+
+    Outside a step, or where the value is not being differentiated (the
+    optimizer's update, a hand-written SGD), a read returns the value itself.
+    Inside the model's ``__call__`` the raw value is the bucket-synced one
+    already (:func:`bucketed_call`: varying, returned as it is); elsewhere under
+    differentiation a read syncs this one leaf.
+    """
+
+    __slots__ = ()
+
+    def get_value(self, *, index: Any = MISSING) -> Any:
+        trace = current()
+        spec = self.get_metadata("fleet_sync", None)  # (None: a copy being built)
+        raw = self.get_raw_value()
+        if spec is None:
+            return super().get_value(index=index)
+        if spec.layout is not None:  # stage 3: whole, gathered inside a step
+            if trace is None:  # (a tree mapped over the state holds other values)
+                if getattr(raw, "shape", None) != (spec.layout.replicas, spec.layout.chunk):
+                    return super().get_value(index=index)
+                return _indexed(to_logical(raw, spec.layout), index)
+            if not _whole(raw, spec.layout, trace):
+                return _indexed(sync_leaves([spec.key], [raw], spec.buckets, [spec.layout])[0],
+                                index)
+        elif trace is not None and is_differentiated(raw) and not is_varying(raw):
+            return _indexed(sync_leaves([spec.key], [raw], spec.buckets)[0], index)
+        return super().get_value(index=index)
+
+    def set_value(self, value: Any, *, index: Any = MISSING) -> None:
+        spec = self.get_metadata("fleet_sync", None)
+        if spec is None or spec.layout is None or current() is not None:
+            return super().set_value(value, index=index)
+        whole = value
+        if not (isinstance(index, Missing) or index is ...):
+            whole = to_logical(self.get_raw_value(), spec.layout).at[index].set(value)
+        return self.set_raw_value(to_shards(whole, spec.layout))
+
+
+def _layout(variable: Any) -> Any:
+    """Stage 3's layout of a wrapped parameter (``None``: whole, or not wrapped; a
+    parameter of a synced type made by hand carries no spec)."""
+    spec = variable.get_metadata("fleet_sync", None) if isinstance(variable, SyncedRead) else None
+    return None if spec is None else spec.layout
+
+
+def _whole(raw: Any, layout: Any, trace: SyncTrace) -> bool:
+    """Whether a stage-3 parameter's value inside a step is whole (gathered: by
+    its shape, or where a slice has the same shape, a value gathered here)."""
+    if raw.shape != layout.shape:
+        return False
+    return raw.shape != (layout.chunk,) or id(raw) in trace.shard.whole
+
+
+def _indexed(value: Any, index: Any) -> Any:
+    return value if isinstance(index, Missing) or index is ... else value[index]
+
+
+@contextlib.contextmanager
+def synced_as_raw(module: Any) -> Iterator[None]:
+    """Inside a step, around a transformed call of a sub-module (``nnx.remat``,
+    ``nnx.jit``): its wrapped parameters hold their synced values as raw values,
+    read here, outside the transformation, so the gradient reduction stays in
+    fleet's sync; restored after."""
+    params = [v for _, v in nnx.iter_graph(module) if isinstance(v, SyncedRead)]
+    raw = [v.get_raw_value() for v in params]
+    for v in params:
+        v.set_raw_value(v.get_value())
+    try:
+        yield
+    finally:
+        for v, r in zip(params, raw):
+            v.set_raw_value(r)
+
+
+def make_synced(variable: Any, spec: SyncSpec) -> None:
+    """Turns a parameter into its synced type, in place (see :class:`SyncedRead`;
+    :func:`fleet._compat.add_mixin` says why in place)."""
+    _compat.add_mixin(variable, SyncedRead, "Synced")
+    variable.set_metadata("fleet_sync", spec)
+
+
+@contextlib.contextmanager
+def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
+    """Around a wrapped NNX model's ``__call__``: syncs every differentiated
+    parameter at once, in buckets, and lets the parameters hold their synced
+    values as raw values for the call (restored after). So every read inside
+    the call sees the synced value, also where a transformation inside the
+    model reads the raw values itself: ``nnx.scan`` over stacked layers,
+    ``nnx.vmap``, ``nnx.remat``, ``nnx.jit`` extract the state outside their
+    body, and a parameter that entered them unsynced would be read inside as an
+    invariant value that JAX casts to varying, whose transpose *sums* the
+    gradient over the replicas (tests/test_scan.py)."""
+    trace = current()
+    if trace is None:
+        yield
+        return
+    keys = list(variables)
+    raw = [variables[k].get_raw_value() for k in keys]
+    layouts = [_layout(variables[k]) for k in keys]
+    synced = sync_leaves(keys, raw, buckets, layouts)
+    changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
+    for v, _, s in changed:
+        v.set_raw_value(s)
+    try:
+        yield
+    finally:
+        for v, r, _ in changed:
+            v.set_raw_value(r)
