@@ -376,3 +376,32 @@ def test_group_sharded_parallel_refuses_what_it_cannot_run(make_world, kwargs, e
     model = models.LinearNet(nnx.Rngs(0))
     with pytest.raises(error, match=match):
         fleet.group_sharded_parallel(model, optax.adam(1e-2), **kwargs)
+
+
+def _raw_norm_step(model, optimizer, x, y):
+    models.nnx_train_step(model, optimizer, x, y)
+    return optax.tree.norm(nnx.state(model, nnx.Param))  # (the raw values: slices)
+
+
+def _read_norm_step(model, optimizer, x, y):
+    models.nnx_train_step(model, optimizer, x, y)
+    variables = jax.tree.leaves(nnx.state(model, nnx.Param),
+                                is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return sum(jax.numpy.sum(v[...] ** 2) for v in variables)  # (reads: gathered whole)
+
+
+def test_a_norm_of_the_read_parameters_is_whole_and_of_the_raw_slices_is_refused(make_world):
+    """Reading ``v[...]`` in the step gathers the whole parameter, invariant: the
+    sum of squares equals the unsharded step's. The raw leaves are slices: such an
+    output differs across replicas, and the refusal says where it comes from."""
+    data = models.batches("linear", 2, 16)
+    got = {}
+    for stage in (0, 3):
+        make_world(4, strategy(stage))
+        _, _, _, got[stage] = train_nnx("linear", data, optax.adam(1e-2), _read_norm_step)
+    print(f"sum of squared parameters after each step, stage 0 {got[0]}, stage 3 {got[3]}")
+    np.testing.assert_allclose(got[3], got[0], rtol=1e-6)
+    with pytest.raises(fleet.FleetError, match=r"not a mean, a sum.*Under sharding_configs.stage"
+                                               r" = 3 a parameter's raw value .*read "
+                                               r"variable\[\.\.\.\] instead"):
+        train_nnx("linear", data, optax.adam(1e-2), _raw_norm_step)

@@ -56,6 +56,8 @@ from jax.extend.core import Literal, jaxprs_in_params
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
+from fleet.runtime._world import current_strategy
+from fleet.sections import _stage3
 from fleet.semantics._metrics import METRIC_CALL
 from fleet.semantics._outputs_walk import (
     CALLS,
@@ -77,6 +79,20 @@ _CANNOT = (
     "order) and reduce them after the step, or declare how it combines: "
     "fleet.distributed_step(fn, out_reduce=...) with 'mean', 'sum', 'max' or 'min' at "
     "its position")
+_STAGE3 = (
+    ". Under sharding_configs.stage = 3 a parameter's raw value in the step "
+    "(jax.tree.leaves(nnx.state(model)), optax.tree.norm(nnx.state(model, nnx.Param))) "
+    "is this replica's slice: if this output reads one, read variable[...] instead, "
+    "which fleet gathers whole")
+
+
+def _cannot(name: str, dtype: Any, why: str) -> FleetError:
+    """The error for an output no combination gives; under stage 3 it says where a
+    value differing across replicas may come from besides the batch."""
+    hint = _STAGE3 if _stage3.active(current_strategy()) else ""
+    return FleetError(_CANNOT.format(name=name, dtype=dtype, why=why) + hint)
+
+
 _SUMMED_LOSS = (
     "{name} is a sum over the batch rows of a value computed from the wrapped "
     "model's parameters: a loss summed over the batch (`((pred - y) ** 2).sum()`)? "
@@ -156,9 +172,8 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
         return default
     body, ref = shard_body(jaxpr), shard_body(reference)
     if len(body.outvars) != len(ref.outvars):
-        raise FleetError(_CANNOT.format(name=names[0], dtype=dtypes[0],
-                                        why="the step returns other outputs for other "
-                                            "batch sizes"))
+        raise _cannot(names[0], dtypes[0], "the step returns other outputs for other batch "
+                                           "sizes")
     sa, sb = Scope(body), Scope(ref)
     tainted = None
     out = []
@@ -167,7 +182,7 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
         got = walk.kind(a, sa, b, sb)
         if got is None or got[0] != "k":
             why = walk.why if got is None else "a count of rows, not a value from them"
-            raise FleetError(_CANNOT.format(name=name, dtype=dtype, why=why))
+            raise _cannot(name, dtype, why)
         if got[1] == SUM and wrapped and np.issubdtype(dtype, np.inexact):
             tainted = _differentiable(body) if tainted is None else tainted
             if id(a) in tainted:
