@@ -81,7 +81,7 @@ class SyncedRead:
         return self.set_raw_value(to_shards(whole, spec.layout))
 
 
-def _layout(variable: Any) -> Any:
+def layout_of(variable: Any) -> Any:
     """Stage 3's layout of a wrapped parameter (``None``: whole, or not wrapped; a
     parameter of a synced type made by hand carries no spec)."""
     spec = variable.get_metadata("fleet_sync", None) if isinstance(variable, SyncedRead) else None
@@ -141,7 +141,7 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
         return
     keys = list(variables)
     raw = [variables[k].get_raw_value() for k in keys]
-    layouts = [_layout(variables[k]) for k in keys]
+    layouts = [layout_of(variables[k]) for k in keys]
     synced = sync_leaves(keys, raw, buckets, layouts)
     changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
     for v, _, s in changed:

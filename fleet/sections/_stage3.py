@@ -70,18 +70,23 @@ def whole_copy(module: Any) -> Any:
     """A copy of ``module`` whose stage-3 parameters hold their whole values as
     plain (unsplit) parameters: what an export traces (``Model.save(path,
     training=False)``). ``module`` itself, when none is split."""
-    split = [v for v in module_variables(module).values()
-             if isinstance(v, _synced.SyncedRead) and v.get_metadata("fleet_sync").layout is not None]
-    if not split:
+    if all(_synced.layout_of(v) is None for v in module_variables(module).values()):
         return module
     copy = nnx.clone(module)
     for var in module_variables(copy).values():
-        spec = var.get_metadata("fleet_sync") if isinstance(var, _synced.SyncedRead) else None
-        if spec is not None and spec.layout is not None:
-            var.set_raw_value(to_logical(var.get_raw_value(), spec.layout))
-            var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=None))
-            var.set_metadata("fleet_shard", None)
+        layout = _synced.layout_of(var)
+        if layout is not None:
+            make_whole(var, to_logical(var.get_raw_value(), layout))
     return copy
+
+
+def make_whole(var: Any, value: Any) -> None:
+    """A stage-3 parameter of a copy (an export's, verify's reference) made a
+    whole parameter holding ``value``: read and synced as at the other stages."""
+    var.set_raw_value(value)
+    var.set_metadata("fleet_sync", dataclasses.replace(var.get_metadata("fleet_sync"),
+                                                       layout=None))
+    var.set_metadata("fleet_shard", None)
 
 
 def split_params(variables: Any) -> Any:

@@ -24,7 +24,6 @@ cannot be rebuilt: such calls are skipped, and said.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -35,7 +34,7 @@ from flax import nnx
 from fleet import _compat
 from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import module_variables
-from fleet.sections import _batch_norm, _sharding
+from fleet.sections import _batch_norm, _sharding, _stage3
 from fleet.step._verify_compare import whole
 from fleet.wrappers._distributed_optimizer import DistributedOptimizer
 
@@ -70,12 +69,12 @@ def unshard(objs: tuple) -> None:
             layout = _sharding.layout_of(var)
             if layout is None:
                 continue
-            var.set_raw_value(logical(var.get_raw_value(), layout))
+            value = logical(var.get_raw_value(), layout)
+            if _synced.layout_of(var) is not None:  # stage 3's parameter: synced as at stage 0
+                _stage3.make_whole(var, value)
+            var.set_raw_value(value)
             base = next(c for c in type(var).__mro__[1:] if not issubclass(c, _sync.PerReplica))
             _compat.set_class(var, base)
-            spec = var.get_metadata("fleet_sync", None) if isinstance(var, _synced.SyncedRead) else None
-            if spec is not None:  # stage 3's parameter: read whole, synced as at stage 0
-                var.set_metadata("fleet_sync", dataclasses.replace(spec, layout=None))
 
 
 # -- no_sync and gradient_merge ------------------------------------------------------------

@@ -283,7 +283,8 @@ class LinenDataParallel(DataParallel):
         ``nn.BatchNorm`` in training mode runs as ``strategy.sync_batch_norm`` or
         its ``axis_name`` says (``fleet.sections._batch_norm.linen_interceptor``)."""
         if _sync.current() is None:  # (stage 3's slices whole: fleet.sections._stage3)
-            variables = _stage3.whole_params(variables)
+            if _stage3.active(current_strategy()):
+                variables = _stage3.whole_params(variables)
         else:
             flat, treedef = jax.tree_util.tree_flatten_with_path(variables,
                                                                  is_leaf=_sharding.is_shard)

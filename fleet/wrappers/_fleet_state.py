@@ -71,22 +71,10 @@ class FleetStateHolder:
             var.set_value(value)
 
     # float16 amp's state under its Paddle names (read by fleet.Model, and by scripts)
-
-    @property
-    def loss_scaling(self) -> LossScale:
-        return self._amp_state().loss_scaling
-
-    @property
-    def good_steps(self) -> LossScale:
-        return self._amp_state().good_steps
-
-    @property
-    def bad_steps(self) -> LossScale:
-        return self._amp_state().bad_steps
-
-    @property
-    def skipped_steps(self) -> LossScale:
-        return self._amp_state().skipped_steps
+    loss_scaling = property(lambda self: self._amp_state().loss_scaling)
+    good_steps = property(lambda self: self._amp_state().good_steps)
+    bad_steps = property(lambda self: self._amp_state().bad_steps)
+    skipped_steps = property(lambda self: self._amp_state().skipped_steps)
 
     def _amp_state(self) -> ScaleState:
         if self.fleet_state.amp is None:
