@@ -259,7 +259,7 @@ class Program:
                     "the step changed the structure of an NNX object (added or removed a "
                     "variable or sub-module); build the whole model before training"
                 )
-            new_state = self.replicated_state(new, plan, entered, original)
+            new_state = self.replicated_state(new, plan, entered, original, trace)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
         check_returned(trace, out)
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
@@ -303,15 +303,16 @@ class Program:
         except FleetError as e:
             raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
 
-    def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list) -> list:
-        """The NNX state the step leaves: batch-norm statistics averaged, anything
-        else varying refused."""
+    def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list,
+                         trace: Any) -> list:
+        """The NNX state the step leaves (``trace``: the body's): batch-norm
+        statistics averaged, anything else varying refused."""
         variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
         leaves = [v.get_raw_value() for v in variables]
         # Under no_sync the wrapped parameters entered as varying; unchanged, they
         # leave as the invariant values they were.
         leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
-        leave_accumulators(_sync.current(), self.graph.accum_keys, leaves)
+        leave_accumulators(trace, self.graph.accum_keys, leaves)
         buffers = [i for i, x in enumerate(leaves)
                    if _sync.is_varying(x) and not self.graph.per_replica[i]]
         for i in buffers:
