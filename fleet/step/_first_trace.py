@@ -37,24 +37,8 @@ combination outside the body differs, the probe's jaxpr is evaluated again
 with the decisions (no third trace; a second compilation); otherwise the step
 is traced for real, as before.
 
-Measured (``benchmarks/first_step.py --rounds 5 --compare-with <base checkout>``:
-a 16-layer Transformer, Adam, 4 CPU devices, a fresh process per first call,
-interleaved rounds on a 2-core machine shared with other work; four runs, the
-first before the inlining): the first finished step takes 1.04x to 1.19x the
-hand-written ``jax.jit(jax.shard_map(...))`` step (median of the per-round
-ratios; 6.8-7.0 s against 6.1-6.3 s in the least disturbed rounds), where the
-checkout before took 1.21x to 1.42x (8.2-8.6 s); three traces took 1.45x. With
-no free core the overlap is lost: a fifth run, at a load average of 6 (rounds
-of 8 to 22 s), gave 1.56x against the checkout before's 1.14x. In one first
-call on a quiet machine: the probe 1.3-1.4 s (the hand-written step's trace:
-1.2 s), evaluating its jaxpr 0.01 s (bound again: 0.3 s), lowering 0.2 s, and
-XLA's compilation 4.0 s, during which the reference trace (1.4 s) and the
-guards' walks (0.1 s) run. What remains over the hand-written step is a fleet
-trace's own cost (the NNX graph, the buckets' custom VJPs, the probe's
-records) and the compilation slowed by the reference trace on the second core.
-Against the same NNX step written by hand in ``jit(shard_map)`` (the benchmark's
-variant (c)) the first step takes 1.023x (6.93 s against 6.75 s, five rounds):
-most of the distance to the functional step is the NNX optimizer and graph.
+The cost against hand-written steps, and where the time goes, is in
+docs/measurements.md ("Time to the first step"; ``benchmarks/first_step.py``).
 """
 
 from __future__ import annotations
