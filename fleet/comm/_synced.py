@@ -29,6 +29,16 @@ from fleet.comm._sync import current, is_varying, sync_leaves
 from fleet.comm._trace import SyncTrace
 
 
+def raw_read_hint(what: str) -> str:
+    """What a refusal adds under stage 3, where ``what`` (an output, the loss) may
+    read a parameter's raw value: the replica's slice, where ``variable[...]``
+    reads the whole parameter (gathered)."""
+    return ("Under sharding_configs.stage = 3 a parameter's raw value in the step "
+            "(jax.tree.leaves(nnx.state(model)), optax.tree.norm(nnx.state(model, "
+            f"nnx.Param))) is this replica's slice: if {what} reads one, read "
+            "variable[...] instead, which fleet gathers whole")
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncSpec:
     """What a wrapped NNX model's parameter carries (variable metadata

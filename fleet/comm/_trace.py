@@ -81,6 +81,9 @@ class ShardGrads:
     whole: set = dataclasses.field(default_factory=set)
     #: stage 3: id(placeholder) -> the layout of the parameter it stands for
     layouts: dict = dataclasses.field(default_factory=dict)
+    #: the probe's (a list; None elsewhere): refusals its checks raise after the
+    #: trace, once they looked for a more specific cause (fleet.step._probe_checks)
+    refusals: list | None = None
 
 
 @dataclasses.dataclass

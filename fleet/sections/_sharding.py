@@ -67,6 +67,7 @@ from fleet.comm import _sync
 from fleet.comm._buckets import strategy_buckets
 from fleet.comm._hooks import reduce_slices
 from fleet.comm._shard_comm import Layout, gather, own_slice, to_shards
+from fleet.comm._synced import raw_read_hint
 from fleet.runtime._world import DATA_AXIS, current_strategy, world
 from fleet.sections import _finite_replay, _slices
 
@@ -244,7 +245,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     g_leaves, g_def = jax.tree.flatten(grads)
     # (stage 3's gradients are its slices' placeholders: their layouts are kept)
     layouts = [trace.shard.layouts.get(id(g)) or cfg.layout(jnp.shape(g)) for g in g_leaves]
-    slices = _reduced_slices(trace, grads)
+    slices = _reduced_slices(trace, grads, params)
     s_leaves, s_def = jax.tree.flatten(state, is_leaf=is_shard)
     inner_state = jax.tree.unflatten(s_def, [x.value if is_shard(x) else x for x in s_leaves])
     p_slices = None
@@ -314,6 +315,34 @@ def _unwrap(grads: Any, params: Any) -> tuple[Any, Any, Callable]:
     return strip(grads), strip(params), rewrap
 
 
+def _not_the_backwards(trace: _sync.SyncTrace, grads: Any, params: Any, missing: list,
+                       found: list) -> None:
+    """Refuses gradients (``missing``) that the wrapped model's backward pass did
+    not leave. In the probe the refusal waits for its checks, which name a more
+    specific cause first (a raw parameter read in the loss, whose gradient JAX
+    summed: fleet.step._probe_checks.check_gradients): ``found`` gets stand-in
+    slices (the parameters', times zero) so that the trace goes on."""
+    cfg: Config = trace.shard.config
+    path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(grads)[0][missing[0]][0])
+    message = (
+        f"strategy.sharding: the optimizer got a gradient ({path}) that is not the one "
+        "the wrapped model's backward pass returned: it was changed after nnx.grad / "
+        "jax.grad (clipped, scaled, added to) or computed another way. Under sharding "
+        "each replica holds only its slice of the reduced gradient, so make such "
+        "changes inside the optax chain (optax.clip_by_global_norm, optax.scale...), "
+        "or turn strategy.sharding off")
+    if cfg.stage == 3:
+        message += ". " + raw_read_hint("the loss")
+    p_leaves = jax.tree.leaves(params) if params is not None else []
+    if trace.shard.refusals is None or len(p_leaves) != len(found):
+        raise FleetError(message)
+    trace.shard.refusals.append(message)
+    for i in missing:
+        p = p_leaves[i]
+        held = p if cfg.stage == 3 else own_slice(p, cfg.layout(jnp.shape(p)))
+        found[i] = (path, held * 0, True)
+
+
 def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:
     """``optax.apply_updates`` on the slices; with ``keep`` (``check_nan_inf``'s
     replay, :mod:`fleet.sections._finite_replay`), ``where(keep, new, old)`` per slice.
@@ -329,23 +358,17 @@ def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:
     return new if keep is None else _finite_replay.select(keep, new, p_slices)
 
 
-def _reduced_slices(trace: _sync.SyncTrace, grads: Any) -> list:
+def _reduced_slices(trace: _sync.SyncTrace, grads: Any, params: Any) -> list:
     """This replica's slices of the reduced gradients: the wrapped model's
     backward left them (stage 2) or the local gradients (stage 1, reduce-scattered
-    here); their finite flags recorded, and float16 amp's agreed flag."""
+    here); their finite flags recorded, and float16 amp's agreed flag. A gradient
+    the backward did not leave is refused (:func:`_not_the_backwards`)."""
     cfg: Config = trace.shard.config
     g_leaves = jax.tree.leaves(grads)
     found = [trace.shard.grads.get(id(g)) for g in g_leaves]
     missing = [i for i, f in enumerate(found) if f is None]
     if missing:
-        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(grads)[0][missing[0]][0])
-        raise FleetError(
-            f"strategy.sharding: the optimizer got a gradient ({path}) that is not the one "
-            "the wrapped model's backward pass returned: it was changed after nnx.grad / "
-            "jax.grad (clipped, scaled, added to) or computed another way. Under sharding "
-            "each replica holds only its slice of the reduced gradient, so make such "
-            "changes inside the optax chain (optax.clip_by_global_norm, optax.scale...), "
-            "or turn strategy.sharding off")
+        _not_the_backwards(trace, grads, params, missing, found)
     slices: list = [None] * len(found)
     local = [i for i, (_, value, reduced) in enumerate(found) if not reduced]
     for i, (_, value, reduced) in enumerate(found):

@@ -56,6 +56,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
+from fleet.comm._synced import raw_read_hint
 from fleet.runtime._world import current_strategy
 from fleet.sections import _stage3
 from fleet.semantics._metrics import METRIC_CALL
@@ -79,11 +80,7 @@ _CANNOT = (
     "order) and reduce them after the step, or declare how it combines: "
     "fleet.distributed_step(fn, out_reduce=...) with 'mean', 'sum', 'max' or 'min' at "
     "its position")
-_STAGE3 = (
-    ". Under sharding_configs.stage = 3 a parameter's raw value in the step "
-    "(jax.tree.leaves(nnx.state(model)), optax.tree.norm(nnx.state(model, nnx.Param))) "
-    "is this replica's slice: if this output reads one, read variable[...] instead, "
-    "which fleet gathers whole")
+_STAGE3 = ". " + raw_read_hint("this output")
 
 
 def _cannot(name: str, dtype: Any, why: str) -> FleetError:

@@ -107,8 +107,9 @@ def implicit_sum(n: int, summed: list[str], wrapped: bool, unsynced: Sequence[st
             "call (an L2 penalty computed from the parameters inside the loss, say): JAX "
             f"sums such gradients over the {n} replicas (N times the single-device "
             "gradient) instead of averaging them. Compute such a term inside the model's "
-            "__call__, or for weight decay add optax.add_decayed_weights(...) to the optax "
-            "chain")
+            "__call__ or, with an NNX model, from the parameters read as variable[...] "
+            "(fleet averages such reads' gradients too); for weight decay add "
+            "optax.add_decayed_weights(...) to the optax chain")
     return (
         f"the step differentiates {what}, which is not a wrapped model's parameter: JAX "
         f"sums such gradients over the {n} replicas (N times the single-device gradient) "

@@ -81,7 +81,8 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
                     trees: list) -> None:
     """The probe's gradients: refused when JAX summed them over the replicas
     (no wrapped model synced them; ``record.auto_sum`` set when a distributed
-    optimizer divides them), when the step reads them under ``strategy.sharding``,
+    optimizer divides them), when the optimizer got others than the backward pass
+    left or the step reads them under ``strategy.sharding``,
     and when ``strategy.gradient_merge`` has no distributed optimizer to merge them."""
     strategy = world().strategy
     if _guards.foreign_psums(jaxpr):
@@ -102,6 +103,8 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
                 "strategy.amp sets the computation dtype of a wrapped model's layers, "
                 "and this step trains raw parameters (no wrapped model): wrap an NNX "
                 "model with fleet.distributed_model, or turn strategy.amp off")
+    if record.shard_refusals:  # (deferred by the trace: the cause above comes first)
+        raise FleetError(record.shard_refusals[0])
     if record.shard_grads:
         used = _guards.placeholder_uses(jaxpr)
         if used:

@@ -248,7 +248,7 @@ class Program:
                    _roles.REPL: iter(repl), _roles.STATIC: iter(plan.statics)}
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
-        trace, recorder = self.new_trace(plan, record, state, objs)
+        trace, recorder = self.new_trace(plan, record, state, objs, probe)
         with _sync.tracing(trace):
             with _metrics.global_updates(trace, objs, rows, record, probe):  # global batch
                 out = keys.leave(self.fn(*values[:n_pos],
@@ -277,10 +277,13 @@ class Program:
         del trace.finite.flags[n_finite:]  # (the tail records the outputs' flags itself)
         return with_real_tail(plan, probed, tail, leaves, reduces, both)
 
-    def new_trace(self, plan: Plan, record: PlanRecord, state: list, objs: Any) -> tuple:
+    def new_trace(self, plan: Plan, record: PlanRecord, state: list, objs: Any,
+                  probe: bool) -> tuple:
         """The body's :class:`fleet.comm._trace.SyncTrace`, entered by the NNX
-        objects' distributed optimizers, and (check_nan_inf) its finite recorder."""
+        objects' distributed optimizers, and (check_nan_inf) its finite recorder.
+        The probe's defers ZeRO's refusals to its checks."""
         trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
+        trace.shard.refusals = [] if probe else None
         trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
         trace.finite.check = plan.check_nan_inf
         check_one_sum_each(self.graph.accum_keys, objs)

@@ -39,6 +39,8 @@ class PlanRecord:
     tx_calls: int = 0  # distributed optimizer updates
     merge_updates: int = 0  # updates of an optimizer that merges gradients (gradient_merge)
     shard_grads: int = 0  # gradients ZeRO's backward left as placeholders (strategy.sharding)
+    #: refusals the probe's trace deferred to its checks (fleet.sections._sharding)
+    shard_refusals: list = dataclasses.field(default_factory=list)
     #: gradients of raw parameters were summed by JAX: the distributed optimizer divides
     auto_sum: bool = False
     #: which metric got each varying scalar (the probe; fleet.semantics._metrics)
