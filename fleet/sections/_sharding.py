@@ -45,8 +45,7 @@ any replica count, with or without sharding.
 
 Stage 3 (:mod:`fleet.sections._stage3`) splits the parameters in the same
 layout, so its update is this one on slices it already holds, gathering
-nothing. (The file is over 350 lines: the state's layout, the split state and
-the sliced update are one mechanism, which stages 1, 2 and 3 share.)
+nothing. What the update refuses is in :mod:`fleet.sections._shard_refusals`.
 """
 
 from __future__ import annotations
@@ -67,9 +66,9 @@ from fleet.comm import _sync
 from fleet.comm._buckets import strategy_buckets
 from fleet.comm._hooks import reduce_slices
 from fleet.comm._shard_comm import Layout, gather, own_slice, to_shards
-from fleet.comm._synced import raw_read_hint
 from fleet.runtime._world import DATA_AXIS, current_strategy, world
 from fleet.sections import _finite_replay, _slices
+from fleet.sections._shard_refusals import not_the_backwards, sharded_trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +235,7 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     gathered updates besides (the MLP of benchmarks/donation.py at stage 2: 84.2
     MB live per device against 78.2 MB). Each element is the same sum either way
     (:func:`_apply`)."""
-    trace = _sharded_trace()
+    trace = sharded_trace()
     cfg: Config = trace.shard.config
     rewrap = _identity
     if params is not None and cfg.stage == 3 and any(map(is_shard, jax.tree.leaves(
@@ -275,22 +274,6 @@ def local_update(inner: Any, grads: Any, state: Any, params: Any,
     return core, (jax.tree.unflatten(g_def, slices), inner_state, p_slices), finish
 
 
-def _sharded_trace() -> _sync.SyncTrace:
-    """The step's trace, where a sharded update runs; raises outside one."""
-    trace = _sync.current()
-    if trace is not None and trace.shard.config is None:
-        raise FleetError(
-            "this optimizer state was split by fleet.distributed_optimizer(tx).init "
-            "(strategy.sharding) and is held where the step cannot see it (an nnx.Optimizer "
-            "built on a distributed optax transformation); for NNX write "
-            "fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))")
-    if trace is None:
-        raise FleetError(
-            "this optimizer's state is sharded (strategy.sharding), and it updates only "
-            "inside a fleet.distributed_step that differentiates the wrapped model")
-    return trace
-
-
 def _identity(tree: Any) -> Any:
     return tree
 
@@ -315,34 +298,6 @@ def _unwrap(grads: Any, params: Any) -> tuple[Any, Any, Callable]:
     return strip(grads), strip(params), rewrap
 
 
-def _not_the_backwards(trace: _sync.SyncTrace, grads: Any, params: Any, missing: list,
-                       found: list) -> None:
-    """Refuses gradients (``missing``) that the wrapped model's backward pass did
-    not leave. In the probe the refusal waits for its checks, which name a more
-    specific cause first (a raw parameter read in the loss, whose gradient JAX
-    summed: fleet.step._probe_checks.check_gradients): ``found`` gets stand-in
-    slices (the parameters', times zero) so that the trace goes on."""
-    cfg: Config = trace.shard.config
-    path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(grads)[0][missing[0]][0])
-    message = (
-        f"strategy.sharding: the optimizer got a gradient ({path}) that is not the one "
-        "the wrapped model's backward pass returned: it was changed after nnx.grad / "
-        "jax.grad (clipped, scaled, added to) or computed another way. Under sharding "
-        "each replica holds only its slice of the reduced gradient, so make such "
-        "changes inside the optax chain (optax.clip_by_global_norm, optax.scale...), "
-        "or turn strategy.sharding off")
-    if cfg.stage == 3:
-        message += ". " + raw_read_hint("the loss")
-    p_leaves = jax.tree.leaves(params) if params is not None else []
-    if trace.shard.refusals is None or len(p_leaves) != len(found):
-        raise FleetError(message)
-    trace.shard.refusals.append(message)
-    for i in missing:
-        p = p_leaves[i]
-        held = p if cfg.stage == 3 else own_slice(p, cfg.layout(jnp.shape(p)))
-        found[i] = (path, held * 0, True)
-
-
 def _apply(p_slices: Any, updates: Any, keep: Any) -> Any:
     """``optax.apply_updates`` on the slices; with ``keep`` (``check_nan_inf``'s
     replay, :mod:`fleet.sections._finite_replay`), ``where(keep, new, old)`` per slice.
@@ -362,13 +317,14 @@ def _reduced_slices(trace: _sync.SyncTrace, grads: Any, params: Any) -> list:
     """This replica's slices of the reduced gradients: the wrapped model's
     backward left them (stage 2) or the local gradients (stage 1, reduce-scattered
     here); their finite flags recorded, and float16 amp's agreed flag. A gradient
-    the backward did not leave is refused (:func:`_not_the_backwards`)."""
+    the backward did not leave is refused
+    (:func:`fleet.sections._shard_refusals.not_the_backwards`)."""
     cfg: Config = trace.shard.config
     g_leaves = jax.tree.leaves(grads)
     found = [trace.shard.grads.get(id(g)) for g in g_leaves]
     missing = [i for i, f in enumerate(found) if f is None]
     if missing:
-        _not_the_backwards(trace, grads, params, missing, found)
+        not_the_backwards(trace, grads, params, missing, found)
     slices: list = [None] * len(found)
     local = [i for i, (_, value, reduced) in enumerate(found) if not reduced]
     for i, (_, value, reduced) in enumerate(found):
