@@ -309,17 +309,16 @@ UNRETURNED = {
 
 @pytest.mark.parametrize("n", DEVICES)
 @pytest.mark.parametrize("name", list(UNRETURNED))
-def test_summed_loss_not_returned_is_refused(make_world, request, n, name):
+def test_summed_loss_not_returned_is_refused(make_world, n, name):
     """A summed loss the step differentiates but does not return would train with
     gradients N times smaller, silently: refused on several replicas, naming the
     line that computes it; on one replica it is the single-device step (nothing to
-    refuse). Not caught (strict xfail): micro-batches
-    of one row per replica, where the replica's trace and the one-device trace
-    differ in structure (JAX reshapes a one-row reduction away)."""
+    refuse). Micro-batches of one row per replica too, where the replica's trace
+    and the one-device trace differ in structure (JAX reshapes a one-row reduction
+    away): their equations are paired where they run alike
+    (fleet.semantics._jaxpr_scope.paired_eqns; a strict xfail before)."""
     api, step, out_reduce = UNRETURNED[name]
     run = RUNS[api][1]
-    if step is _micro_batches and BATCH // n // 2 == 1:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="one-row micro-batches"))
     if n == 1:
         got, ref, d_params = run(n, step, make_world, out_reduce=out_reduce)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):

@@ -1,5 +1,5 @@
 """A penalty computed from the parameters inside the loss (an L2 term, as Flax's
-ImageNet example writes it), under every ZeRO stage.
+ImageNet example writes it), and a summed loss, under every ZeRO stage.
 
 Read as ``variable[...]``, the parameters go through fleet's sync (stage 3:
 gathered whole), so the step trains what one device trains. Read raw
@@ -60,23 +60,53 @@ def distributed(stage: int, make_world):
         nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_penalty_from_the_read_parameters_trains_as_on_one_device(make_world, stage):
-    """The loss is a mean over the rows plus a term the same on every replica: its
-    combination is declared (``out_reduce="mean"``), as fleet cannot tell that the
-    term is the same everywhere."""
+@pytest.mark.parametrize("stage, declared", [
+    (0, False), pytest.param(1, False, marks=tiers.slow), pytest.param(2, False, marks=tiers.slow),
+    (3, True)])
+def test_a_penalty_from_the_read_parameters_trains_as_on_one_device(make_world, stage, declared):
+    """The loss is a mean over the rows plus a term the same on every replica,
+    which fleet sees (``fleet.semantics._jaxpr_scope.ReplicaConstant``): the loss
+    is combined as a mean. Under stage 3 the one-device reference reads the
+    parameters otherwise, so fleet cannot match the term: its combination is
+    declared (``out_reduce="mean"``)."""
     data = models.batches("linear", 3, 16)
     ref = models.LinearNet(nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
     one_device = nnx.jit(penalised_step(read=True))
     want = [float(one_device(ref, ref_opt, x, y)) for x, y in data]
     model, optimizer = distributed(stage, make_world)
-    step = fleet.distributed_step(penalised_step(read=True), out_reduce="mean")
+    step = fleet.distributed_step(penalised_step(read=True),
+                                  **({"out_reduce": "mean"} if declared else {}))
     got = [float(step(model, optimizer, x, y)) for x, y in data]
     d = models.max_diff(models.flat_params(model), models.flat_params(ref))
     print(f"stage {stage}: |params - one device| = {d:.1e}, losses {got} against {want}")
     assert d < 1e-6
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("penalty", [False, True], ids=["sum", "sum + penalty"])
+def test_a_summed_loss_is_refused_with_or_without_a_penalty(make_world, stage, penalty):
+    """A loss summed over the rows, differentiated and not returned, trains with
+    gradients N times too small: refused at every stage, also when a penalty of
+    the read parameters is added to it. Both were accepted before (the penalty at
+    every stage, 0.057 from one device after 3 SGD steps; under stage 3 the plain
+    sum too, as the one-device reference's equations did not line up)."""
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            loss = jnp.sum((m(x) - y) ** 2)
+            if penalty:
+                variables = jax.tree.leaves(nnx.state(m, nnx.Param),
+                                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+                loss = loss + 1e-2 * sum(jnp.sum(v[...] ** 2) for v in variables)
+            return loss
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    model, optimizer = distributed(stage, make_world)
+    with pytest.raises(fleet.FleetError, match=r"is differentiated \(nothing else in the step "
+                                               r"uses it\) and is a sum over the batch rows"):
+        fleet.distributed_step(step)(model, optimizer, *models.batches("linear", 1, 16)[0])
 
 
 @pytest.mark.parametrize("stage, returned, match", [

@@ -19,8 +19,10 @@ per call):
   (``0.0`` plus a mean per iteration is a mean);
 * the ops between keep the kind where that is exact: a dtype cast (to a float
   dtype, for a mean or sum), a negation (a max becomes a min), adding a constant
-  (not to a sum), a multiplication or division by a constant (for a max or min,
-  by a literal of known sign), the sum or difference of two means (or two sums);
+  (not to a sum; a constant is also a value typed varying but the same on every
+  replica, computed alike in both traces: an L2 term of the parameters read as
+  ``variable[...]``), a multiplication or division by a constant (for a max or
+  min, by a literal of known sign), the sum or difference of two means (or two sums);
 * anything else (a standard deviation, a ``sqrt`` of a mean, a ratio of two
   sums, a product of two means, a value stacked by a ``scan``) has no combination
   that gives the single-device value: the step is refused, naming the output.
@@ -37,12 +39,14 @@ which is the single-device gradient when the differentiated value is a mean over
 the rows. A *sum* output that is a differentiable function of the wrapped
 model's synced parameters (its reduced operand depends on them through float
 ops) is refused as a summed loss. So is one the step differentiates and does
-not return (``nnx.grad`` alone, ``has_aux``): :func:`check_summed_loss`
+not return (``nnx.grad`` alone, ``has_aux``):
+:func:`fleet.semantics._summed_loss.check_summed_loss`
 classifies every float scalar of the forward pass that nothing in the step uses
--- the value ``jax.grad`` differentiated -- the same way, and refuses a sum,
-naming its line. Not caught: a summed loss returned under an explicit
-``out_reduce`` (the declaration is trusted), and one in micro-batches of one row
-per replica (the two traces differ in structure there).
+-- the value ``jax.grad`` differentiated -- the same way (a sum plus any
+constant counts as a sum: its gradient is the sum's), and refuses a sum, naming
+its line; the two traces' equations are paired where they run alike (micro-batches
+of one row per replica, stage 3's one-device reference). Not caught: a summed
+loss returned under an explicit ``out_reduce`` (the declaration is trusted).
 """
 
 from __future__ import annotations
@@ -53,23 +57,17 @@ import jax
 import numpy as np
 from jax.extend.core import Literal, jaxprs_in_params
 
-from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.comm._synced import raw_read_hint
 from fleet.runtime._world import current_strategy
 from fleet.sections import _stage3
-from fleet.semantics._metrics import METRIC_CALL
-from fleet.semantics._outputs_walk import (
-    CALLS,
-    MEAN,
-    SUM,
+from fleet.semantics._jaxpr_scope import (
     Scope,
-    Walk,
     is_sync,
-    is_varying_var,
     refuse_custom_vjp3,
 )
+from fleet.semantics._outputs_walk import MEAN, SUM, Walk
 
 _CANNOT = (
     "{name} (a {dtype} scalar that differs across replicas) is not a mean, a "
@@ -107,7 +105,7 @@ def shard_body(jaxpr: Any) -> Any:
     return eqn.params["jaxpr"]
 
 
-def _differentiable(body: Any) -> set:
+def differentiable(body: Any) -> set:
     """Ids of the variables, in the body and the jaxprs it calls, that are float
     functions of the wrapped model's synced parameters (the outputs of fleet's sync
     calls, :func:`is_sync`) in the forward pass: the dependence ends at fleet's
@@ -181,21 +179,11 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
             why = walk.why if got is None else "a count of rows, not a value from them"
             raise _cannot(name, dtype, why)
         if got[1] == SUM and wrapped and np.issubdtype(dtype, np.inexact):
-            tainted = _differentiable(body) if tainted is None else tainted
+            tainted = differentiable(body) if tainted is None else tainted
             if id(a) in tainted:
                 raise FleetError(_SUMMED_LOSS.format(name=name, n=replicas))
         out.append(got[1])
     return out
-
-
-_UNUSED_SUM = (
-    "the value computed at {where} is differentiated (nothing else in the step uses it) "
-    "and is a sum over the batch rows of a value computed from the wrapped model's "
-    "parameters: a loss summed over the batch (`((pred - y) ** 2).sum()`)? fleet "
-    "averages the wrapped model's gradients over the {n} replicas, which is the "
-    "single-device gradient of a loss that is a mean over the batch; a summed loss "
-    "would train with gradients {n} times smaller than on one device. Use a mean: "
-    "`.mean()`, or divide the sum by the replica's row count (x.shape[0] inside the step)")
 
 
 @jax.jit
@@ -204,58 +192,6 @@ def fleet_declared(*leaves: Any) -> tuple:
     ``out_reduce``: the declaration is the user's, so such an output is used, never
     taken for a differentiated loss (:func:`check_summed_loss`)."""
     return leaves
-
-
-def _unused_scalars(jaxpr: Any, ref: Any, sa: Scope, sb: Scope) -> list:
-    """Pairs ``(a, sa, b, sb, eqn)``: each float scalar, varying, that an equation
-    of ``jaxpr`` makes and nothing uses (not an equation's input but a metric's
-    update, fleet.semantics._metrics's marked call; not an output),
-    beside its place in ``ref``; into calls and ``scan`` bodies too. A part where
-    the two traces differ in structure is left out."""
-    jaxpr, ref = getattr(jaxpr, "jaxpr", jaxpr), getattr(ref, "jaxpr", ref)
-    if len(jaxpr.eqns) != len(ref.eqns):
-        return []
-    used = {id(v) for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)
-            and not str(e.params.get("name", "")).startswith(METRIC_CALL)}
-    used.update(id(v) for v in jaxpr.outvars if not isinstance(v, Literal))
-    found = []
-    for ea, eb in zip(jaxpr.eqns, ref.eqns):
-        if ea.primitive != eb.primitive or len(ea.outvars) != len(eb.outvars):
-            continue
-        if ea.params.get("name") in (*FLEET_CALLS, "fleet_declared"):
-            continue
-        for a, b in zip(ea.outvars, eb.outvars):
-            if (id(a) not in used and a.aval.shape == () and is_varying_var(a)
-                    and np.issubdtype(a.aval.dtype, np.inexact)):
-                found.append((a, sa, b, sb, ea))
-        if ea.primitive.name == "scan":
-            inner = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
-            found += _unused_scalars(ea.params["jaxpr"], eb.params["jaxpr"], *inner)
-        elif ea.primitive.name in CALLS:
-            ga, gb = sa.inner(ea), sb.inner(eb)
-            if ga is not None and gb is not None:
-                found += _unused_scalars(ga[1], gb[1], ga[0], gb[0])
-    return found
-
-
-def check_summed_loss(jaxpr: Any, reference: Any, replicas: int) -> None:
-    """Refuses a loss the step differentiates without using it otherwise, when it is
-    a sum over the batch rows of a value computed from the wrapped model's synced
-    parameters (see the module docstring). ``reference``: the same step on one
-    device with the global batch (``replicas`` times the rows), or None."""
-    if reference is None or replicas == 1:
-        return
-    body, ref = shard_body(jaxpr), shard_body(reference)
-    sa, sb = Scope(body), Scope(ref)
-    tainted = None
-    for a, sa_, b, sb_, eqn in _unused_scalars(body, ref, sa, sb):
-        walk = Walk(replicas)
-        if walk.kind(a, sa_, b, sb_) != ("k", SUM):
-            continue
-        tainted = _differentiable(body) if tainted is None else tainted
-        if id(a) in tainted:
-            where = _compat.user_line(eqn) or "a line of the step"
-            raise FleetError(_UNUSED_SUM.format(where=where, n=replicas))
 
 
 _COUNTED = (

@@ -8,82 +8,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend.core import Literal
 
 from fleet._compat import scan_counts
-from fleet._errors import FleetUnsupportedError
-from fleet.runtime._world import DATA_AXIS
+from fleet.semantics._jaxpr_scope import CALLS, ReplicaConstant, Scope, is_varying_var
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
-CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr", "CustomVJPTraced")  # (custom_vjp3)
-#: Calls whose inner jaxpr's inputs and outputs are the call's own, in order
-#: (``jax.checkpoint`` is ``remat2``, ``RematTraced`` under ``jax_remat3``).
-CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-         "RematTraced", "custom_jvp_call", *CUSTOM_VJP_CALLS)
 _SAME = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
          "expand_dims", "reduce_precision")
 _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
 _DEPTH = 400
-
-
-def is_sync(eqn: Any) -> bool:
-    """Whether an equation is fleet's gradient sync (``fleet.comm._sync``): a custom-VJP
-    call whose forward only casts its invariant inputs to varying."""
-    if eqn.primitive.name not in CUSTOM_VJP_CALLS:
-        return False
-    inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
-    return inner is not None and bool(inner.eqns) and all(
-        e.primitive.name in ("pvary", "pcast") for e in inner.eqns)
-
-
-def refuse_custom_vjp3() -> None:
-    """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
-    if getattr(jax.config, "jax_custom_vjp3", False):
-        raise FleetUnsupportedError(
-            "this step sums a value over the batch rows, and fleet cannot check it with jax's "
-            "custom_vjp3 upgrade flag on (JAX_CUSTOM_VJP3=1): its traces hide fleet's gradient "
-            "sync, so a loss replicas-times too large would pass unseen; turn the flag off "
-            "(its default), or take the mean over the rows")
-
-
-def is_varying_var(v: Any) -> bool:
-    """Whether a jaxpr variable is typed varying over ``data`` (shard_map's vma)."""
-    aval = v.aval
-    return DATA_AXIS in getattr(aval, "vma", getattr(
-        getattr(aval, "manual_axis_type", None), "varying", ()))
-
-
-class Scope:
-    """One jaxpr of the walk: who produces each variable, and where its inputs
-    come from (the calling equation's inputs in the enclosing scope)."""
-
-    def __init__(self, jaxpr: Any, parent: tuple | None = None):
-        consts = getattr(jaxpr, "consts", ())
-        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-        self.producer = {id(v): e for e in jaxpr.eqns for v in e.outvars}
-        self.inputs = {id(v): i for i, v in enumerate(jaxpr.invars)}
-        self.consts = {id(v): c for v, c in zip(jaxpr.constvars, consts)}
-        self.parent = parent  # (the call's invars, the enclosing scope)
-        self.subs: dict = {}
-
-    def inner(self, eqn: Any) -> tuple | None:
-        """The scope of a call's jaxpr, when its inputs and outputs are the call's."""
-        if eqn.primitive.name not in CALLS:
-            return None
-        key = id(eqn)
-        if key not in self.subs:
-            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            inner = getattr(sub, "jaxpr", sub)
-            ok = (sub is not None and hasattr(inner, "eqns")
-                  and len(inner.invars) == len(eqn.invars)
-                  and len(inner.outvars) == len(eqn.outvars))
-            self.subs[key] = (Scope(sub, (eqn.invars, self)), inner) if ok else None
-        return self.subs[key]
 
 
 class Walk:
@@ -93,8 +31,12 @@ class Walk:
     ``("up",)`` / ``("down",)`` a literal that grows (a row count) or shrinks
     (its reciprocal) with the rows, or ``None``."""
 
-    def __init__(self, scale: int):
+    def __init__(self, scale: int, summed_loss: bool = False):
         self.scale = scale
+        #: check_summed_loss's walk: a sum plus a constant is a sum (its gradient is
+        #: the sum's), where an output's walk refuses it (no combination gives it)
+        self.summed_loss = summed_loss
+        self.replica_constant = ReplicaConstant()
         self.memo: dict = {}
         self.same_memo: dict = {}
         self.why = "its computation"
@@ -218,6 +160,12 @@ class Walk:
             if not is_varying_var(b) and self.same(a, sa, b, sb):
                 return ("c", None)
             return self._fail("a value computed from the batch's shape")
+        if self.replica_constant(a, sa) and (self.summed_loss or (
+                self.replica_constant(b, sb) and self.same(a, sa, b, sb))):
+            # Typed varying, the same on every replica: a term of the parameters read
+            # as variable[...]. An output's walk needs it computed alike in both traces
+            # (not scaled by the row count); to find a summed loss, any such term will do.
+            return ("c", None)
         if id(a) in sa.inputs or id(b) in sb.inputs:
             if id(a) not in sa.inputs or id(b) not in sb.inputs or sa.parent is None:
                 return self._fail("a value the step gets, not one it reduces")
@@ -316,7 +264,8 @@ class Walk:
             other = y if x[0] == "k" else x
             if name == "sub" and x[0] == "c":  # c - k: the flipped kind, above
                 ks = [y]
-            if len(ks) == 1 and other[0] == "c" and (ks[0][1] != SUM or other[1] == 0):
+            if len(ks) == 1 and other[0] == "c" and (
+                    ks[0][1] != SUM or other[1] == 0 or self.summed_loss):
                 return ks[0]
             return self._fail("a sum plus a constant" if ks and ks[0][1] == SUM
                               else "a value that grows with the batch, added")

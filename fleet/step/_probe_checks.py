@@ -22,7 +22,7 @@ from flax import nnx
 
 from fleet._errors import FleetError
 from fleet.runtime._world import world
-from fleet.semantics import _metrics, _outputs, _random_guards
+from fleet.semantics import _metrics, _outputs, _random_guards, _summed_loss
 from fleet.step import _guards, _roles
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._record import PlanRecord
@@ -60,7 +60,7 @@ def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
     for i, k in zip(at, kinds):
         record.out[i] = k
     if replicas > 1 and record.wrapped_syncs:
-        _outputs.check_summed_loss(jaxpr, reference, replicas)
+        _summed_loss.check_summed_loss(jaxpr, reference, replicas)
     if replicas > 1:  # (on one replica its rows are the global batch's)
         _outputs.check_counted(jaxpr, reference, len(at),
                                [graph.names[i] for i in record.counted])

@@ -1,0 +1,136 @@
+"""Reading a traced step's jaxpr for fleet.semantics._outputs and its walk
+(:mod:`fleet.semantics._outputs_walk`): the calls fleet looks into, its gradient
+sync, the replica typing (vma) of a variable, the :class:`Scope` of one jaxpr,
+two traces' equations paired (:func:`paired_eqns`), and which varying values are
+nevertheless the same on every replica (:class:`ReplicaConstant`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import jax
+from jax.extend.core import Literal, jaxprs_in_params
+
+from fleet._errors import FleetUnsupportedError
+from fleet.runtime._world import DATA_AXIS
+
+CUSTOM_VJP_CALLS = ("custom_vjp_call", "custom_vjp_call_jaxpr", "CustomVJPTraced")  # (custom_vjp3)
+#: Calls whose inner jaxpr's inputs and outputs are the call's own, in order
+#: (``jax.checkpoint`` is ``remat2``, ``RematTraced`` under ``jax_remat3``).
+CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+         "RematTraced", "custom_jvp_call", *CUSTOM_VJP_CALLS)
+
+
+def is_sync(eqn: Any) -> bool:
+    """Whether an equation is fleet's read of a wrapped model's parameters
+    (``fleet.comm._sync``): a custom-VJP call whose forward only casts its
+    invariant inputs to varying, or under ZeRO stage 3 gathers their slices
+    (``fleet.comm._param_gather``: a call of ``fleet_gather``)."""
+    if eqn.primitive.name not in CUSTOM_VJP_CALLS:
+        return False
+    inner = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
+    return inner is not None and bool(inner.eqns) and (
+        all(e.primitive.name in ("pvary", "pcast") for e in inner.eqns)
+        or any(e.params.get("name") == "fleet_gather" for e in inner.eqns))
+
+
+def refuse_custom_vjp3() -> None:
+    """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        raise FleetUnsupportedError(
+            "this step sums a value over the batch rows, and fleet cannot check it with jax's "
+            "custom_vjp3 upgrade flag on (JAX_CUSTOM_VJP3=1): its traces hide fleet's gradient "
+            "sync, so a loss replicas-times too large would pass unseen; turn the flag off "
+            "(its default), or take the mean over the rows")
+
+
+def is_varying_var(v: Any) -> bool:
+    """Whether a jaxpr variable is typed varying over ``data`` (shard_map's vma)."""
+    aval = v.aval
+    return DATA_AXIS in getattr(aval, "vma", getattr(
+        getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+class Scope:
+    """One jaxpr of the walk: who produces each variable, and where its inputs
+    come from (the calling equation's inputs in the enclosing scope)."""
+
+    def __init__(self, jaxpr: Any, parent: tuple | None = None):
+        consts = getattr(jaxpr, "consts", ())
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        self.producer = {id(v): e for e in jaxpr.eqns for v in e.outvars}
+        self.inputs = {id(v): i for i, v in enumerate(jaxpr.invars)}
+        self.consts = {id(v): c for v, c in zip(jaxpr.constvars, consts)}
+        self.parent = parent  # (the call's invars, the enclosing scope)
+        self.subs: dict = {}
+
+    def inner(self, eqn: Any) -> tuple | None:
+        """The scope of a call's jaxpr, when its inputs and outputs are the call's."""
+        if eqn.primitive.name not in CALLS:
+            return None
+        key = id(eqn)
+        if key not in self.subs:
+            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = getattr(sub, "jaxpr", sub)
+            ok = (sub is not None and hasattr(inner, "eqns")
+                  and len(inner.invars) == len(eqn.invars)
+                  and len(inner.outvars) == len(eqn.outvars))
+            self.subs[key] = (Scope(sub, (eqn.invars, self)), inner) if ok else None
+        return self.subs[key]
+
+
+def paired_eqns(eqns: list, ref: list) -> list:
+    """The equations of two traces paired along the blocks where their primitives
+    (and calls' names) run alike."""
+    if len(eqns) == len(ref):
+        return list(zip(eqns, ref))
+
+    def names(es: list) -> list:
+        return [(e.primitive.name, str(e.params.get("name", ""))) for e in es]
+
+    blocks = difflib.SequenceMatcher(None, names(eqns), names(ref), autojunk=False)
+    return [(eqns[i + k], ref[j + k]) for i, j, n in blocks.get_matching_blocks()
+            for k in range(n)]
+
+
+class ReplicaConstant:
+    """Which values typed varying are the same on every replica: computed only
+    from invariant inputs (the parameters, the replicated state), literals and
+    constants, through fleet's sync or a cast to varying (which retype a value
+    without changing it) and deterministic operations. A parameter read as
+    ``variable[...]`` outside the model's call is such a value (an L2 penalty of
+    the read parameters). Anything else is not: the batch, a per-replica value,
+    an operation without inputs whose result varies (``axis_index``), and --
+    conservatively -- a loop or a branch (their bodies are not followed)."""
+
+    def __init__(self):
+        self.memo: dict = {}
+
+    def __call__(self, v: Any, s: Scope, depth: int = 0) -> bool:
+        key = (id(v), id(s))
+        if key not in self.memo:
+            self.memo[key] = depth <= 400 and self._constant(v, s, depth)
+        return self.memo[key]
+
+    def _constant(self, v: Any, s: Scope, depth: int) -> bool:
+        if isinstance(v, Literal) or id(v) in s.consts or not is_varying_var(v):
+            return True  # (typed invariant: the same on every replica, check_vma=True)
+        if id(v) in s.inputs:
+            if s.parent is None:  # the body's own varying input: the batch, per-replica state
+                return False
+            invars, outer = s.parent
+            return self(invars[s.inputs[id(v)]], outer, depth + 1)
+        eqn = s.producer.get(id(v))
+        if eqn is None:
+            return False
+        got = s.inner(eqn)
+        if got is not None:  # a call: its output, inside
+            scope, inner = got
+            return self(inner.outvars[eqn.outvars.index(v)], scope, depth + 1)
+        if any(True for _ in jaxprs_in_params(eqn.params)):
+            return False  # a loop, a branch, another shard_map: not followed
+        if not eqn.invars:
+            return False  # (varying from nothing: axis_index)
+        return all(self(x, s, depth + 1) for x in eqn.invars)
