@@ -7,7 +7,6 @@ nevertheless the same on every replica (:class:`ReplicaConstant`).
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import jax
@@ -81,18 +80,28 @@ class Scope:
         return self.subs[key]
 
 
-def paired_eqns(eqns: list, ref: list) -> list:
-    """The equations of two traces paired along the blocks where their primitives
-    (and calls' names) run alike."""
+def paired_eqns(eqns: list, ref: list, window: int = 64) -> list:
+    """The equations of two traces paired where their primitives (and calls'
+    names) run alike: in order, and where they part, at the nearest place within
+    ``window`` equations where they run alike again (ZeRO stage 3's one-device
+    reference inserts its own splits and gathers). Linear in the equations: a
+    deep model's trace has thousands."""
     if len(eqns) == len(ref):
         return list(zip(eqns, ref))
-
-    def names(es: list) -> list:
-        return [(e.primitive.name, str(e.params.get("name", ""))) for e in es]
-
-    blocks = difflib.SequenceMatcher(None, names(eqns), names(ref), autojunk=False)
-    return [(eqns[i + k], ref[j + k]) for i, j, n in blocks.get_matching_blocks()
-            for k in range(n)]
+    a = [(e.primitive.name, str(e.params.get("name", ""))) for e in eqns]
+    b = [(e.primitive.name, str(e.params.get("name", ""))) for e in ref]
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            out.append((eqns[i], ref[j]))
+            i, j = i + 1, j + 1
+            continue
+        skip = next(((0, d) if j + d < len(b) and a[i] == b[j + d] else (d, 0)
+                     for d in range(1, window)
+                     if j + d < len(b) and a[i] == b[j + d] or i + d < len(a) and a[i + d] == b[j]),
+                    (1, 1))
+        i, j = i + skip[0], j + skip[1]
+    return out
 
 
 class ReplicaConstant:
