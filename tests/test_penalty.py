@@ -22,6 +22,7 @@ from flax import nnx
 
 import fleet
 from tests import models, tiers
+from tests.test_stage3 import assert_replicated_state_equal
 
 STAGES = [0, pytest.param(1, marks=tiers.slow), pytest.param(2, marks=tiers.slow), 3]
 
@@ -82,6 +83,7 @@ def test_a_penalty_from_the_read_parameters_trains_as_on_one_device(make_world, 
     print(f"stage {stage}: |params - one device| = {d:.1e}, losses {got} against {want}")
     assert d < 1e-6
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert_replicated_state_equal((model, optimizer))  # (what is not split: every device)
 
 
 @pytest.mark.parametrize("stage", STAGES)

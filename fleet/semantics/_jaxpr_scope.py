@@ -95,13 +95,21 @@ def paired_eqns(eqns: list, ref: list, window: int = 64) -> list:
         if a[i] == b[j]:
             out.append((eqns[i], ref[j]))
             i, j = i + 1, j + 1
-            continue
-        skip = next(((0, d) if j + d < len(b) and a[i] == b[j + d] else (d, 0)
-                     for d in range(1, window)
-                     if j + d < len(b) and a[i] == b[j + d] or i + d < len(a) and a[i + d] == b[j]),
-                    (1, 1))
-        i, j = i + skip[0], j + skip[1]
+        else:
+            di, dj = _resync(a, b, i, j, window)
+            i, j = i + di, j + dj
     return out
+
+
+def _resync(a: list, b: list, i: int, j: int, window: int) -> tuple[int, int]:
+    """How far to skip in ``a`` or ``b`` (from ``i``, ``j``) for them to run alike
+    again, the nearer first; both one when no place within ``window`` does."""
+    for d in range(1, window):
+        if j + d < len(b) and a[i] == b[j + d]:
+            return 0, d
+        if i + d < len(a) and a[i + d] == b[j]:
+            return d, 0
+    return 1, 1
 
 
 class ReplicaConstant:
