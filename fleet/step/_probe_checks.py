@@ -1,15 +1,14 @@
 """The contract checks of a step's traced program, and the probe's decisions.
 
-Moved out of ``fleet.step._program`` (where they were ``Program`` methods and
-module functions), which calls them. A plan's first trace reads the probe's
-jaxpr (``Program.first_trace``): :func:`check_randomness` refuses the draws
-fleet cannot make exact, :func:`resolve_scalars` and :func:`resolve_metrics`
-decide how each undeclared varying scalar combines over the replicas (and
-refuse a summed loss and counts of the replica's rows), and
-:func:`check_gradients` refuses gradients JAX would sum, read under sharding or
-merged without a distributed optimizer. Every trace of the body
-(``Program.body``) refuses returned gradients that are not the single-device
-ones (:func:`check_returned`).
+``fleet.step._program`` calls them. A plan's first trace reads the probe's jaxpr
+(``Program.first_trace``): :func:`check_randomness` refuses the draws fleet
+cannot make exact and :func:`check_per_example` the gradients taken per example;
+:func:`resolve_scalars` and :func:`resolve_metrics` decide how each undeclared
+varying scalar combines over the replicas (and refuse a summed loss and counts
+of the replica's rows), and :func:`check_gradients` refuses gradients JAX would
+sum, read under sharding or merged without a distributed optimizer. Every trace
+of the body (``Program.body``) refuses returned gradients that are not the
+single-device ones (:func:`check_returned`).
 """
 
 from __future__ import annotations
@@ -18,11 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from fleet._errors import FleetError
+from fleet._errors import FleetError, nth
+from fleet.runtime._leaves import dotted
 from fleet.runtime._world import world
-from fleet.semantics import _metrics, _outputs, _random_guards, _summed_loss
+from fleet.semantics import _metrics, _outputs, _per_example, _random_guards, _summed_loss
 from fleet.step import _guards, _roles
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._record import PlanRecord
@@ -43,6 +44,21 @@ def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked
     _random_guards.check_draws(jaxpr, rows, reference if n > 1 else None,
                                frozenset(r * n for r in rows))
     _random_guards.check_typing(jaxpr, rows, marked)
+
+
+def check_per_example(plan: Plan, graph: GraphCache, jaxpr: Any, batch: list,
+                      trees: list) -> None:
+    """The probe's per-example gradients, refused (fleet.semantics._per_example);
+    on one replica they are the single-device ones."""
+    n = plan.mesh.devices.size
+    if n == 1:
+        return
+    tree_pos = [i for i, k in enumerate(plan.kinds) if k == _roles.TREE]
+    named = [(name, v.shape) for name, v in zip(graph.names, graph.variables)] + [
+        (f"{nth(tree_pos[i])} leaf {dotted(p)!r}", jnp.shape(x))
+        for i, t in enumerate(trees) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]]
+    _per_example.check_per_example(
+        jaxpr, frozenset(r // n for r in _roles.rows_of(batch)), named)
 
 
 def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,

@@ -41,6 +41,7 @@ from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
 from fleet.step._probe_checks import (
     check_gradients,
+    check_per_example,
     check_randomness,
     check_returned,
     resolve_metrics,
@@ -140,6 +141,7 @@ class Program:
         probe_body, reference, args, specs, trees, batch = traced
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
         check_randomness(plan, jaxpr, reference, batch, record.marked)
+        check_per_example(plan, self.graph, jaxpr, batch, trees)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
