@@ -38,6 +38,7 @@ from fleet.io._pipeline import (
 from fleet.io._placement import GlobalTransfer, check_sampler_fits_world, gather_to_host
 from fleet.io._position import Position, Tracker, resume_point
 from fleet.io._sampler import BatchSampler, DistributedBatchSampler
+from fleet.io._sampler_args import int_at_least
 from fleet.io._workers import WorkerPool
 from fleet.runtime._world import world
 
@@ -123,12 +124,8 @@ class DataLoader:
                 f"shuffle={shuffle}, drop_last={drop_last}; the batch sampler decides "
                 "those: set them on the sampler and leave them at their defaults here"
             )
-        for name, value, low in (("num_workers", num_workers, 0), ("prefetch_factor",
-                                                                    prefetch_factor, 1)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise FleetTypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < low:
-                raise FleetConfigError(f"{name}={value} must be at least {low}")
+        num_workers = int_at_least("num_workers", num_workers, 0)
+        prefetch_factor = int_at_least("prefetch_factor", prefetch_factor)
         for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
             if fn is not None and not callable(fn):
                 raise FleetTypeError(f"{name} must be callable or None, got {fn!r}")

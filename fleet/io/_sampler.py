@@ -21,7 +21,7 @@ import numpy as np
 from fleet._errors import FleetConfigError
 from fleet.io._order import batch_slices, fixed_order, padded_order, padding_rows, plain_order
 from fleet.io._position import Iteration, Position, Tracker, resume_point
-from fleet.io._sampler_args import agree_on_length, dataset_size, positive_int, resolve_replicas
+from fleet.io._sampler_args import agree_on_length, dataset_size, int_at_least, resolve_replicas
 
 
 class BatchSampler:
@@ -67,7 +67,7 @@ class BatchSampler:
         self.dataset = dataset
         self.sampler = sampler
         self.shuffle = bool(shuffle)
-        self.batch_size = positive_int("batch_size", batch_size)
+        self.batch_size = int_at_least("batch_size", batch_size)
         self.drop_last = bool(drop_last)
         self._size = dataset_size(dataset if dataset is not None else sampler)
         self.epoch = 0  # the epoch the next iteration starts (unless one is restored)
