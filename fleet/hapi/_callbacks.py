@@ -309,7 +309,12 @@ class LRScheduler(Callback):
             self._step += 1
 
     def _set(self, lr: Any) -> None:
-        set_replicated_scalar(self._variables, lr)
+        """Writes ``lr`` into the variables, replicated on the mesh (every process
+        calls this with the same value)."""
+        sharding = _world.world().replicated
+        for var in self._variables:
+            host = np.asarray(lr, dtype=var.get_value().dtype)
+            var.set_value(jax.make_array_from_callback((), sharding, lambda idx, h=host: h))
 
 
 def learning_rate_variables(optimizer: Any) -> list:
@@ -328,15 +333,6 @@ def learning_rate_variables(optimizer: Any) -> list:
             "to optax directly (optax.adam(optax.exponential_decay(...))), no callback needed"
         )
     return found
-
-
-def set_replicated_scalar(variables: list, value: Any) -> None:
-    """Writes a host scalar into variables, replicated on the mesh (every process
-    calls this with the same value)."""
-    sharding = _world.world().replicated
-    for var in variables:
-        host = np.asarray(value, dtype=var.get_value().dtype)
-        var.set_value(jax.make_array_from_callback((), sharding, lambda idx, h=host: h))
 
 
 def int_arg(cls: str, name: str, value: Any, low: int) -> int:

@@ -2,18 +2,14 @@
 
 The pipeline for one batch: the batch sampler gives this process's indices ->
 the samples are fetched and stacked (in a background thread, or in worker
-processes) -> ``jax.make_array_from_process_local_data`` places the process-local
-rows on this process's devices, giving a global array sharded over the ``data``
-axis (``fleet.world().batch``).
+processes; ``fleet/io/_pipeline.py``) -> the process-local rows are placed on
+this process's devices as a global array sharded over the ``data`` axis
+(``fleet/io/_placement.py``).
 
-How batches are loaded ahead and overlap the training step: ``fleet/io/_pipeline.py``;
-how they are placed on the mesh: ``fleet/io/_placement.py``.
-
-Where iteration stands lives in the iterator ``iter(loader)`` returns, which counts
-a batch when it hands it out (``fleet/io/_position.py``). The loader holds no
-position: ``state_dict()`` is the sampler's, which reads that iterator (a batch
-sampler of your own has none, so the loader reads the iterator itself), and
-``set_state_dict()`` gives the next iteration its start.
+The loader holds no position (``fleet/io/_position.py``): ``state_dict()`` is the
+sampler's, which reads the running iterator (a batch sampler of your own has
+none, so the loader reads the iterator itself), and ``set_state_dict()`` gives
+the next iteration its start.
 """
 
 from __future__ import annotations

@@ -5,10 +5,7 @@ Both samplers yield lists of ints (Paddle's ``paddle.io.BatchSampler`` /
 (``fleet/io/_order.py`` has the index arithmetic and Paddle's algorithm), plus an
 epoch counter (:meth:`~BatchSampler.set_epoch`) and, after
 :meth:`~BatchSampler.set_state_dict`, the position the next iteration starts from.
-
-It holds no running position: the iterator that hands its batches out does (its
-own iterator, or a ``DataLoader``'s; ``fleet/io/_position.py``), and
-:meth:`~BatchSampler.state_dict` is computed from that iterator.
+It holds no running position (``fleet/io/_position.py``).
 """
 
 from __future__ import annotations
