@@ -43,14 +43,10 @@ from fleet._errors import FleetConfigError, FleetError
 from fleet.checkpoint import FleetCheckpointError, _atomic
 from fleet.checkpoint._errors import first_line
 from fleet.hapi import _export_check
+from fleet.hapi._inputs import SPEC_EXAMPLE, input_dims
 from fleet.runtime import _world
 from fleet.runtime._leaves import dotted
 from fleet.sections import _stage3
-from fleet.static import dims
-
-#: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
-#: later refuse ``jax.ShapeDtypeStruct((None, 784), ...)``: fleet/static.py).
-SPEC_EXAMPLE = "fleet.static.InputSpec([None, 784], 'float32', name='x')"
 
 EXPORT_SUFFIX = ".jaxexport"
 WEIGHTS_SUFFIX = ".pdiparams"
@@ -71,12 +67,7 @@ def input_specs(given: Any, seen: Sequence[Any]) -> list:
             "fit / evaluate / predict first")
     batch = jax.export.symbolic_shape("batch")[0]
     out = []
-    for i, s in enumerate(specs):
-        shape, dtype = dims(s) or ((), None)
-        if len(shape) < 1:
-            raise FleetConfigError(
-                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a fleet.static.InputSpec "
-                f"whose first axis is the batch, e.g. {SPEC_EXAMPLE}")
+    for i, (s, (shape, dtype)) in enumerate(zip(specs, input_dims(specs))):
         if None in shape[1:]:
             raise FleetConfigError(
                 f"fleet.Model(inputs=...) entry {i} is {s!r}: only its first axis (the batch) "

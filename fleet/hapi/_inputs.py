@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -17,7 +17,12 @@ from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet.hapi._metric import Metric
 from fleet.io import DataLoader, DistributedBatchSampler
 from fleet.io._sampler_args import int_at_least
+from fleet.static import dims
 from fleet.wrappers._distributed_optimizer import distributed_optimizer
+
+#: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
+#: later refuse ``jax.ShapeDtypeStruct((None, 784), ...)``: fleet/static.py).
+SPEC_EXAMPLE = "fleet.static.InputSpec([None, 784], 'float32', name='x')"
 
 _NEEDS_PREPARE = (
     "call model.prepare(optimizer, loss, metrics) before {what}, e.g. "
@@ -104,6 +109,19 @@ def count_inputs(network: nnx.Module, inputs: Any) -> int:
         f"fleet.Model(inputs=...) takes the number of inputs or a list of "
         f"fleet.static.InputSpec, one per input; got {inputs!r}"
     )
+
+
+def input_dims(specs: Sequence[Any]) -> list[tuple[tuple[int | None, ...], Any]]:
+    """``(shape, dtype)`` of each ``fleet.Model(inputs=...)`` entry (``None`` for an
+    unknown dimension), for ``summary`` and the export; an entry that is no spec, or
+    has no batch axis, is refused."""
+    known = [dims(s) for s in specs]
+    for i, (spec, found) in enumerate(zip(specs, known)):
+        if found is None or len(found[0]) < 1:
+            raise FleetConfigError(
+                f"fleet.Model(inputs=...) entry {i} is {spec!r}; give a fleet.static.InputSpec "
+                f"whose first axis is the batch, e.g. {SPEC_EXAMPLE}")
+    return known
 
 
 @contextlib.contextmanager
