@@ -131,7 +131,7 @@ class ModelCheckpoint(Callback):
     def __init__(self, save_freq: int = 1, save_dir: str | os.PathLike | None = None,
                  max_to_keep: int | None = None):
         super().__init__()
-        self.save_freq = _positive_int("ModelCheckpoint(save_freq)", save_freq)
+        self.save_freq = int_arg("ModelCheckpoint", "save_freq", save_freq, 1)
         self.save_dir = None if save_dir is None else os.fspath(save_dir)
         self.max_to_keep = max_to_keep
         self.loader: Any = None  # fit sets the training loader
@@ -200,8 +200,7 @@ class EarlyStopping(Callback):
             raise FleetConfigError(
                 f"EarlyStopping(mode={mode!r}) must be 'auto', 'min' or 'max'"
             )
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
-            raise FleetConfigError(f"EarlyStopping(patience={patience!r}) must be an int >= 0")
+        patience = int_arg("EarlyStopping", "patience", patience, 0)
         self.monitor, self.patience, self.verbose = monitor, patience, verbose
         self.baseline, self.save_best_model = baseline, save_best_model
         if mode == "auto":
@@ -310,7 +309,12 @@ class LRScheduler(Callback):
             self._step += 1
 
     def _set(self, lr: Any) -> None:
-        set_replicated_scalar(self._variables, lr)
+        """Writes ``lr`` into the variables, replicated on the mesh (every process
+        calls this with the same value)."""
+        sharding = _world.world().replicated
+        for var in self._variables:
+            host = np.asarray(lr, dtype=var.get_value().dtype)
+            var.set_value(jax.make_array_from_callback((), sharding, lambda idx, h=host: h))
 
 
 def learning_rate_variables(optimizer: Any) -> list:
@@ -331,16 +335,8 @@ def learning_rate_variables(optimizer: Any) -> list:
     return found
 
 
-def set_replicated_scalar(variables: list, value: Any) -> None:
-    """Writes a host scalar into variables, replicated on the mesh (every process
-    calls this with the same value)."""
-    sharding = _world.world().replicated
-    for var in variables:
-        host = np.asarray(value, dtype=var.get_value().dtype)
-        var.set_value(jax.make_array_from_callback((), sharding, lambda idx, h=host: h))
-
-
-def _positive_int(what: str, value: Any) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise FleetConfigError(f"{what}={value!r} must be an int >= 1")
+def int_arg(cls: str, name: str, value: Any, low: int) -> int:
+    """A callback's int argument, refused unless it is ``>= low``."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise FleetConfigError(f"{cls}({name}={value!r}) must be an int >= {low}")
     return int(value)

@@ -1,5 +1,5 @@
 """``Model.fit`` / ``evaluate`` / ``predict``'s callbacks, assembled (Paddle's
-``config_callbacks``): the user's, a progress logger, a checkpoint callback."""
+``config_callbacks``)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from fleet.hapi._callbacks import Callback, CallbackList, ModelCheckpoint
 from fleet.hapi._progbar import ProgBarLogger
 
 
-def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, verbose: int,
-                     log_freq: int, params: dict[str, Any], save_dir: Any = None,
-                     save_freq: int = 1, train_loader: Any = None, resume: bool = False,
+def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, params: dict[str, Any],
+                     train_loader: Any = None, resume: bool = False,
                      ) -> tuple[CallbackList, ModelCheckpoint | None]:
-    """The callbacks of a run (Paddle's ``config_callbacks``): the user's, a progress
-    logger unless ``verbose`` is 0 or one is given, and a :class:`ModelCheckpoint`
-    for ``save_dir`` unless one is given; each gets the model and ``params``.
+    """The callbacks of a run: the user's, a progress logger unless ``params["verbose"]``
+    is 0 or one is given, and a :class:`ModelCheckpoint` for ``params["save_dir"]``
+    unless one is given; each gets the model and ``params``.
     Returns them, and the checkpoint callback that saves (``None`` if none does),
     which gets the training loader (whose position it saves); ``fit(resume=True)``
     needs one."""
@@ -28,10 +27,11 @@ def config_callbacks(model: Any, callbacks: Sequence[Callback] | None, verbose: 
                 f"callbacks must be fleet.callbacks.Callback objects, got "
                 f"{type(cb).__name__}; subclass fleet.callbacks.Callback"
             )
-    if verbose and not any(isinstance(cb, ProgBarLogger) for cb in cbks):
-        cbks.insert(0, ProgBarLogger(log_freq, verbose))
-    if save_dir is not None and not any(isinstance(cb, ModelCheckpoint) for cb in cbks):
-        cbks.append(ModelCheckpoint(save_freq, save_dir))
+    if params["verbose"] and not any(isinstance(cb, ProgBarLogger) for cb in cbks):
+        cbks.insert(0, ProgBarLogger(params["log_freq"], params["verbose"]))
+    if (params.get("save_dir") is not None
+            and not any(isinstance(cb, ModelCheckpoint) for cb in cbks)):
+        cbks.append(ModelCheckpoint(params["save_freq"], params["save_dir"]))
     for cb in cbks:
         cb.set_model(model)
         cb.set_params(params)

@@ -1,6 +1,6 @@
 """``Model.save(path, training=False)`` and :func:`load_inference`: the network as
 a program, runnable without its Python class (Paddle's inference model and
-``paddle.jit.load``).
+``paddle.jit.load``; the user's view is in docs/model.md).
 
 ``save`` traces the network's forward pass in evaluation mode and serializes
 it with ``jax.export``: StableHLO, lowered for CPU and CUDA together, with a
@@ -12,34 +12,19 @@ Two files, Paddle's pair:
 * ``{path}.pdiparams``: those weights, written with :func:`fleet.save`
   (``{"names": [...], "weights": [...], "jax": version, "program": {"size": n,
   "crc32": crc}}``: the variables' dotted names and values, in the program's
-  order, the jax that exported them, and the size and CRC-32 of the
-  ``.jaxexport`` bytes written beside it).
+  order, the jax that exported them, and the record of the ``.jaxexport``
+  bytes written beside it, :mod:`fleet.hapi._export_check`).
 
 The ``.pdiparams`` is written first, then the ``.jaxexport``, each atomically:
 a save that dies between them leaves a pair whose record does not match its
-program, which :func:`load_inference` refuses rather than runs.
-
-:func:`load_inference` checks the pair before it runs anything
-(:mod:`fleet.hapi._export_check`): ``.pdiparams`` as :func:`fleet.load` checks
-every file; the ``.jaxexport``'s size and CRC-32 against the record before jax
-deserializes it (a file cut short, a changed byte, a program from another save
-are refused, naming both checksums); then each weight's shape and dtype against
-what the program takes (another model's weights are refused, naming the weight
-and both shapes). Each of these refusals is a :class:`fleet.FleetCheckpointError`.
-
-The ``"program"`` record was added in issue 38 and changes nothing else: the
-``.jaxexport`` is still exactly ``Exported.serialize()``'s bytes, an earlier
-fleet reads a new pair (it ignores the record), and a pair exported before the
-record existed loads unchecked, with a :class:`fleet.FleetWarning` that says so.
+program, which :func:`load_inference` refuses rather than runs. What it checks
+before it runs anything, and the pairs exported before the record existed:
+:mod:`fleet.hapi._export_check`.
 
 A program loads on the jax that exported it and on later ones (jax's
 compatibility window), not on an earlier one: jax 0.10 cannot read what jax 0.12
 exports. :func:`load_inference` then names both versions.
 
-The input shapes come from ``fleet.Model(network, inputs=[...])`` (a
-``fleet.static.InputSpec`` per input, or a ``jax.ShapeDtypeStruct``; its first
-axis, the batch, is made symbolic whatever it says), or else from the last batch
-the model ran.
 Random state (dropout's keys) is not an input: evaluation does not use it.
 """
 
@@ -58,14 +43,10 @@ from fleet._errors import FleetConfigError, FleetError
 from fleet.checkpoint import FleetCheckpointError, _atomic
 from fleet.checkpoint._errors import first_line
 from fleet.hapi import _export_check
+from fleet.hapi._inputs import SPEC_EXAMPLE, input_dims
 from fleet.runtime import _world
 from fleet.runtime._leaves import dotted
 from fleet.sections import _stage3
-from fleet.static import dims
-
-#: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
-#: later refuse ``jax.ShapeDtypeStruct((None, 784), ...)``: fleet/static.py).
-SPEC_EXAMPLE = "fleet.static.InputSpec([None, 784], 'float32', name='x')"
 
 EXPORT_SUFFIX = ".jaxexport"
 WEIGHTS_SUFFIX = ".pdiparams"
@@ -73,8 +54,9 @@ PLATFORMS = ("cpu", "cuda")
 
 
 def input_specs(given: Any, seen: Sequence[Any]) -> list:
-    """The inputs' specs with a symbolic batch axis: from ``fleet.Model(inputs=...)``,
-    else from the last batch the model ran (``seen``, its input arrays)."""
+    """The inputs' specs with a symbolic batch axis: from ``fleet.Model(inputs=...)``
+    (its first axis, the batch, is made symbolic whatever it says), else from the
+    last batch the model ran (``seen``, its input arrays)."""
     specs = given if isinstance(given, (list, tuple)) else [
         jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in seen]
     if not specs:
@@ -85,12 +67,7 @@ def input_specs(given: Any, seen: Sequence[Any]) -> list:
             "fit / evaluate / predict first")
     batch = jax.export.symbolic_shape("batch")[0]
     out = []
-    for i, s in enumerate(specs):
-        shape, dtype = dims(s) or ((), None)
-        if len(shape) < 1:
-            raise FleetConfigError(
-                f"fleet.Model(inputs=...) entry {i} is {s!r}; give a fleet.static.InputSpec "
-                f"whose first axis is the batch, e.g. {SPEC_EXAMPLE}")
+    for i, (s, (shape, dtype)) in enumerate(zip(specs, input_dims(specs))):
         if None in shape[1:]:
             raise FleetConfigError(
                 f"fleet.Model(inputs=...) entry {i} is {s!r}: only its first axis (the batch) "

@@ -3,7 +3,9 @@ arguments, checked with messages that say what to pass instead."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -14,7 +16,13 @@ from flax import linen, nnx
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError
 from fleet.hapi._metric import Metric
 from fleet.io import DataLoader, DistributedBatchSampler
+from fleet.io._sampler_args import int_at_least
+from fleet.static import dims
 from fleet.wrappers._distributed_optimizer import distributed_optimizer
+
+#: What ``fleet.Model(inputs=...)`` takes, on every supported jax (jax 0.11.1 and
+#: later refuse ``jax.ShapeDtypeStruct((None, 784), ...)``: fleet/static.py).
+SPEC_EXAMPLE = "fleet.static.InputSpec([None, 784], 'float32', name='x')"
 
 _NEEDS_PREPARE = (
     "call model.prepare(optimizer, loss, metrics) before {what}, e.g. "
@@ -103,11 +111,28 @@ def count_inputs(network: nnx.Module, inputs: Any) -> int:
     )
 
 
-def make_loader(data: Any, batch_size: int, shuffle: bool, drop_last: bool, num_workers: int,
-                what: str) -> tuple[DataLoader, bool]:
-    """The loader for ``data``, and whether ``fleet.Model`` made it (and closes it)."""
-    if isinstance(data, DataLoader):
-        return data, False
+def input_dims(specs: Sequence[Any]) -> list[tuple[tuple[int | None, ...], Any]]:
+    """``(shape, dtype)`` of each ``fleet.Model(inputs=...)`` entry (``None`` for an
+    unknown dimension), for ``summary`` and the export; an entry that is no spec, or
+    has no batch axis, is refused."""
+    known = [dims(s) for s in specs]
+    for i, (spec, found) in enumerate(zip(specs, known)):
+        if found is None or len(found[0]) < 1:
+            raise FleetConfigError(
+                f"fleet.Model(inputs=...) entry {i} is {spec!r}; give a fleet.static.InputSpec "
+                f"whose first axis is the batch, e.g. {SPEC_EXAMPLE}")
+    return known
+
+
+@contextlib.contextmanager
+def loader_for(data: Any, batch_size: int, shuffle: bool, drop_last: bool, num_workers: int,
+               what: str, optional: bool = False) -> Iterator[DataLoader | None]:
+    """The loader for ``data`` while the block runs: a ``fleet.io.DataLoader`` as it is
+    (a caller's own stays open), else one over a ``DistributedBatchSampler``, closed at
+    the end; ``None`` for ``optional`` data that is ``None``."""
+    if isinstance(data, DataLoader) or (optional and data is None):
+        yield data
+        return
     if (data is None or isinstance(data, (np.ndarray, jax.Array))
             or not (hasattr(data, "__len__") and hasattr(data, "__getitem__"))):
         raise FleetTypeError(
@@ -116,15 +141,11 @@ def make_loader(data: Any, batch_size: int, shuffle: bool, drop_last: bool, num_
             "as fleet.io.TensorDataset([x, y])"
         )
     sampler = DistributedBatchSampler(data, batch_size, shuffle=shuffle, drop_last=drop_last)
-    return DataLoader(data, batch_sampler=sampler, num_workers=num_workers), True
-
-
-def close_own(*loaders: tuple[Any, bool]) -> None:
-    """Closes each ``(loader, own)`` of :func:`make_loader`'s that ``fleet.Model``
-    made; a caller's own ``fleet.io.DataLoader`` stays open."""
-    for loader, own in loaders:
-        if own:
-            loader.close()
+    loader = DataLoader(data, batch_sampler=sampler, num_workers=num_workers)
+    try:
+        yield loader
+    finally:
+        loader.close()
 
 
 def as_tuple(x: Any) -> tuple:
@@ -140,34 +161,17 @@ def global_rows(inputs: tuple) -> int:
     return int(np.shape(first)[0]) * jax.process_count()  # process-local numpy rows
 
 
-def int_at_least(name: str, value: Any, low: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise FleetTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise FleetConfigError(f"{name}={value} must be at least {low}")
-    return int(value)
-
-
-def fit_counts(batch_size: Any, epochs: Any, eval_freq: Any, log_freq: Any,
-               accumulate_grad_batches: Any, num_iters: Any, verbose: Any) -> tuple:
-    """``Model.fit``'s counts, checked: ``batch_size, epochs, eval_freq, log_freq,
-    accumulate_grad_batches`` each an int of at least 1, ``num_iters`` too unless
-    ``None``, and ``verbose``. Returns the counts (``verbose`` aside) as ints."""
-    batch_size, epochs, eval_freq, log_freq, accumulate = (
-        int_at_least(name, value, 1) for name, value in zip(
-            ("batch_size", "epochs", "eval_freq", "log_freq", "accumulate_grad_batches"),
-            (batch_size, epochs, eval_freq, log_freq, accumulate_grad_batches)))
-    num_iters = None if num_iters is None else int_at_least("num_iters", num_iters, 1)
-    check_verbose(verbose)
-    return batch_size, epochs, eval_freq, log_freq, accumulate, num_iters
-
-
-def check_verbose(verbose: Any) -> None:
+def loop_counts(verbose: Any, **counts: Any) -> list[int | None]:
+    """A loop's counts, checked: each an int of at least 1 (``num_iters`` may also be
+    ``None``), and ``verbose``. Returns the counts as ints, in the order given."""
+    checked = [None if name == "num_iters" and value is None else int_at_least(name, value)
+               for name, value in counts.items()]
     if verbose not in (0, 1, 2):
         raise FleetConfigError(
             f"verbose={verbose!r} must be 0 (silent), 1 (progress bar) or 2 (one line per "
             "log_freq steps)"
         )
+    return checked
 
 
 def split_batch(batch: Any, num_inputs: int) -> tuple[tuple, tuple]:

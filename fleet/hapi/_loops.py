@@ -56,14 +56,14 @@ def run_epoch(model: Any, loader: Any, mode: str, cbks: Any, num_iters: int | No
             group = min(accumulate, steps - step // accumulate * accumulate)
             loss, rows = model.train_step(inputs, labels, update, 1.0 / group)
             if metrics:  # the metric printed at a step is the one after it, as in Paddle
-                _update(metrics, loader.gather_for_metrics(rows, step=step))
+                update_metrics(metrics, loader.gather_for_metrics(rows, step=step))
             n = global_rows(inputs)
             loss_sum, count = loss_sum + loss * n, count + n  # stays on the device
             logs["loss"] = loss
             logs.update(amp_logs(model.optimizer))
         elif mode == "eval":
             losses, rows = loader.gather_for_metrics(model.eval_step(inputs, labels))
-            _update(metrics, rows)
+            update_metrics(metrics, rows)
             n = len(losses) if losses is not None else (
                 len(rows[0][0]) if rows else global_rows(inputs))
             if losses is not None:
@@ -116,9 +116,9 @@ def amp_logs(optimizer: Any) -> dict[str, Any]:
     return {name: jnp.copy(getattr(optimizer, name)[...]) for name in AMP_LOGS}
 
 
-def _update(metrics: list, rows: tuple) -> None:
-    for m, r in zip(metrics, rows):
-        m.update(*r)
+def update_metrics(metrics: list, rows: tuple) -> list:
+    """Each metric's ``update`` with its host rows; what they return (the batch's values)."""
+    return [m.update(*r) for m, r in zip(metrics, rows)]
 
 
 def metric_logs(metrics: list) -> dict[str, Any]:

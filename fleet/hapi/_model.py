@@ -32,14 +32,11 @@ from fleet.hapi._inputs import (
     check_network,
     check_prepare,
     check_ready,
-    check_verbose,
-    close_own,
     count_inputs,
-    fit_counts,
-    int_at_least,
-    make_loader,
+    loader_for,
+    loop_counts,
 )
-from fleet.hapi._loops import public, run_epoch, train_epochs
+from fleet.hapi._loops import public, run_epoch, train_epochs, update_metrics
 from fleet.hapi._metric import Metric
 from fleet.hapi._summary import summary as _summary
 from fleet.io._placement import gather_to_host
@@ -145,15 +142,14 @@ class Model:
         check_ready(self, "train_batch", need_optimizer=True)
         self.network.train()
         loss, rows = self.train_step(as_tuple(inputs), as_tuple(labels), update)
-        values = [m.update(*jax.tree.map(gather_to_host, r)) for m, r in zip(self.metrics, rows)]
+        values = update_metrics(self.metrics, jax.tree.map(gather_to_host, rows))
         return ([float(loss)], values) if self.metrics else [float(loss)]
 
     def eval_batch(self, inputs: Any, labels: Any = None) -> Any:
         """Loss and metric values of one global batch (no padding is assumed)."""
-        check_ready(self, "eval_batch")
         self.network.eval()
         losses, rows = self.eval_step(as_tuple(inputs), as_tuple(labels))
-        values = [m.update(*jax.tree.map(gather_to_host, r)) for m, r in zip(self.metrics, rows)]
+        values = update_metrics(self.metrics, jax.tree.map(gather_to_host, rows))
         loss = [float(np.mean(gather_to_host(losses)))] if losses is not None else []
         return (loss, values) if self.metrics else loss
 
@@ -204,26 +200,25 @@ class Model:
             ``skipped_steps`` at the epoch's end, and ``eval_*`` values when evaluated.
         """
         check_ready(self, "fit", need_optimizer=True, need_loss=True)
-        batch_size, epochs, eval_freq, log_freq, accumulate, num_iters = fit_counts(
-            batch_size, epochs, eval_freq, log_freq, accumulate_grad_batches, num_iters, verbose)
-        train_loader, own_train = make_loader(train_data, batch_size, shuffle, drop_last,
-                                              num_workers, "train_data")
-        eval_loader, own_eval = (None, False) if eval_data is None else make_loader(
-            eval_data, batch_size, False, False, num_workers, "eval_data")
-        try:
+        batch_size, epochs, eval_freq, log_freq, accumulate, num_iters = loop_counts(
+            verbose, batch_size=batch_size, epochs=epochs, eval_freq=eval_freq,
+            log_freq=log_freq, accumulate_grad_batches=accumulate_grad_batches,
+            num_iters=num_iters)
+        with (loader_for(train_data, batch_size, shuffle, drop_last, num_workers,
+                         "train_data") as train_loader,
+              loader_for(eval_data, batch_size, False, False, num_workers, "eval_data",
+                         optional=True) as eval_loader):
             steps = len(train_loader)
             if num_iters is not None:
                 epochs = math.ceil(num_iters / steps)
-            cbks, checkpoint = config_callbacks(self, callbacks, verbose, log_freq, {
+            cbks, checkpoint = config_callbacks(self, callbacks, {
                 "epochs": epochs, "steps": steps, "batch_size": batch_size, "verbose": verbose,
                 "metrics": self.metrics_name(), "log_freq": log_freq, "save_freq": save_freq,
                 "save_dir": None if save_dir is None else os.fspath(save_dir)},
-                save_dir, save_freq, train_loader, resume)
+                train_loader, resume)
             start = checkpoint.restore_latest() if resume else 0
             return train_epochs(self, cbks, train_loader, eval_loader, range(start, epochs),
                                 eval_freq, num_iters, accumulate)
-        finally:
-            close_own((train_loader, own_train), (eval_loader, own_eval))
 
     def evaluate(self, eval_data: Any, batch_size: int = 1, log_freq: int = 10,
                  verbose: int = 1, num_workers: int = 0,
@@ -240,7 +235,6 @@ class Model:
             several values). The loss is the mean over all samples (Paddle's is
             the last batch's loss).
         """
-        check_ready(self, "evaluate")
         logs = public(self._run("eval", eval_data, batch_size, num_workers, verbose, log_freq,
                                 callbacks, num_iters)[0])
         if "loss" in logs:
@@ -264,18 +258,13 @@ class Model:
 
     def _run(self, mode: str, data: Any, batch_size: int, num_workers: int, verbose: int,
              log_freq: int, callbacks: Any, num_iters: int | None) -> tuple[dict, list]:
-        batch_size = int_at_least("batch_size", batch_size, 1)
-        log_freq = int_at_least("log_freq", log_freq, 1)
-        check_verbose(verbose)
+        batch_size, log_freq = loop_counts(verbose, batch_size=batch_size, log_freq=log_freq)
         what = "eval_data" if mode == "eval" else "test_data"
-        loader, own = make_loader(data, batch_size, False, False, num_workers, what)
-        try:
-            cbks, _ = config_callbacks(self, callbacks, verbose, log_freq, {
+        with loader_for(data, batch_size, False, False, num_workers, what) as loader:
+            cbks, _ = config_callbacks(self, callbacks, {
                 "batch_size": batch_size, "verbose": verbose, "log_freq": log_freq,
                 "metrics": self.metrics_name() if mode == "eval" else []})
             return run_epoch(self, loader, mode, cbks, num_iters)
-        finally:
-            close_own((loader, own))
 
     # -- saving, loading, summary -------------------------------------------------------
 

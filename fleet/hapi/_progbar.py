@@ -13,8 +13,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from fleet._errors import FleetConfigError
-from fleet.hapi._callbacks import Callback
+from fleet.hapi._callbacks import Callback, int_arg
 from fleet.hapi._loops import AMP_LOGS
 from fleet.runtime import _world
 
@@ -153,9 +152,8 @@ class ProgBarLogger(Callback):
 
     def __init__(self, log_freq: int = 1, verbose: int = 2, file: TextIO | None = None):
         super().__init__()
-        if not isinstance(log_freq, int) or isinstance(log_freq, bool) or log_freq < 1:
-            raise FleetConfigError(f"ProgBarLogger(log_freq={log_freq!r}) must be an int >= 1")
-        self.log_freq, self.verbose, self.file = log_freq, verbose, file
+        self.log_freq = int_arg("ProgBarLogger", "log_freq", log_freq, 1)
+        self.verbose, self.file = verbose, file
         self._bar: ProgressBar | None = None
         self._samples = 0
         self._total = 0
@@ -197,11 +195,11 @@ class ProgBarLogger(Callback):
         if self._bar is not None:
             self._bar.close()
 
-    # -- evaluation and prediction ----------------------------------------------------
+    # -- evaluation and prediction (a predict's logs have no loss) ---------------------
 
     def _begin(self, what: str, logs: dict | None) -> None:
         logs = logs or {}
-        self._eval_steps = logs.get("steps")
+        self._what, self._eval_steps = what, logs.get("steps")
         self._eval_names = ["loss", *logs.get("metrics", [])]
         self._print(f"{what} begin...")
         self._begin_bar(self._eval_steps)
@@ -209,20 +207,15 @@ class ProgBarLogger(Callback):
     def on_eval_begin(self, logs: dict | None = None) -> None:
         self._begin("Eval", logs)
 
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        self._begin("Predict", logs)
+
     def on_eval_batch_end(self, step: int, logs: dict | None = None) -> None:
         self._step(step, logs, self._eval_steps, self._eval_names)
 
     def on_eval_end(self, logs: dict | None = None) -> None:
         self._bar.close()
-        self._print(f"Eval samples: {self._total}")
+        self._print(f"{self._what} samples: {self._total}")
 
-    def on_predict_begin(self, logs: dict | None = None) -> None:
-        self._begin("Predict", logs)
-        self._eval_names = []
-
-    def on_predict_batch_end(self, step: int, logs: dict | None = None) -> None:
-        self._step(step, logs, self._eval_steps, self._eval_names)
-
-    def on_predict_end(self, logs: dict | None = None) -> None:
-        self._bar.close()
-        self._print(f"Predict samples: {self._total}")
+    on_predict_batch_end = on_eval_batch_end
+    on_predict_end = on_eval_end

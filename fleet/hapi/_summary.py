@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from fleet._errors import FleetConfigError
-from fleet.static import dims
+from fleet.hapi._inputs import input_dims
 
 _MB = 2.0 ** 20
 _WIDTHS = (20, 20, 20, 15)
@@ -64,14 +64,8 @@ def _type_name(cls: type) -> str:
 def _specs(input_size: Any, dtype: Any, inputs: Any) -> list[jax.ShapeDtypeStruct] | None:
     if input_size is None and inputs is not None and not isinstance(inputs, int):
         # fleet.Model(inputs=[InputSpec or ShapeDtypeStruct, ...]): unknown sizes are 1
-        known = [dims(s) for s in inputs]
-        if None in known:
-            raise FleetConfigError(
-                f"fleet.Model(inputs=...) entry {known.index(None)} is "
-                f"{inputs[known.index(None)]!r}; give a fleet.static.InputSpec per input, "
-                "e.g. fleet.static.InputSpec([None, 784], 'float32')")
         return [jax.ShapeDtypeStruct(tuple(1 if d is None else d for d in shape), dtype)
-                for shape, dtype in known]
+                for shape, dtype in input_dims(inputs)]
     if input_size is None:
         return None
     sizes = input_size if input_size and isinstance(input_size[0], (tuple, list)) else [input_size]

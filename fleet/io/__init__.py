@@ -16,21 +16,11 @@ global ``jax.Array`` with ``fleet.world().batch`` sharding; each device holds it
 own replica's rows. For exact evaluation, pass per-example outputs through
 ``loader.gather_for_metrics`` to drop the samples the sampler repeated as padding.
 
-What the folder holds, one idea per file:
-
-* ``_order.py``: the pure order, which dataset indices make up each batch of an
-  epoch (Paddle's split, padding, shuffle) -- functions, no state;
-* ``_sampler.py``: ``BatchSampler`` and ``DistributedBatchSampler``, the order plus
-  an epoch counter and a restored start; ``_sampler_args.py``: their arguments
-  checked against the data and the world (replica defaults from ``fleet.init``,
-  one dataset length on every process);
-* ``_position.py``: where iteration stands, held once, by the iterator that hands
-  the batches out, and read (never held) by ``state_dict()``;
-* ``_loader.py``: ``DataLoader``; ``_pipeline.py``: loading ahead and the
-  loader's iterator; ``_placement.py``: host batches to global arrays and back;
-* ``_workers.py`` and ``_shm.py``: worker processes and the shared memory their
-  batches come back through; ``_collate.py``: samples to a batch;
-* ``_dataset.py``: ``Dataset``, ``TensorDataset``; ``_errors.py``: io's errors.
+The path of one batch through the folder's files: docs/architecture.md ("One
+batch, from the sampler to the devices"). Besides those: ``_sampler_args.py``
+(the samplers' arguments checked against the data and the world),
+``_position.py`` (where iteration stands, held once, by the iterator),
+``_dataset.py``, ``_errors.py``, ``_main_guard.py``.
 
 What it may import: numpy, jax, the standard library, its own modules, and from
 the core only its public-in-package names: ``fleet._errors`` (the errors),

@@ -75,25 +75,10 @@ def _collate(samples: list[Any], indices: list[int], path: str) -> Any:
             raise FleetDataError(_not_data(None, indices[j], path))
     first = samples[0]
     if isinstance(first, Mapping):
-        keys = list(first.keys())
-        for j, sample in enumerate(samples):
-            if not isinstance(sample, Mapping) or list(sample.keys()) != keys:
-                got = list(sample.keys()) if isinstance(sample, Mapping) else type(sample).__name__
-                raise FleetDataError(
-                    f"sample at dataset index {indices[j]} has{_at(path)} keys {got}, but "
-                    f"dataset index {indices[0]} has keys {keys}; every sample must have "
-                    "the same structure"
-                )
-        return {k: _collate([s[k] for s in samples], indices, f"{path}[{k!r}]") for k in keys}
+        _same_structure(samples, indices, path, Mapping, lambda s: f"keys {list(s.keys())}")
+        return {k: _collate([s[k] for s in samples], indices, f"{path}[{k!r}]") for k in first}
     if isinstance(first, (tuple, list)):
-        for j, sample in enumerate(samples):
-            if not isinstance(sample, (tuple, list)) or len(sample) != len(first):
-                got = len(sample) if isinstance(sample, (tuple, list)) else type(sample).__name__
-                raise FleetDataError(
-                    f"sample at dataset index {indices[j]} has{_at(path)} {got} fields, but "
-                    f"dataset index {indices[0]} has {len(first)}; every sample must have "
-                    "the same structure"
-                )
+        _same_structure(samples, indices, path, (tuple, list), lambda s: f"{len(s)} fields")
         return tuple(
             _collate([s[i] for s in samples], indices, f"{path}[{i}]") for i in range(len(first))
         )
@@ -112,6 +97,20 @@ def _collate(samples: list[Any], indices: list[int], path: str) -> Any:
                 f"{shape}; {_SHAPES_HINT}"
             )
     return np.stack(arrays)
+
+
+def _same_structure(samples: list[Any], indices: list[int], path: str, kind: Any,
+                    describe: Callable[[Any], str]) -> None:
+    """Raises unless every sample is a ``kind`` that ``describe`` (its keys, its number
+    of fields) tells apart from the first sample in no way."""
+    want = describe(samples[0])
+    for j, sample in enumerate(samples):
+        got = describe(sample) if isinstance(sample, kind) else f"type {type(sample).__name__}"
+        if got != want:
+            raise FleetDataError(
+                f"sample at dataset index {indices[j]} has{_at(path)} {got}, but dataset "
+                f"index {indices[0]} has {want}; every sample must have the same structure"
+            )
 
 
 def _not_data(value: Any, index: int, path: str) -> str:

@@ -2,18 +2,14 @@
 
 The pipeline for one batch: the batch sampler gives this process's indices ->
 the samples are fetched and stacked (in a background thread, or in worker
-processes) -> ``jax.make_array_from_process_local_data`` places the process-local
-rows on this process's devices, giving a global array sharded over the ``data``
-axis (``fleet.world().batch``).
+processes; ``fleet/io/_pipeline.py``) -> the process-local rows are placed on
+this process's devices as a global array sharded over the ``data`` axis
+(``fleet/io/_placement.py``).
 
-How batches are loaded ahead and overlap the training step: ``fleet/io/_pipeline.py``;
-how they are placed on the mesh: ``fleet/io/_placement.py``.
-
-Where iteration stands lives in the iterator ``iter(loader)`` returns, which counts
-a batch when it hands it out (``fleet/io/_position.py``). The loader holds no
-position: ``state_dict()`` is the sampler's, which reads that iterator (a batch
-sampler of your own has none, so the loader reads the iterator itself), and
-``set_state_dict()`` gives the next iteration its start.
+The loader holds no position (``fleet/io/_position.py``): ``state_dict()`` is the
+sampler's, which reads the running iterator (a batch sampler of your own has
+none, so the loader reads the iterator itself), and ``set_state_dict()`` gives
+the next iteration its start.
 """
 
 from __future__ import annotations
@@ -38,6 +34,7 @@ from fleet.io._pipeline import (
 from fleet.io._placement import GlobalTransfer, check_sampler_fits_world, gather_to_host
 from fleet.io._position import Position, Tracker, resume_point
 from fleet.io._sampler import BatchSampler, DistributedBatchSampler
+from fleet.io._sampler_args import int_at_least
 from fleet.io._workers import WorkerPool
 from fleet.runtime._world import world
 
@@ -123,12 +120,8 @@ class DataLoader:
                 f"shuffle={shuffle}, drop_last={drop_last}; the batch sampler decides "
                 "those: set them on the sampler and leave them at their defaults here"
             )
-        for name, value, low in (("num_workers", num_workers, 0), ("prefetch_factor",
-                                                                    prefetch_factor, 1)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise FleetTypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < low:
-                raise FleetConfigError(f"{name}={value} must be at least {low}")
+        num_workers = int_at_least("num_workers", num_workers, 0)
+        prefetch_factor = int_at_least("prefetch_factor", prefetch_factor)
         for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
             if fn is not None and not callable(fn):
                 raise FleetTypeError(f"{name} must be callable or None, got {fn!r}")

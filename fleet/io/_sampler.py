@@ -5,10 +5,7 @@ Both samplers yield lists of ints (Paddle's ``paddle.io.BatchSampler`` /
 (``fleet/io/_order.py`` has the index arithmetic and Paddle's algorithm), plus an
 epoch counter (:meth:`~BatchSampler.set_epoch`) and, after
 :meth:`~BatchSampler.set_state_dict`, the position the next iteration starts from.
-
-It holds no running position: the iterator that hands its batches out does (its
-own iterator, or a ``DataLoader``'s; ``fleet/io/_position.py``), and
-:meth:`~BatchSampler.state_dict` is computed from that iterator.
+It holds no running position (``fleet/io/_position.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import numpy as np
 from fleet._errors import FleetConfigError
 from fleet.io._order import batch_slices, fixed_order, padded_order, padding_rows, plain_order
 from fleet.io._position import Iteration, Position, Tracker, resume_point
-from fleet.io._sampler_args import agree_on_length, dataset_size, positive_int, resolve_replicas
+from fleet.io._sampler_args import agree_on_length, dataset_size, int_at_least, resolve_replicas
 
 
 class BatchSampler:
@@ -67,7 +64,7 @@ class BatchSampler:
         self.dataset = dataset
         self.sampler = sampler
         self.shuffle = bool(shuffle)
-        self.batch_size = positive_int("batch_size", batch_size)
+        self.batch_size = int_at_least("batch_size", batch_size)
         self.drop_last = bool(drop_last)
         self._size = dataset_size(dataset if dataset is not None else sampler)
         self.epoch = 0  # the epoch the next iteration starts (unless one is restored)

@@ -1,8 +1,9 @@
 """A sampler's arguments checked against the data and the world.
 
-Positive ints, the dataset's size, which replicas this process covers (the
-defaults come from ``fleet.init``), and the check, when a distributed sampler
-starts, that every process split a dataset of the same length.
+Counts (ints with a lower bound; the loader's too), the dataset's size, which
+replicas this process covers (the defaults come from ``fleet.init``), and the
+check, when a distributed sampler starts, that every process split a dataset of
+the same length.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from fleet.runtime._world import first_local_replica, is_initialized, world
 LENGTH_AGREEMENT = "fleet.io.DistributedBatchSampler.dataset_length"
 
 
-def positive_int(name: str, value: Any) -> int:
+def int_at_least(name: str, value: Any, low: int = 1) -> int:
+    """``value`` as an int, refused (naming ``name``) unless it is an int ``>= low``."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise FleetTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise FleetConfigError(f"{name}={value} must be at least 1")
+    if value < low:
+        raise FleetConfigError(f"{name}={value} must be at least {low}")
     return int(value)
 
 
@@ -55,11 +57,11 @@ def resolve_replicas(
     here = world() if is_initialized() else None
     if num_replicas is None:
         num_replicas = here.num_replicas if here is not None else 1
-    num_replicas = positive_int("num_replicas", num_replicas)
+    num_replicas = int_at_least("num_replicas", num_replicas)
     per_device = here is not None and rank is None and num_replicas == here.num_replicas
     if num_local_replicas is None:
         num_local_replicas = here.num_local_replicas if per_device else 1
-    num_local_replicas = positive_int("num_local_replicas", num_local_replicas)
+    num_local_replicas = int_at_least("num_local_replicas", num_local_replicas)
     if rank is None:
         if per_device:
             rank = first_local_replica(here)

@@ -14,27 +14,28 @@ size they need; a later, larger batch does the same and the blocks grow.
 from __future__ import annotations
 
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 _ALIGN = 64
 
 
-class _Leaf:
-    """Where one array of the batch lies in the block."""
+class _Leaf(NamedTuple):
+    """Where one array of the batch lies in the block (a NamedTuple: ``_walk`` walks
+    only plain tuples)."""
 
-    __slots__ = ("offset", "shape", "dtype")
-
-    def __init__(self, offset: int, shape: tuple[int, ...], dtype: np.dtype):
-        self.offset, self.shape, self.dtype = offset, shape, dtype
-
-    def __reduce__(self):
-        return _Leaf, (self.offset, self.shape, self.dtype)
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
 
 
 def _is_packable(x: Any) -> bool:
     return isinstance(x, np.ndarray) and x.dtype.kind in "biufc"
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _walk(x: Any, fn):
@@ -55,7 +56,7 @@ def packed_size(batch: Any) -> int:
     def count(x):
         nonlocal total
         if _is_packable(x):
-            total += -(-x.nbytes // _ALIGN) * _ALIGN
+            total += _aligned(x.nbytes)
         return x
 
     _walk(batch, count)
@@ -74,7 +75,7 @@ def write(batch: Any, block: memoryview) -> Any | None:
             return x
         leaf = _Leaf(offset, x.shape, x.dtype)
         np.copyto(np.ndarray(x.shape, x.dtype, buffer=block, offset=offset), x)
-        offset += -(-x.nbytes // _ALIGN) * _ALIGN
+        offset += _aligned(x.nbytes)
         return leaf
 
     return _walk(batch, put)
