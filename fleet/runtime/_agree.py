@@ -23,6 +23,7 @@ import jax
 
 from fleet import _compat
 from fleet._errors import FleetError
+from fleet.runtime._env import number
 
 #: Default bound on every wait, in seconds; ``FLEET_AGREE_TIMEOUT`` overrides it.
 DEFAULT_TIMEOUT_S = 60.0
@@ -36,13 +37,8 @@ class FleetTimeoutError(FleetError, TimeoutError):
 
 
 def default_timeout() -> float:
-    value = os.environ.get("FLEET_AGREE_TIMEOUT")
-    try:
-        return float(value) if value else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise FleetError(
-            f"environment variable FLEET_AGREE_TIMEOUT={value!r} is not a number of seconds"
-        ) from None
+    return number(os.environ, "FLEET_AGREE_TIMEOUT", DEFAULT_TIMEOUT_S, parse=float,
+                  what="a number of seconds")
 
 
 def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]:
