@@ -43,9 +43,9 @@ def load_state_dict(obj: nnx.Pytree, values: dict[str, Any], what: str, hint: st
             (intro or f"the state does not fit the {what}") + ": " + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "") + f". {hint}"
         )
-    placed = replicate({k: like(current[k].get_value(), np.asarray(values[k])) for k in current})
-    for key, var in current.items():  # (a ZeRO stage-3 parameter splits it: fleet.comm._sync)
-        var.set_value(placed[key])
+    # (a ZeRO stage-3 parameter splits what it is set to: fleet.comm._sync)
+    set_replicated(current, {k: like(v.get_value(), np.asarray(values[k]))
+                             for k, v in current.items()})
 
 
 def _check_same_across_processes(call: str, paths: list[str], leaves: list[np.ndarray]) -> None:
