@@ -23,6 +23,7 @@ import jax
 
 from fleet import _compat
 from fleet._errors import FleetError
+from fleet.runtime._env import number
 
 #: Default bound on every wait, in seconds; ``FLEET_AGREE_TIMEOUT`` overrides it.
 DEFAULT_TIMEOUT_S = 60.0
@@ -36,13 +37,8 @@ class FleetTimeoutError(FleetError, TimeoutError):
 
 
 def default_timeout() -> float:
-    value = os.environ.get("FLEET_AGREE_TIMEOUT")
-    try:
-        return float(value) if value else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise FleetError(
-            f"environment variable FLEET_AGREE_TIMEOUT={value!r} is not a number of seconds"
-        ) from None
+    return number(os.environ, "FLEET_AGREE_TIMEOUT", DEFAULT_TIMEOUT_S, parse=float,
+                  what="a number of seconds")
 
 
 def agree(name: str, value: str, *, timeout_s: float | None = None) -> list[str]:
@@ -104,24 +100,31 @@ def join(name: str, *, timeout_s: float | None = None) -> None:
     agree(name, "", timeout_s=timeout_s)
 
 
+def _all_arrived(prefix: str, timeout_s: float) -> None:
+    """Each process sets its key under ``prefix``; process 0 returns once every
+    other process has (or after ``timeout_s``). Best effort: never raises."""
+    client, rank = _compat.distributed_client(), jax.process_index()
+    try:
+        client.key_value_set(prefix + str(rank), "1")
+        if rank == 0:
+            deadline = time.monotonic() + timeout_s
+            for other in range(1, jax.process_count()):
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                client.blocking_key_value_get(prefix + str(other), left_ms)
+    except Exception:  # noqa: BLE001 (the caller raises or exits either way)
+        pass
+
+
 def raise_together(name: str, *, timeout_s: float = 10.0) -> None:
     """Before every process raises the same error, after ``agree(name, ...)``
     showed a disagreement: process 0, whose exit takes JAX's key-value service
     down with it, returns once every other process has called this (or after
     ``timeout_s``), so that each raises its own error instead of dying in a read
     when the service goes away. Never raises."""
-    client, rank = _compat.distributed_client(), jax.process_index()
-    if client is None or jax.process_count() == 1:
+    if _compat.distributed_client() is None or jax.process_count() == 1:
         return
     _raised.append(name)
-    prefix = f"fleet/agree/{name}/raising/"
-    try:
-        client.key_value_set(prefix + str(rank), "1")
-        if rank == 0:
-            for other in range(1, jax.process_count()):
-                client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000))
-    except Exception:  # noqa: BLE001 (best effort: the error is raised either way)
-        pass
+    _all_arrived(f"fleet/agree/{name}/raising/", timeout_s)
 
 
 def exit_together(*, timeout_s: float = 10.0) -> None:
@@ -131,16 +134,5 @@ def exit_together(*, timeout_s: float = 10.0) -> None:
     aborts the others from a background thread: without this wait, a process
     still printing its own error died mid-way, its log holding only JAX's abort.
     Nothing to do when no disagreement was raised together. Never raises."""
-    client = _compat.distributed_client()
-    if not _raised or client is None:
-        return
-    prefix, rank = f"fleet/agree/{_raised[-1]}/exited/", jax.process_index()
-    try:
-        client.key_value_set(prefix + str(rank), "1")
-        if rank == 0:
-            deadline = time.monotonic() + timeout_s
-            for other in range(1, jax.process_count()):
-                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-                client.blocking_key_value_get(prefix + str(other), left_ms)
-    except Exception:  # noqa: BLE001 (best effort: the process exits either way)
-        pass
+    if _raised and _compat.distributed_client() is not None:
+        _all_arrived(f"fleet/agree/{_raised[-1]}/exited/", timeout_s)

@@ -163,13 +163,6 @@ def mark_failed() -> None:
 
 # -- the launcher's side ------------------------------------------------------------
 
-def last_heartbeat(path: str) -> float | None:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Progress:
     """What a heartbeat file says: the last beat, step counts, whether the script ended."""

@@ -51,9 +51,10 @@ def to_host(x: Any) -> np.ndarray:
     return first_replica(jax.random.key_data(x) if is_key(x) else x)
 
 
-def like(current: Any, host: np.ndarray) -> Any:
-    """``host`` as a value for a variable holding ``current`` (wraps PRNG key data)."""
-    return jax.random.wrap_key_data(host, impl=jax.random.key_impl(current)) if is_key(current) else host
+def like(current: Any, data: Any) -> Any:
+    """``data`` (on the host or placed) as a value like ``current``: PRNG key data
+    wrapped as ``current``'s keys, anything else as it is."""
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(current)) if is_key(current) else data
 
 
 def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:

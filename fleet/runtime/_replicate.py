@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 
 from fleet._errors import FleetError
 from fleet.runtime._agree import agree, raise_together
-from fleet.runtime._leaves import dotted, is_key, like, module_variables, to_host
+from fleet.runtime._leaves import dotted, like, module_variables, to_host
 from fleet.runtime._world import world
 
 
@@ -43,9 +43,9 @@ def load_state_dict(obj: nnx.Pytree, values: dict[str, Any], what: str, hint: st
             (intro or f"the state does not fit the {what}") + ": " + "; ".join(problems[:8])
             + ("; ..." if len(problems) > 8 else "") + f". {hint}"
         )
-    placed = replicate({k: like(current[k].get_value(), np.asarray(values[k])) for k in current})
-    for key, var in current.items():  # (a ZeRO stage-3 parameter splits it: fleet.comm._sync)
-        var.set_value(placed[key])
+    # (a ZeRO stage-3 parameter splits what it is set to: fleet.comm._sync)
+    set_replicated(current, {k: like(v.get_value(), np.asarray(values[k]))
+                             for k, v in current.items()})
 
 
 def _check_same_across_processes(call: str, paths: list[str], leaves: list[np.ndarray]) -> None:
@@ -83,17 +83,15 @@ def replicate(tree: Any) -> Any:
     w = world()
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [dotted(p) for p, _ in paths_leaves]
-    impls = [jax.random.key_impl(x) if is_key(x) else None for _, x in paths_leaves]
     host = [to_host(x) for _, x in paths_leaves]
     if jax.process_count() > 1:
         _check_same_across_processes(
             "placing replicated state (fleet.distributed_model / distributed_optimizer / "
             "set_state_dict)", paths, host)
         host = list(multihost_utils.broadcast_one_to_all(host))
-    placed = []
-    for h, impl in zip(host, impls):
-        x = jax.make_array_from_callback(h.shape, w.replicated, lambda idx, h=h: h[idx])
-        placed.append(jax.random.wrap_key_data(x, impl=impl) if impl else x)
+    placed = [jax.make_array_from_callback(h.shape, w.replicated, lambda idx, h=h: h[idx])
+              for h in host]
+    placed = [like(x, p) for (_, x), p in zip(paths_leaves, placed)]  # (PRNG keys wrapped)
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 

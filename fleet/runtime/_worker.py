@@ -24,8 +24,8 @@ import jax
 
 from fleet import _compat
 from fleet._errors import FleetConfigError
-from fleet.runtime import _agree, _cluster, _coordinator
-from fleet.runtime._env import WorkerEnv
+from fleet.runtime import _agree, _coordinator
+from fleet.runtime._env import WorkerEnv, alone_note, number
 from fleet.runtime._heartbeat import mark_failed, mark_finished
 
 # -- fail fast ---------------------------------------------------------------------
@@ -148,14 +148,10 @@ def _add_launcher_timeouts(kwargs: dict) -> None:
     own stuck-worker watchdog."""
     for variable, argument in (("FLEET_JAX_HEARTBEAT_TIMEOUT", "heartbeat_timeout_seconds"),
                                ("FLEET_JAX_INIT_TIMEOUT", "initialization_timeout")):
-        value = os.environ.get(variable)
-        if value:
-            try:
-                kwargs[argument] = int(float(value))
-            except ValueError:
-                raise FleetConfigError(
-                    f"environment variable {variable}={value!r} is not a number of seconds"
-                ) from None
+        seconds = number(os.environ, variable, parse=lambda v: int(float(v)),
+                         what="a number of seconds")
+        if seconds is not None:
+            kwargs[argument] = seconds
 
 
 def initialize_distributed(env: WorkerEnv) -> None:
@@ -180,7 +176,7 @@ def initialize_distributed(env: WorkerEnv) -> None:
     elif env.is_multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         kwargs = {}  # JAX reads its own variables and detects the cluster.
     else:
-        note = _cluster.alone_note(os.environ) if env.launcher is None else None
+        note = alone_note(os.environ) if env.launcher is None else None
         if note and not _alone_noted:
             _alone_noted.append(True)
             print(f"fleet: training alone in one process ({note})", file=sys.stderr,

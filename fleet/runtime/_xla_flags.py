@@ -73,6 +73,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 POOL_VARIABLE = "PJRT_NPROC"
 KEEP_BARRIERS = "cse_barrier_expander"
 _DISABLED_PASSES = re.compile(r"--xla_disable_hlo_passes=(\S*)")
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def keep_remat_barriers(flags: str) -> str:
@@ -84,7 +85,6 @@ def keep_remat_barriers(flags: str) -> str:
         return flags
     rest = _DISABLED_PASSES.sub("", flags).split()
     return " ".join(rest + ["--xla_disable_hlo_passes=" + ",".join(passes + [KEEP_BARRIERS])])
-_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def _cores() -> int:

@@ -1,13 +1,8 @@
 """``DistributedStrategy``: Paddle's attribute-style strategy, typed and validated.
 
 Paddle warns on a misspelt field and goes on with the default; fleet fails at
-once, naming the closest valid fields. Each field has a type and a default. A
-feature section is a switch (``strategy.amp = True``) plus a small config
-dataclass (``strategy.amp_configs = {...}``) validated key by key;
-:meth:`DistributedStrategy.check` (called by ``fleet.init``) checks the
-sections switched on together, and refuses those fleet does not run
-(``fleet/strategy/_paddle_fields.py``), saying what to use instead. Paddle's
-fields fleet has no use for are accepted, kept and warned about there.
+once, naming the closest valid fields. The sections' configs: ``_configs.py``;
+Paddle's other fields, kept, warned about or refused: ``_paddle_fields.py``.
 """
 
 from __future__ import annotations
@@ -17,10 +12,7 @@ import typing
 import warnings
 from typing import Any, ClassVar
 
-from fleet._errors import (
-    FleetConfigError,
-    FleetWarning,
-)
+from fleet._errors import FleetConfigError, FleetWarning
 from fleet.strategy import _paddle_fields
 from fleet.strategy._configs import (
     DEFAULT_BUCKET_MB,
