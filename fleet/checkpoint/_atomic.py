@@ -171,13 +171,13 @@ def write(final: str, tree: _file.Tree | bytes) -> None:
     fresh, tag, guard = "", "", -1
     try:
         fresh, tag, guard = _fresh(parent, name)
-        if isinstance(tree, bytes):
-            with open(fresh, "wb") as f:
+        with open(fresh, "wb") as f:
+            if isinstance(tree, bytes):
                 f.write(tree)
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            _file.write(fresh, tree)
+            else:
+                _file.write(f, tree)
+            f.flush()
+            os.fsync(f.fileno())
         _put_in_place(fresh, final, tag)
         _sync_directory(parent)
     except BaseException as e:

@@ -298,20 +298,11 @@ def _verify(path: str, arrays: dict[str, Any], sums: dict[str, dict[str | None, 
     """Raises if an array of ``arrays`` differs from its checksum in ``sums``
     (``{key: {shard index: crc}}``, ``None`` for the whole array), or, with
     ``every`` (it was written with a checksum for every array), has none."""
-    whole = {k: _integrity.index_key((slice(None),) * np.ndim(v), np.shape(v))
-             for k, v in arrays.items()}
-    stored = {k: {whole[k] if i is None else i: crc for i, crc in v.items()}
-              for k, v in sums.items() if k in arrays}
-    bad = _integrity.mismatches(stored, arrays, quote=False)
-    lost = _integrity.missing(stored, arrays, quote=False) if every else []
-    if lost and not bad:
-        raise FleetCheckpointError(
-            f"fleet.load: {path} is damaged: the checksum{'s' if len(lost) > 1 else ''} of "
-            f"{len(lost)} array{'s are' if len(lost) > 1 else ' is'} missing, though it was written with one "
-            f"for every array:\n  " + "\n  ".join(lost))
-    if bad:
-        raise FleetCheckpointError(
-            f"fleet.load: {path} is damaged: {len(bad)} array{'s do' if len(bad) > 1 else ' does'} "
-            f"not match the checksum written with {'them' if len(bad) > 1 else 'it'}:\n  "
-            + "\n  ".join(bad)
-        )
+    stored = {k: {_integrity.whole(np.shape(arrays[k])) if i is None else i: crc
+                  for i, crc in v.items()} for k, v in sums.items() if k in arrays}
+    verdict = _integrity.damage(
+        _integrity.mismatches(stored, arrays, quote=False),
+        _integrity.missing(stored, arrays, quote=False) if every else [],
+        ", though it was written with one for every array")
+    if verdict:
+        raise FleetCheckpointError(f"fleet.load: {path} is damaged: {verdict}")

@@ -160,18 +160,10 @@ def _verdict(meta: dict[str, Any], values: dict[str, dict[str, Any]]) -> str:
                 f"{'missing' if sums is None else 'unreadable'}")
     bad = [f"{name} {b}" for name, part in values.items()
            for b in _integrity.mismatches(sums.get(name, {}), part)]
-    if bad:
-        many = len(bad) > 1
-        return (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
-                f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
     lost = [f"{name} {k}" for name, part in values.items()
             for k in _integrity.missing(sums.get(name, {}), part)] if written else []
-    if lost:
-        many = len(lost) > 1
-        return (f"the checksum{'s' if many else ''} of {len(lost)} array{'s are' if many else ' is'} "
-                f"missing from its {_meta.NAME!r} item, which says every array was written with one "
-                f"({meta['checksum']}):\n  " + "\n  ".join(lost))
-    return ""
+    return _integrity.damage(bad, lost, f" from its {_meta.NAME!r} item, which says every "
+                                        f"array was written with one ({meta.get('checksum')})")
 
 
 def _problems(orbax: ocp.CheckpointManager, directory: str, step: int, meta: dict,
