@@ -1,25 +1,11 @@
-"""``fleet.save`` / ``fleet.load``: Paddle's ``paddle.save`` / ``paddle.load`` for state dicts.
+"""``fleet.save`` / ``fleet.load``: Paddle's ``paddle.save`` / ``paddle.load`` for
+state dicts (their docstrings say how they are called).
 
-``fleet.save(model.state_dict(), "model.pdparams")`` writes one file from the
-calling process alone: it is not a collective call, so ``if
-fleet.is_first_worker(): fleet.save(...)`` is fine, and so are saves from any
-other rank, or from every rank to one path (each writes the full data; the last
-one to finish is what stays). ``fleet.load`` returns the same nesting with numpy
-arrays; it reads arrays and JSON only and never unpickles.
-
-The file is a zip archive of stored (uncompressed) entries: one ``.npy`` entry
-per array and ``fleet.json``, the tree's structure with its numbers and strings
-inline and the CRC-32 of every array; :mod:`fleet.checkpoint._file` gives the
-format precisely, enough to write a reader for it.
-
-The write is atomic (:mod:`fleet.checkpoint._atomic`): the file is written
-under a temporary name in the same directory (``.NAME.fleet-new-*``), flushed
-to disk, and renamed onto ``path`` in one ``os.replace``; a crash leaves either
-the old or the new checkpoint there, never a mixture, and the next save to
-``path`` removes the temporary file a killed writer left. ``fleet.load``
-verifies every checksum and raises :class:`FleetCheckpointError`, naming the
-array, on a mismatch; a file or step that says it was written with checksums
-and lacks one is damaged, never read unchecked.
+The file is a zip archive of ``.npy`` arrays and a JSON tree with the CRC-32 of
+every array (:mod:`fleet.checkpoint._file` gives the format precisely), written
+atomically (:mod:`fleet.checkpoint._atomic`). ``fleet.load`` verifies every
+checksum, naming the array that does not match; one that says it was written
+with checksums and lacks one is damaged, never read unchecked.
 
 ``fleet.load`` also reads the orbax PyTree directories (``_METADATA``, arrays in
 tensorstore's OCDBT format) this fleet wrote, with orbax's public API:
@@ -246,7 +232,7 @@ def _read_directory(path: str) -> Any:
                 raise failed[0]
         except Exception as e:  # noqa: BLE001 (tensorstore's errors on a damaged file)
             raise FleetCheckpointError(
-                f"fleet.load: {path} is damaged: {str(e).splitlines()[0][:500]}") from None
+                f"fleet.load: {path} is damaged: {first_line(e)}") from None
         return value
     finally:
         checkpointer.close()

@@ -12,11 +12,7 @@ must not be those of a live one). On process 0 of the job it
    another live job writes is refused, naming that job's host and pid; a
    stale lock (its writer ended without closing its manager: killed,
    ``os._exit``) is taken over with a :class:`fleet.FleetWarning` naming the dead
-   pid and host. A stale lock that names another host is refused, naming that
-   host, pid and lock file, unless ``FLEET_CHECKPOINT_TAKE_OVER`` is ``1`` or that
-   host's name (:data:`TAKE_OVER`): whether its writer is gone, this host can tell
-   only where the file system shares ``flock`` across hosts (see
-   :mod:`fleet.checkpoint._lock`);
+   pid and host; one that names another host only with :data:`TAKE_OVER`;
 3. finds the steps whose save began and never finished: a partial
    ``<step>.orbax-checkpoint-tmp-*`` directory, or the step a stale lock says its
    writer was saving (an asynchronous save cut off before anything reached the

@@ -17,11 +17,9 @@ before ``concurrent.futures`` stops taking work (that would kill orbax's
 background save) and before ``atexit``'s hooks. If the save cannot be finished,
 stderr says which checkpoint was lost and the process exits with status 1.
 
-Where a thread cannot start at exit: CPython 3.12.0 to 3.12.2 refuse to start
-one once the interpreter begins to exit (CPython gh-113964, fixed in 3.12.3),
-and orbax finishes a save in new threads (``asyncio.to_thread``), so no hook can
-finish a pending save there. On those versions saves are synchronous by default
-(:func:`async_option`), and ``async_save=True`` raises, naming the versions.
+Where a thread cannot start at exit (CPython 3.12.0 to 3.12.2, gh-113964; orbax
+finishes a save in new threads, ``asyncio.to_thread``), saves are synchronous
+(:func:`async_option`).
 
 Where nothing can finish the save (``kill -9``; ``os._exit``, which skips every
 exit hook), the step a save began is recorded in the directory's lock file
