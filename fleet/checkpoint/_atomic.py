@@ -160,16 +160,10 @@ def write(final: str, tree: _file.Tree | bytes) -> None:
         FleetCheckpointError: the disk is full, or the directory cannot be written.
     """
     parent, name = os.path.split(final)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        refused = _refused(final, parent, e)
-        if refused is None:
-            raise
-        raise refused from None
-    remove_leftovers(final)
     fresh, tag, guard = "", "", -1
     try:
+        os.makedirs(parent, exist_ok=True)
+        remove_leftovers(final)
         fresh, tag, guard = _fresh(parent, name)
         with open(fresh, "wb") as f:
             if isinstance(tree, bytes):
