@@ -159,7 +159,7 @@ def _number(v: float) -> float | str:
 def write(f: BinaryIO, tree: Tree) -> None:
     """Writes ``tree`` into ``f``, ``fleet.save``'s temporary file, new and opened
     ``"wb"`` (the caller flushes it to disk)."""
-    summing = _SUMMER.submit(_integrity.checksums, tree.arrays, alone=True)
+    summing = _SUMMER.submit(_integrity.checksums, tree.arrays)
     try:
         with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
             for entry, value in tree.arrays.items():

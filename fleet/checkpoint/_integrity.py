@@ -80,12 +80,12 @@ def sum_pieces(pieces: list[tuple[str, str, Any]]) -> Sums:
     return sums
 
 
-def checksums(values: dict[str, Any], *, alone: bool = False) -> Sums:
-    """The checksums of the shards of ``values`` this process writes (``alone``:
-    all of them, as ``fleet.save`` does on any process)."""
+def checksums(values: dict[str, Any]) -> Sums:
+    """The checksums of every shard of ``values``, as ``fleet.save`` writes them
+    on any process."""
     if not ENABLED:
         return {}
-    return sum_pieces(_pieces(values, written=not alone))
+    return sum_pieces(_pieces(values, written=False))
 
 
 def host_pieces(values: dict[str, Any]) -> list[tuple[str, str, np.ndarray]]:
@@ -97,7 +97,7 @@ def host_pieces(values: dict[str, Any]) -> list[tuple[str, str, np.ndarray]]:
 
 
 def merge(all_sums: list[Sums]) -> Sums:
-    """One table from every process's :func:`checksums`."""
+    """One table from every process's :func:`sum_pieces`."""
     out: Sums = {}
     for sums in all_sums:
         for key, shards in sums.items():
