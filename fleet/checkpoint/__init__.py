@@ -23,27 +23,12 @@ Two levels, neither ever pickles:
           manager.save(step, model=model, optimizer=opt, loader=loader)
       manager.close()
 
-A job restarted by ``fleetrun --max_restarts`` that runs these lines continues
-from the last complete checkpoint as if it had never stopped: on CPU the
-parameters and optimizer state are bitwise those of an uninterrupted run.
-
-Nothing damaged is returned: every array is stored with a CRC-32 and verified
-when it is read (a mismatch raises :class:`FleetCheckpointError` naming the
-array; a checkpoint that says it has checksums and lacks one is damaged too),
-and ``restore_latest`` skips a damaged step for the newest intact one. A
-directory has one writer: a manager holds its lock (``.fleet-lock``), a second
-job is refused naming the first's host and pid, and the lock of a dead writer
-is taken over with a warning that names any step it began and never finished.
-``fleet.save`` removes the temporary files (``.NAME.fleet-new-*``) of writers
-killed while saving to ``NAME``.
-``fleet.save`` / ``fleet.load`` run on the calling process alone; the
-manager's calls are collective, and a process that skips one ends the others
-with an error naming the call and its rank instead of a hang.
-
-A checkpoint holds replicated state once, so any number of processes (and any
-devices) can restore one written by any other number. Sharded state, when fleet
-has it, is written shard by shard and read into the sharding of the arrays it is
-restored into (orbax reshards), so it moves between process counts as well.
+What is checked (a CRC-32 of every array, verified when it is read; one writer
+a directory; collective calls that cannot hang; atomic, crash-safe writes):
+docs/checkpoints.md, and the modules below. A checkpoint holds replicated state
+once and sharded state shard by shard, read into the sharding of the arrays it
+is restored into, so any number of processes can restore one written by any
+other number.
 
 The folder, one idea a module:
 
@@ -54,14 +39,13 @@ The folder, one idea a module:
                     killed writers left
 ``_file.py``        the file ``fleet.save`` writes (a zip of ``.npy`` and JSON)
 ``_manager.py``     :class:`CheckpointManager`: the public class, save policy
-``_calls.py``       what each manager call checks first: its arguments, and that
-                    every process makes it (a bounded wait)
 ``_open.py``        opening a manager's directory: created, writable, locked,
                     and the steps an earlier writer never finished
 ``_lock.py``        one writer a directory: the lock file and its ``flock``
-``_state.py``       what a checkpoint holds (``Contents``: the keywords of
-                    ``save`` / ``restore``) and how its parts are read from
-                    live objects and put back
+``_state.py``       what a manager call takes: what a checkpoint holds
+                    (``Contents``) and how its parts are read from live
+                    objects and put back; its other arguments, and that every
+                    process makes it (a bounded wait)
 ``_tree.py``        training state as flat ``{dotted path: leaf}`` dicts, and
                     how two of them differ
 ``_meta.py``        a step's ``meta`` JSON, its checksums summed in the

@@ -160,24 +160,18 @@ def write(final: str, tree: _file.Tree | bytes) -> None:
         FleetCheckpointError: the disk is full, or the directory cannot be written.
     """
     parent, name = os.path.split(final)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        refused = _refused(final, parent, e)
-        if refused is None:
-            raise
-        raise refused from None
-    remove_leftovers(final)
     fresh, tag, guard = "", "", -1
     try:
+        os.makedirs(parent, exist_ok=True)
+        remove_leftovers(final)
         fresh, tag, guard = _fresh(parent, name)
-        if isinstance(tree, bytes):
-            with open(fresh, "wb") as f:
+        with open(fresh, "wb") as f:
+            if isinstance(tree, bytes):
                 f.write(tree)
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            _file.write(fresh, tree)
+            else:
+                _file.write(f, tree)
+            f.flush()
+            os.fsync(f.fileno())
         _put_in_place(fresh, final, tag)
         _sync_directory(parent)
     except BaseException as e:

@@ -57,18 +57,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import struct
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import numpy as np
 
 from fleet.checkpoint import _integrity
-from fleet.checkpoint._errors import FleetCheckpointError
+from fleet.checkpoint._errors import FleetCheckpointError, first_line
 from fleet.runtime._leaves import dotted
 
 FORMAT = "fleet.save"
@@ -157,27 +156,23 @@ def _number(v: float) -> float | str:
     return v if math.isfinite(v) else str(v)  # "nan", "inf", "-inf"
 
 
-def write(path: str, tree: Tree) -> None:
-    """Writes ``tree`` to the file ``path`` (``fleet.save``'s temporary file, new or
-    empty), flushed to disk."""
-    summing = _SUMMER.submit(_integrity.checksums, tree.arrays, alone=True)
+def write(f: BinaryIO, tree: Tree) -> None:
+    """Writes ``tree`` into ``f``, ``fleet.save``'s temporary file, new and opened
+    ``"wb"`` (the caller flushes it to disk)."""
+    summing = _SUMMER.submit(_integrity.checksums, tree.arrays)
     try:
-        with open(path, "wb") as f:
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-                for entry, value in tree.arrays.items():
-                    info = _info(entry)
-                    info.file_size = value.nbytes + 4096  # (an upper bound: ZIP64 or not)
-                    with z.open(info, "w") as out:
-                        np.lib.format.write_array(out, value, allow_pickle=False)
-                sums = summing.result()
-                for entry, crc in sums.items():
-                    tree.nodes[entry]["crc32"] = next(iter(crc.values()))
-                doc = {"format": FORMAT, "version": VERSION,
-                       "checksum": _integrity.ALGORITHM if _integrity.ENABLED else None,
-                       "tree": tree.node}
-                z.writestr(_info(JSON_ENTRY), json.dumps(doc, allow_nan=False))
-            f.flush()
-            os.fsync(f.fileno())
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+            for entry, value in tree.arrays.items():
+                info = _info(entry)
+                info.file_size = value.nbytes + 4096  # (an upper bound: ZIP64 or not)
+                with z.open(info, "w") as out:
+                    np.lib.format.write_array(out, value, allow_pickle=False)
+            for entry, crc in summing.result().items():
+                tree.nodes[entry]["crc32"] = next(iter(crc.values()))
+            doc = {"format": FORMAT, "version": VERSION,
+                   "checksum": _integrity.ALGORITHM if _integrity.ENABLED else None,
+                   "tree": tree.node}
+            z.writestr(_info(JSON_ENTRY), json.dumps(doc, allow_nan=False))
     finally:
         summing.cancel()
 
@@ -212,7 +207,7 @@ def read_doc(f: Any) -> tuple[zipfile.ZipFile, dict]:
     except Exception as e:  # noqa: BLE001 (what zipfile raises on damaged bytes varies)
         if head == b"PK\x03\x04":
             raise Damaged(f"it begins as a zip archive, but its end (the zip's directory) is "
-                          f"missing or unreadable: it was cut short or overwritten ({_brief(e)})"
+                          f"missing or unreadable: it was cut short or overwritten ({first_line(e)})"
                           ) from None
         raise NotFleetFile("not a zip archive") from None
     if JSON_ENTRY not in z.namelist():
@@ -220,18 +215,13 @@ def read_doc(f: Any) -> tuple[zipfile.ZipFile, dict]:
     try:
         doc = json.loads(z.read(JSON_ENTRY).decode("utf-8"))
     except Exception as e:  # noqa: BLE001 (a bad zip CRC, bad JSON, a seek out of the file...)
-        raise Damaged(f"its {JSON_ENTRY} cannot be read ({_brief(e)})") from None
+        raise Damaged(f"its {JSON_ENTRY} cannot be read ({first_line(e)})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         name = doc.get("format") if isinstance(doc, dict) else None
         raise NotFleetFile(f"its {JSON_ENTRY} names the format {name!r}, not {FORMAT!r}")
     if not isinstance(doc.get("version"), int) or doc["version"] > VERSION:
         raise Newer(f"format version {doc.get('version')!r}, this fleet reads up to {VERSION}")
     return z, doc
-
-
-def _brief(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
 
 
 def read(path: str) -> tuple[Any, dict[str, int], dict[str, np.ndarray]]:
@@ -298,7 +288,7 @@ def _array(f: Any, z: zipfile.ZipFile, node: dict, path: tuple, sums: dict, arra
     except Damaged:
         raise
     except Exception as e:  # noqa: BLE001 (what numpy raises on a damaged header varies)
-        raise Damaged(f"{key}: its .npy header cannot be read ({_brief(e)})") from None
+        raise Damaged(f"{key}: its .npy header cannot be read ({first_line(e)})") from None
     dtype, shape = _dtype(dtype, node["dtype"], key), tuple(shape)
     if (dtype.name != node["dtype"] or dtype.hasobject or dtype.fields is not None
             or list(shape) != node["shape"]):

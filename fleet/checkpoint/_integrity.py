@@ -45,7 +45,8 @@ def index_key(index: tuple, shape: tuple[int, ...]) -> str:
     return ",".join("{}:{}".format(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
-def _whole(shape: tuple[int, ...]) -> str:
+def whole(shape: tuple[int, ...]) -> str:
+    """``"0:4,0:16"``: the index of an array's one shard, the whole array."""
     return ",".join(f"0:{n}" for n in shape)
 
 
@@ -64,11 +65,12 @@ def _pieces(values: dict[str, Any], written: bool) -> list[tuple[str, str, Any]]
                 seen.add(index)
                 out.append((key, index, shard.data))
         elif not written or jax.process_index() == 0:
-            out.append((key, _whole(np.shape(value)), value))
+            out.append((key, whole(np.shape(value)), value))
     return out
 
 
-def _sum_all(pieces: list[tuple[str, str, Any]]) -> Sums:
+def sum_pieces(pieces: list[tuple[str, str, Any]]) -> Sums:
+    """The checksum table of ``(key, shard index, data)`` pieces (:func:`host_pieces`)."""
     workers = min(8, os.cpu_count() or 1, max(1, len(pieces)))
     with ThreadPoolExecutor(workers) as pool:
         crcs = list(pool.map(lambda p: crc32(p[2]), pieces))
@@ -78,12 +80,12 @@ def _sum_all(pieces: list[tuple[str, str, Any]]) -> Sums:
     return sums
 
 
-def checksums(values: dict[str, Any], *, alone: bool = False) -> Sums:
-    """The checksums of the shards of ``values`` this process writes (``alone``:
-    all of them, as ``fleet.save`` does on any process)."""
+def checksums(values: dict[str, Any]) -> Sums:
+    """The checksums of every shard of ``values``, as ``fleet.save`` writes them
+    on any process."""
     if not ENABLED:
         return {}
-    return _sum_all(_pieces(values, written=not alone))
+    return sum_pieces(_pieces(values, written=False))
 
 
 def host_pieces(values: dict[str, Any]) -> list[tuple[str, str, np.ndarray]]:
@@ -94,13 +96,8 @@ def host_pieces(values: dict[str, Any]) -> list[tuple[str, str, np.ndarray]]:
     return [(key, index, np.asarray(data)) for key, index, data in _pieces(values, written=True)]
 
 
-def sum_pieces(pieces: list[tuple[str, str, np.ndarray]]) -> Sums:
-    """The checksum table of :func:`host_pieces`."""
-    return _sum_all(pieces) if pieces else {}
-
-
 def merge(all_sums: list[Sums]) -> Sums:
-    """One table from every process's :func:`checksums`."""
+    """One table from every process's :func:`sum_pieces`."""
     out: Sums = {}
     for sums in all_sums:
         for key, shards in sums.items():
@@ -135,13 +132,27 @@ def mismatches(stored: Sums, values: dict[str, Any], quote: bool = True) -> list
     if not ENABLED:
         return []
     pieces = [p for p in _pieces(values, written=False) if p[1] in stored.get(p[0], {})]
-    got = _sum_all(pieces)
+    got = sum_pieces(pieces)
     problems = []
     for key, index, _ in pieces:
         want = stored[key][index]
         if got[key][index] != want:
-            where = "" if index == _whole(np.shape(values[key])) else f" (shard [{index}])"
+            where = "" if index == whole(np.shape(values[key])) else f" (shard [{index}])"
             name = repr(key) if quote else key
             problems.append(f"{name}{where}: {ALGORITHM} {got[key][index]:#010x} as read, "
                             f"{want:#010x} when written")
     return problems
+
+
+def damage(bad: list[str], lost: list[str], lost_from: str) -> str:
+    """Why the arrays read are not those written, ``""`` if they are: ``bad`` from
+    :func:`mismatches`, ``lost`` from :func:`missing` (``lost_from`` says where the
+    checksums should have been, and why)."""
+    many = len(bad or lost) > 1
+    if bad:
+        return (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
+                f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
+    if lost:
+        return (f"the checksum{'s' if many else ''} of {len(lost)} array{'s are' if many else ' is'} "
+                f"missing{lost_from}:\n  " + "\n  ".join(lost))
+    return ""

@@ -1,25 +1,11 @@
-"""``fleet.save`` / ``fleet.load``: Paddle's ``paddle.save`` / ``paddle.load`` for state dicts.
+"""``fleet.save`` / ``fleet.load``: Paddle's ``paddle.save`` / ``paddle.load`` for
+state dicts (their docstrings say how they are called).
 
-``fleet.save(model.state_dict(), "model.pdparams")`` writes one file from the
-calling process alone: it is not a collective call, so ``if
-fleet.is_first_worker(): fleet.save(...)`` is fine, and so are saves from any
-other rank, or from every rank to one path (each writes the full data; the last
-one to finish is what stays). ``fleet.load`` returns the same nesting with numpy
-arrays; it reads arrays and JSON only and never unpickles.
-
-The file is a zip archive of stored (uncompressed) entries: one ``.npy`` entry
-per array and ``fleet.json``, the tree's structure with its numbers and strings
-inline and the CRC-32 of every array; :mod:`fleet.checkpoint._file` gives the
-format precisely, enough to write a reader for it.
-
-The write is atomic (:mod:`fleet.checkpoint._atomic`): the file is written
-under a temporary name in the same directory (``.NAME.fleet-new-*``), flushed
-to disk, and renamed onto ``path`` in one ``os.replace``; a crash leaves either
-the old or the new checkpoint there, never a mixture, and the next save to
-``path`` removes the temporary file a killed writer left. ``fleet.load``
-verifies every checksum and raises :class:`FleetCheckpointError`, naming the
-array, on a mismatch; a file or step that says it was written with checksums
-and lacks one is damaged, never read unchecked.
+The file is a zip archive of ``.npy`` arrays and a JSON tree with the CRC-32 of
+every array (:mod:`fleet.checkpoint._file` gives the format precisely), written
+atomically (:mod:`fleet.checkpoint._atomic`). ``fleet.load`` verifies every
+checksum, naming the array that does not match; one that says it was written
+with checksums and lacks one is damaged, never read unchecked.
 
 ``fleet.load`` also reads the orbax PyTree directories (``_METADATA``, arrays in
 tensorstore's OCDBT format) this fleet wrote, with orbax's public API:
@@ -246,7 +232,7 @@ def _read_directory(path: str) -> Any:
                 raise failed[0]
         except Exception as e:  # noqa: BLE001 (tensorstore's errors on a damaged file)
             raise FleetCheckpointError(
-                f"fleet.load: {path} is damaged: {str(e).splitlines()[0][:500]}") from None
+                f"fleet.load: {path} is damaged: {first_line(e)}") from None
         return value
     finally:
         checkpointer.close()
@@ -298,20 +284,11 @@ def _verify(path: str, arrays: dict[str, Any], sums: dict[str, dict[str | None, 
     """Raises if an array of ``arrays`` differs from its checksum in ``sums``
     (``{key: {shard index: crc}}``, ``None`` for the whole array), or, with
     ``every`` (it was written with a checksum for every array), has none."""
-    whole = {k: _integrity.index_key((slice(None),) * np.ndim(v), np.shape(v))
-             for k, v in arrays.items()}
-    stored = {k: {whole[k] if i is None else i: crc for i, crc in v.items()}
-              for k, v in sums.items() if k in arrays}
-    bad = _integrity.mismatches(stored, arrays, quote=False)
-    lost = _integrity.missing(stored, arrays, quote=False) if every else []
-    if lost and not bad:
-        raise FleetCheckpointError(
-            f"fleet.load: {path} is damaged: the checksum{'s' if len(lost) > 1 else ''} of "
-            f"{len(lost)} array{'s are' if len(lost) > 1 else ' is'} missing, though it was written with one "
-            f"for every array:\n  " + "\n  ".join(lost))
-    if bad:
-        raise FleetCheckpointError(
-            f"fleet.load: {path} is damaged: {len(bad)} array{'s do' if len(bad) > 1 else ' does'} "
-            f"not match the checksum written with {'them' if len(bad) > 1 else 'it'}:\n  "
-            + "\n  ".join(bad)
-        )
+    stored = {k: {_integrity.whole(np.shape(arrays[k])) if i is None else i: crc
+                  for i, crc in v.items()} for k, v in sums.items() if k in arrays}
+    verdict = _integrity.damage(
+        _integrity.mismatches(stored, arrays, quote=False),
+        _integrity.missing(stored, arrays, quote=False) if every else [],
+        ", though it was written with one for every array")
+    if verdict:
+        raise FleetCheckpointError(f"fleet.load: {path} is damaged: {verdict}")

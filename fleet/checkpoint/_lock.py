@@ -82,22 +82,20 @@ class Holder:
         return self.host == socket.gethostname() and self.pid == os.getpid()
 
 
-class OtherHost(Exception):
-    """The directory's lock was left by a writer on another host (:attr:`holder`):
-    this host cannot tell whether it still runs (see the module)."""
-
-    def __init__(self, holder: Holder):
-        super().__init__(str(holder))
-        self.holder = holder
-
-
-class Busy(Exception):
-    """The directory's lock is held by a live writer (:attr:`holder`; ``None``
-    if it has not written its name yet)."""
-
+class _Refused(Exception):
     def __init__(self, holder: Holder | None):
         super().__init__(str(holder))
         self.holder = holder
+
+
+class OtherHost(_Refused):
+    """The directory's lock was left by a writer on another host (:attr:`holder`):
+    this host cannot tell whether it still runs (see the module)."""
+
+
+class Busy(_Refused):
+    """The directory's lock is held by a live writer (:attr:`holder`; ``None``
+    if it has not written its name yet)."""
 
 
 def _read(fd: int) -> Holder | None:

@@ -1,35 +1,26 @@
 """``fleet.CheckpointManager``: whole training states, numbered by step, on orbax;
-the public class and its save policy.
+the public class, its save policy, and what each call checks first.
 
 Layout: ``directory/<step>/`` holds one orbax item per part (``model``,
 ``optimizer``, ``state``, ``rng``: arrays in tensorstore's OCDBT format, each
-shard written once, by the process that holds it) and ``meta`` (JSON: step,
-epoch, loader position, user metadata, a CRC-32 of every array shard:
-:mod:`fleet.checkpoint._meta`). No pickle anywhere: loading reads arrays and
-JSON, it never runs code from the checkpoint.
+shard written once, by the process that holds it) and ``meta`` (JSON:
+:mod:`fleet.checkpoint._meta`). No pickle anywhere.
 
 Crash safety is orbax's commit protocol: a step is written under a temporary
 name (``<step>.orbax-checkpoint-tmp-*``) and renamed to ``<step>`` only after
 every process finished writing it, so a kill at any moment leaves the earlier
-steps intact and a half-written step is never listed; the manager deletes such
-leftovers when it starts, and says which step was begun and never finished
-(also one whose writer ended before anything reached the disk: ``os._exit``
-right after an asynchronous ``save``). Older steps are deleted
-(``max_to_keep``) only once a newer one is committed.
+steps intact and a half-written step is never listed. Older steps are deleted
+(``max_to_keep``) only once a newer one is committed. Elsewhere: the directory's
+lock and what an earlier writer left (:mod:`fleet.checkpoint._open`), a save in
+flight (:mod:`fleet.checkpoint._pending`), restoring
+(:mod:`fleet.checkpoint._restore`), what ``save`` and ``restore`` take
+(:class:`fleet.checkpoint._state.Contents`).
 
-One writer a directory (the class docstring says what is refused): the
-constructor takes ``directory/.fleet-lock`` (held by process 0 of the job, naming
-its host and pid: :mod:`fleet.checkpoint._open`, :mod:`fleet.checkpoint._lock`),
-``close`` releases it. A failed save (disk full) raises at the latest on the next
-call, its temporary directory removed; a pending asynchronous save is finished
-when the interpreter exits (:mod:`fleet.checkpoint._pending`).
-
-Save policy (here): which steps are written (``save_interval_steps``,
-``save_interval_seconds``, ``force``), that a saved step is overwritten only
-with ``force``, and that old steps go once a newer one is committed. Restoring
-(checks, checksums, fallback from a damaged step): :mod:`fleet.checkpoint._restore`;
-what ``save`` and ``restore`` take: :class:`fleet.checkpoint._state.Contents`; each
-call's checks and bounded meeting of the processes: :mod:`fleet.checkpoint._calls`.
+Here: which steps are written (``save_interval_steps``, ``save_interval_seconds``,
+``force``), that a saved step is overwritten only with ``force``, and each call's
+checks: its arguments, and that every process makes it
+(:func:`fleet.checkpoint._state.meet`, a bounded wait instead of a hang in
+orbax's barriers).
 """
 
 from __future__ import annotations
@@ -40,14 +31,15 @@ import time
 import weakref
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from fleet.checkpoint import _integrity, _meta, _open, _restore
-from fleet.checkpoint._calls import as_on_process_0, meet, positive, step_number
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.checkpoint._pending import PendingSave, async_option
 from fleet.checkpoint._restore import Restored
-from fleet.checkpoint._state import Contents, takes_contents
+from fleet.checkpoint._state import Contents, meet, positive, step_number, takes_contents
+from fleet.runtime import _agree
 from fleet.runtime._world import world
 
 
@@ -170,7 +162,10 @@ class CheckpointManager:
         if self.save_interval_seconds is None:
             return False
         due = self._last_save is None or time.time() - self._last_save >= self.save_interval_seconds
-        return as_on_process_0("fleet.CheckpointManager.save(interval)", due)
+        if jax.process_count() == 1:
+            return due
+        # (as process 0 decided, so that every process decides the same)
+        return _agree.agree("fleet.CheckpointManager.save(interval)", str(int(due)))[0] == "1"
 
     def _prune(self) -> None:
         """Deletes the steps beyond ``max_to_keep`` (once a newer one is committed)."""
@@ -329,14 +324,12 @@ class CheckpointManager:
         except BaseException:
             with contextlib.suppress(Exception):  # (the same failure, raised already)
                 self._orbax.close()
-            self._release()
             raise
-        self._orbax.close()
-        self._release()
-
-    def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
+        else:
+            self._orbax.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

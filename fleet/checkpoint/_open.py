@@ -12,11 +12,7 @@ must not be those of a live one). On process 0 of the job it
    another live job writes is refused, naming that job's host and pid; a
    stale lock (its writer ended without closing its manager: killed,
    ``os._exit``) is taken over with a :class:`fleet.FleetWarning` naming the dead
-   pid and host. A stale lock that names another host is refused, naming that
-   host, pid and lock file, unless ``FLEET_CHECKPOINT_TAKE_OVER`` is ``1`` or that
-   host's name (:data:`TAKE_OVER`): whether its writer is gone, this host can tell
-   only where the file system shares ``flock`` across hosts (see
-   :mod:`fleet.checkpoint._lock`);
+   pid and host; one that names another host only with :data:`TAKE_OVER`;
 3. finds the steps whose save began and never finished: a partial
    ``<step>.orbax-checkpoint-tmp-*`` directory, or the step a stale lock says its
    writer was saving (an asynchronous save cut off before anything reached the
@@ -43,20 +39,18 @@ from fleet.checkpoint import _disk, _lock, _pending
 from fleet.checkpoint._errors import FleetCheckpointError, first_line
 from fleet.runtime import _agree, _world
 
-
-def _create(directory: str) -> None:
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        why = _disk.unwritable(e)
-        if why is None:
-            raise FleetCheckpointError(
-                f"CheckpointManager: cannot create {directory} ({first_line(e)}); give a "
-                "directory this process can create and write") from None
-        raise _unwritable(directory, why, e) from None
+#: What a manager does to its directory before orbax touches it, and what that asks.
+_DOING = {"create": "give a directory this process can create and write",
+          "lock": f"a checkpoint manager writes its lock file {_lock.NAME} there"}
 
 
-def _unwritable(directory: str, why: str, e: BaseException) -> FleetCheckpointError:
+def _cannot(directory: str, doing: str, e: OSError) -> FleetCheckpointError:
+    """The error for an ``OSError`` while ``doing`` (a key of :data:`_DOING`) to
+    ``directory``: a read-only or not writable one is named so (by the ``errno``)."""
+    why = _disk.unwritable(e)
+    if why is None:
+        return FleetCheckpointError(
+            f"CheckpointManager: cannot {doing} {directory} ({first_line(e)}); {_DOING[doing]}")
     hit = _disk.nearest(directory)
     where = hit if hit == directory else f"{hit} (to create {directory})"
     return FleetCheckpointError(
@@ -157,21 +151,17 @@ def _take(directory: str) -> tuple[_lock.DirectoryLock, _lock.Holder | None]:
 
 def _open_here(directory: str) -> tuple[_lock.DirectoryLock | None, str, list[str]]:
     """Process 0's part: ``(lock, error, warnings)``, the error ``""`` if none."""
+    doing = "create"
     try:
-        _create(directory)
+        os.makedirs(directory, exist_ok=True)
+        doing = "lock"
         lock, stale = _take(directory)
-    except FleetCheckpointError as e:
-        return None, str(e), []
     except _lock.Busy as e:
         return None, str(_busy(directory, e.holder)), []
     except _lock.OtherHost as e:
         return None, str(_other_host(directory, e.holder)), []
     except OSError as e:
-        why = _disk.unwritable(e)
-        if why is None:
-            return None, (f"CheckpointManager: cannot lock {directory} ({first_line(e)}); a "
-                          f"checkpoint manager writes its lock file {_lock.NAME} there"), []
-        return None, str(_unwritable(directory, why, e)), []
+        return None, str(_cannot(directory, doing, e)), []
     try:
         return lock, "", _warnings(directory, stale)
     except OSError as e:

@@ -17,11 +17,9 @@ before ``concurrent.futures`` stops taking work (that would kill orbax's
 background save) and before ``atexit``'s hooks. If the save cannot be finished,
 stderr says which checkpoint was lost and the process exits with status 1.
 
-Where a thread cannot start at exit: CPython 3.12.0 to 3.12.2 refuse to start
-one once the interpreter begins to exit (CPython gh-113964, fixed in 3.12.3),
-and orbax finishes a save in new threads (``asyncio.to_thread``), so no hook can
-finish a pending save there. On those versions saves are synchronous by default
-(:func:`async_option`), and ``async_save=True`` raises, naming the versions.
+Where a thread cannot start at exit (CPython 3.12.0 to 3.12.2, gh-113964; orbax
+finishes a save in new threads, ``asyncio.to_thread``), saves are synchronous
+(:func:`async_option`).
 
 Where nothing can finish the save (``kill -9``; ``os._exit``, which skips every
 exit hook), the step a save began is recorded in the directory's lock file
@@ -95,7 +93,7 @@ def _hook_exit() -> None:
         _HOOKED.append(True)
 
 
-#: How often a failed save's errors are waited out (``PendingSave._drain``): orbax's
+#: How often a failed save's errors are waited out (``PendingSave._clean_up``): orbax's
 #: save thread, then its metadata writer.
 _DRAIN_WAITS = 3
 
@@ -150,8 +148,7 @@ class PendingSave:
 
     def failed(self, step: int, e: BaseException) -> None:
         """A save of ``step`` failed: removes what it left, raises a clear error."""
-        self._drain()
-        self._remove_leftovers(step)
+        self._clean_up(step)
         self.orbax.reload()
         kept = f"the steps saved before are intact: {sorted(self.orbax.all_steps())}"
         if _disk.is_full(e, self.directory, self.needed):
@@ -165,8 +162,9 @@ class PendingSave:
             f"({first_line(e)}); its temporary files are removed; {kept}"
         ) from e
 
-    def _drain(self) -> None:
-        """Waits until nothing of a failed save still runs in orbax's threads. orbax
+    def _clean_up(self, step: int) -> None:
+        """Removes what a failed save of ``step`` left (its temporary directories, on
+        process 0) once nothing of it still runs in orbax's threads. orbax
         raises a background save's error once and then skips the wait for its
         checkpoint-metadata writer, which may still be writing into the save's
         temporary directory: removed under it, that write fails in turn, and its
@@ -175,12 +173,9 @@ class PendingSave:
         for _ in range(_DRAIN_WAITS):
             try:
                 self.orbax.wait_until_finished()
-                return
+                break
             except Exception:  # noqa: BLE001 (the failed save's own errors: reported once)
                 continue
-
-    def _remove_leftovers(self, step: int) -> None:
-        """Removes the temporary directories of a failed save of ``step`` (process 0)."""
         if jax.process_index() == 0:
             remove_partial(self.directory, step)
 
@@ -196,8 +191,7 @@ class PendingSave:
             if jax.process_count() == 1:
                 self.prune()
         except BaseException as e:  # noqa: BLE001
-            self._drain()
-            self._remove_leftovers(step)
+            self._clean_up(step)
             why = "disk full" if _disk.is_full(e, self.directory, self.needed) else first_line(e)
             sys.stdout.flush()
             print(f"fleet.CheckpointManager: the checkpoint of step {step} in {self.directory} "

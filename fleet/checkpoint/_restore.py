@@ -1,19 +1,8 @@
-"""Restoring a step into live objects, checked and verified first, and falling
-back from a damaged step to the newest intact one.
-
-:func:`read` restores one step: it reads the step's ``meta`` JSON, checks every
-part asked for against the step's orbax metadata (keys, shapes, dtypes, PRNG
-implementations, the loader's dataset and batch size) and raises, listing every
-difference, before reading any array. The arrays read are verified against
-their checksums, on every process, before anything is set in place: a step
-that is damaged for one process is damaged for all (:class:`Damaged`). A step
-that says it was written with checksums and lacks one is damaged too. Every
-read runs inside :func:`fleet.checkpoint._settle.collect`, so that a damaged
-array leaves none of orbax's reads running when the error is raised.
-
-:func:`latest` restores the newest intact step: a damaged one is moved aside
-(``<step>.damaged``, so it is neither listed nor overwritten) with a
-:class:`fleet.FleetWarning`, and the step before is tried.
+"""Restoring a step into live objects (:func:`read`: checked, then read and
+verified on every process, then set; nothing changes when anything differs),
+and falling back from a damaged step to the newest intact one (:func:`latest`).
+Every read runs inside :func:`fleet.checkpoint._settle.collect`, so that a
+damaged array leaves none of orbax's reads running when the error is raised.
 """
 
 from __future__ import annotations
@@ -160,18 +149,10 @@ def _verdict(meta: dict[str, Any], values: dict[str, dict[str, Any]]) -> str:
                 f"{'missing' if sums is None else 'unreadable'}")
     bad = [f"{name} {b}" for name, part in values.items()
            for b in _integrity.mismatches(sums.get(name, {}), part)]
-    if bad:
-        many = len(bad) > 1
-        return (f"{len(bad)} array{'s do' if many else ' does'} not match the checksum "
-                f"written with {'them' if many else 'it'}:\n  " + "\n  ".join(bad))
     lost = [f"{name} {k}" for name, part in values.items()
             for k in _integrity.missing(sums.get(name, {}), part)] if written else []
-    if lost:
-        many = len(lost) > 1
-        return (f"the checksum{'s' if many else ''} of {len(lost)} array{'s are' if many else ' is'} "
-                f"missing from its {_meta.NAME!r} item, which says every array was written with one "
-                f"({meta['checksum']}):\n  " + "\n  ".join(lost))
-    return ""
+    return _integrity.damage(bad, lost, f" from its {_meta.NAME!r} item, which says every "
+                                        f"array was written with one ({meta.get('checksum')})")
 
 
 def _problems(orbax: ocp.CheckpointManager, directory: str, step: int, meta: dict,

@@ -1,20 +1,19 @@
-"""The parts of a training state: what is read from live objects and put back.
+"""What a ``fleet.CheckpointManager`` call takes: the parts of a training state,
+read from live objects and put back, and the call's other checks.
 
-A checkpoint holds up to four array parts and one JSON part:
+:class:`Contents` is the one list of the parts (its docstring says what each may
+be): ``save``, ``restore`` and ``restore_latest`` take them as keywords, through
+it. An array part (:class:`Part`) is a live object's leaves by dotted path: NNX
+objects are restored in place, pytrees (``state``, ``rng``) come back as new
+values laid out like the ones given. The JSON part holds step, epoch, the
+loader's position, the user's metadata and the PRNG implementations of key
+leaves. Restoring checks every part first and changes nothing when anything
+differs.
 
-* ``model``, ``optimizer``: NNX objects (``fleet.DataParallel``, an
-  ``nnx.Optimizer``...), every variable (parameters, batch-norm statistics, RNG
-  streams, step counters) by dotted path; restored **in place**;
-* ``state``: any pytree of arrays (a Linen ``TrainState``, raw parameters);
-* ``rng``: a PRNG key or a pytree of keys; ``state`` and ``rng`` come back as new
-  values, laid out like the ones given;
-* JSON: step, epoch, the loader's position, the user's metadata, and the PRNG
-  implementations of key leaves.
-
-Restoring checks every part first and changes nothing when anything differs.
-
-:class:`Contents` is the one list of these parts: ``CheckpointManager.save``,
-``restore`` and ``restore_latest`` take them as keywords, through it.
+Every collective call first meets the other processes (:func:`meet`, through
+:func:`fleet.runtime._agree.agree`): a process that does not make the call ends
+them within ``FLEET_AGREE_TIMEOUT`` seconds (60) with an error naming the call
+and the missing ranks, instead of a hang in orbax's barriers.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +32,7 @@ from flax import nnx
 from fleet.checkpoint import _tree
 from fleet.checkpoint._errors import FleetCheckpointError
 from fleet.comm._shard_comm import to_logical, to_shards
+from fleet.runtime import _agree
 from fleet.runtime._leaves import module_variables
 from fleet.sections import _sharding
 
@@ -169,6 +170,41 @@ def takes_contents(method: Callable) -> Callable:
                                 annotation="Any") for name in _NAMES]
     method.__signature__ = signature.replace(parameters=params[:at] + fields + params[at:])
     return method
+
+
+# --------------------------------------------------------------------------- a call's other checks
+
+
+def _number(name: str, value: Any, least: int) -> int:
+    """``value``, an int (or a numpy one) of at least ``least``; else raises."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        allowed = "an int >= 1 or None" if name != "step" else "an int >= 0"
+        raise FleetCheckpointError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)
+
+
+def positive(name: str, value: Any) -> int | None:
+    return None if value is None else _number(name, value, 1)
+
+
+def step_number(step: Any) -> int:
+    if isinstance(step, jax.Array) and step.ndim == 0:
+        step = int(np.asarray(step.addressable_shards[0].data))
+    return _number("step", step, 0)
+
+
+def meet(call: str, value: Any) -> None:
+    """Every process makes ``call`` with the same ``value`` (a bounded wait)."""
+    if jax.process_count() == 1:
+        return
+    name = f"fleet.CheckpointManager.{call}" if call != "__init__" else "fleet.CheckpointManager()"
+    got = _agree.agree(name, json.dumps(value))
+    if any(g != got[0] for g in got):
+        raise FleetCheckpointError(
+            f"{name}: the processes made this call with different arguments ("
+            + "; ".join(f"rank {r}: {g}" for r, g in enumerate(got))
+            + "); every process must make the same calls"
+        )
 
 
 # --------------------------------------------------------------------------- loader
