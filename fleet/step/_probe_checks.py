@@ -23,7 +23,14 @@ from flax import nnx
 from fleet._errors import FleetError, nth
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import world
-from fleet.semantics import _metrics, _outputs, _per_example, _random_guards, _summed_loss
+from fleet.semantics import (
+    _metrics,
+    _outputs,
+    _per_example,
+    _random_guards,
+    _row_mixing,
+    _summed_loss,
+)
 from fleet.step import _guards, _roles
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._record import PlanRecord
@@ -59,6 +66,21 @@ def check_per_example(plan: Plan, graph: GraphCache, jaxpr: Any, batch: list,
         for i, t in enumerate(trees) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]]
     _per_example.check_per_example(
         jaxpr, frozenset(r // n for r in _roles.rows_of(batch)), named)
+
+
+def check_row_mixing(plan: Plan, jaxpr: Any, args: tuple) -> None:
+    """The probe's operations that combine different rows of the batch, refused
+    (fleet.semantics._row_mixing); on one replica its rows are the global batch.
+    ``args``: the body's (state, trees, batch, repl)."""
+    n = plan.mesh.devices.size
+    if n == 1:
+        return
+    state, trees, batch = args[:3]
+    start = len(jax.tree.leaves(state)) + len(jax.tree.leaves(trees))
+    _row_mixing.check_rows(
+        _outputs.shard_body(jaxpr), range(start, start + len(jax.tree.leaves(batch))),
+        frozenset(r // n for r in _roles.rows_of(batch)),
+        partial_mixing=world().strategy.sync_batch_norm is not False)
 
 
 def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,

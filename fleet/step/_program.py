@@ -44,6 +44,7 @@ from fleet.step._probe_checks import (
     check_per_example,
     check_randomness,
     check_returned,
+    check_row_mixing,
     resolve_metrics,
     resolve_scalars,
 )
@@ -145,6 +146,7 @@ class Program:
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
+        check_row_mixing(plan, jaxpr, args)  # (after the outputs' own refusals)
         check_gradients(plan, record, self.graph, jaxpr, trees)
 
     def speculate(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,

@@ -1,0 +1,148 @@
+"""Steps that combine different rows of the batch (``fleet.semantics._row_mixing``).
+
+Inside a fleet step each replica sees its own rows: mixup's shuffle, a flipped or
+rolled batch, a contrastive loss's row-by-row similarities, a sort over the rows,
+the batch's mean subtracted from each row and a loss divided by the batch's total
+mask all see fewer rows than the single-device step, and trained silently away
+from it (4 CPU devices, 3 SGD steps: 0.006 to 2.5 in the loss, 0.069 in the
+parameters for the masked loss). Each is now refused at the first call, naming
+the line, before anything runs; on one replica each equals one device. Row-wise
+operations that look alike (along the features, within a row, over every row)
+still train as on one device.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+
+
+class Encoder(nnx.Module):
+    """A linear embedding, normalised per row, with a random stream for mixup."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(10, 8, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        z = self.linear(x)
+        return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+
+def mixup(m, x, y):
+    perm = jax.random.permutation(m.rngs.mixup(), x.shape[0])
+    return jnp.mean((m(0.7 * x + 0.3 * x[perm]) - y) ** 2)
+
+
+def contrastive(m, x, y):
+    za, zb = m(x), m(x + 0.1)
+    logits = za @ zb.T / 0.1
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.arange(x.shape[0])).mean()
+
+
+def masked(m, x, y):
+    mask = (y[:, 0] > 0).astype(jnp.float32)
+    per_row = jnp.mean((m(x) - y) ** 2, axis=-1)
+    return jnp.sum(per_row * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+# name: (the loss, what the error says)
+MIXING = {
+    "mixup's shuffle": (mixup, r"rows picked by index"),
+    "a flipped batch": (lambda m, x, y: jnp.mean((m(x) - m(x)[::-1]) ** 2),
+                        r"the rows reversed"),
+    "a rolled batch": (lambda m, x, y: jnp.mean((m(x) - jnp.roll(m(x), 1, axis=0)) ** 2),
+                       r"some of the rows taken"),
+    "a contrastive loss": (contrastive, r"a product of every row with every row"),
+    "a sort over the rows": (
+        lambda m, x, y: jnp.mean(jnp.sort(m(x)[:, 0]) * jnp.arange(x.shape[0])),
+        r"a sort over the rows"),
+    "the batch mean subtracted": (
+        lambda m, x, y: jnp.mean((m(x) - m(x).mean(0)) ** 2 * y),
+        r"a value reduced over the replica's rows .* combined with the rows themselves"),
+    "a loss divided by the batch's mask": (
+        masked, r"a value reduced over the replica's rows .* combined with the rows themselves"),
+}
+
+
+def step_of(loss_fn):
+    def step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: loss_fn(m, x, y))(model)
+        optimizer.update(model, grads)
+    return step
+
+
+def one_device(loss_fn, data) -> dict:
+    model = Encoder(nnx.Rngs(0, mixup=1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx.jit(step_of(loss_fn))
+    for x, y in data:
+        step(model, optimizer, x, y)
+    return models.flat_params(model)
+
+
+def with_fleet(loss_fn, data, make_world, n: int):
+    make_world(n)
+    model = fleet.distributed_model(Encoder(nnx.Rngs(0, mixup=1)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(step_of(loss_fn))
+    for x, y in data:
+        step(model, optimizer, x, y)
+    return model
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_a_step_that_mixes_rows_is_refused_naming_the_line(make_world, name):
+    loss_fn, what = MIXING[name]
+    before = one_device(loss_fn, [])
+    with pytest.raises(fleet.FleetError) as info:
+        with_fleet(loss_fn, models.batches("linear", 1, 16), make_world, 4)
+    message = str(info.value)
+    print(message)
+    assert message.startswith("the step combines different rows of its batch: ")
+    assert __file__ in message  # the line of the loss
+    assert "each replica computes on its own 4 rows" in message
+    assert re.search(what, message)
+    model = fleet.distributed_model(Encoder(nnx.Rngs(0, mixup=1)))  # (nothing ran before)
+    assert models.max_diff(models.flat_params(model), before) == 0
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_on_one_replica_a_step_that_mixes_rows_equals_one_device(make_world, name):
+    loss_fn, _ = MIXING[name]
+    data = models.batches("linear", 2, 16)
+    got = with_fleet(loss_fn, data, make_world, 1)
+    assert models.max_diff(models.flat_params(got), one_device(loss_fn, data)) < 1e-6
+
+
+#: Row-wise operations that look like the ones above
+ROW_WISE = {
+    "features reversed": lambda m, x, y: jnp.mean((m(x)[:, ::-1] - y) ** 2),
+    "sorted within each row": lambda m, x, y: jnp.mean(jnp.sort(m(x), axis=1) * y),
+    "each row's own mean subtracted": lambda m, x, y: jnp.mean(
+        (m(x) - m(x).mean(1, keepdims=True)) ** 2),
+    "an outer product within each row": lambda m, x, y: jnp.mean(
+        jnp.einsum("bi,bj->bij", m(x), m(x)) * y[:, :, None]),
+    "labels picked per row": lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(
+        m(x), (y[:, 0] > 0).astype(jnp.int32)).mean(),
+    "every row's slice": lambda m, x, y: jnp.mean((m(x)[: x.shape[0]] - y) ** 2),
+}
+
+
+@pytest.mark.parametrize("name", ROW_WISE)
+def test_row_wise_steps_that_look_alike_train_as_on_one_device(make_world, name):
+    data = models.batches("linear", 2, 16)
+    got = with_fleet(ROW_WISE[name], data, make_world, 4)
+    want = one_device(ROW_WISE[name], data)
+    d = models.max_diff(models.flat_params(got), want)
+    print(f"{name}: {d:.1e} from one device")
+    assert d < 1e-6
