@@ -7,10 +7,9 @@ a flipped or rolled batch (``x[::-1]``, ``jnp.roll(x, 1, axis=0)``), a
 contrastive loss's similarities between all rows (``z @ z.T``), a sort over the
 rows, the batch's own mean subtracted from each row, a mean weighted by the
 batch's total mask -- sees only the replica's rows inside a fleet step, where
-the single-device step sees the global batch's. Measured before this check, 4
-CPU devices, 3 SGD steps: each trained silently away from one device (a CLIP
-loss 0.35 in the loss, mixup 0.09, a sort 2.5, a flipped batch 0.03, a rolled
-one 0.006, the batch mean subtracted 0.004).
+the single-device step sees the global batch's. Before this check each trained
+silently away from one device (4 CPU devices, 3 SGD steps, in the loss: a CLIP
+loss 0.35, mixup 0.09, a sort 2.5, a flipped batch 0.03, a rolled one 0.006).
 
 :func:`check_rows` follows the batch rows through the probe's per-replica
 jaxpr: a value computed from a batch argument has a *row axis* (the batch's
