@@ -20,7 +20,7 @@ What the folder holds, one idea a file:
 * ``_supervisor.py``: the one supervisor of both launchers: waits for the
   workers' exits, runs the watchdog, names the culprit, stops the rest.
   ``_watchdog.py``: stuck workers (process state, heartbeat files);
-  ``_stop.py``: how workers are stopped; ``_failure.py``: what went wrong, in words.
+  ``_failure.py``: what went wrong, in words.
 * ``_rendezvous.py``: how the nodes of a multi-node job meet before the first
   start (the protocol, the checks, the waiting lines); ``_rendezvous_host.py``:
   node 0's side; ``_rendezvous_join.py``: the other nodes' side and :func:`meet`.

@@ -30,8 +30,7 @@ from fleet.launch._failure import Failure, signal_name
 from fleet.launch._log_dir import make_log_dir
 from fleet.launch._rendezvous import Stopped
 from fleet.launch._rendezvous_join import meet
-from fleet.launch._stop import die_with_parent
-from fleet.launch._supervisor import Outcome, Supervisor, Worker
+from fleet.launch._supervisor import Outcome, Supervisor, Worker, die_with_parent
 from fleet.launch._worker_plan import WorkerSpec, plan_workers, worker_base_environ
 
 log = logging.getLogger("fleet.launch")
@@ -61,6 +60,10 @@ class SignalCatcher:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
+
+    def first(self) -> int | None:
+        """The first signal received (``None``: none yet)."""
+        return self.received[0] if self.received else None
 
     def another(self) -> Callable[[], bool]:
         """Whether a signal came after this call: a second Ctrl-C hurries the stop."""
@@ -147,7 +150,7 @@ def watch(supervisor: Supervisor, config: LaunchConfig, signals: SignalCatcher,
     skip = None if config.tables else _tables.quiet_line
     follower = LogFollower(first.log_path, first.log_offset, "", out, skip)
     try:
-        return supervisor.run(signals=signals, tick=follower.poll)
+        return supervisor.run(stopped=signals.first, tick=follower.poll)
     finally:
         follower.close()
 
@@ -189,7 +192,7 @@ def _meet(config: LaunchConfig, signals: SignalCatcher) -> int | None:
     """The nodes' rendezvous before the first start (``_rendezvous.py``): ``None`` when
     every node came and agrees, else the launcher's exit code (2, or 128 + N)."""
     try:
-        meet(config, lambda: signals.received[0] if signals.received else None)
+        meet(config, signals.first)
     except Stopped as e:
         log.warning("got %s while the nodes met: no worker started", signal_name(e.signum))
         return 128 + e.signum

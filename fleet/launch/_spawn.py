@@ -35,8 +35,7 @@ from fleet.launch import _tables
 from fleet.launch._config import LaunchConfig, resolve
 from fleet.launch._failure import Failure, WorkerFailedError
 from fleet.launch._spawn_options import check_picklable, config_from_options
-from fleet.launch._stop import die_with_parent
-from fleet.launch._supervisor import Supervisor, Worker
+from fleet.launch._supervisor import Supervisor, Worker, die_with_parent
 from fleet.launch._worker_plan import WorkerSpec, plan_workers, worker_base_environ
 from fleet.runtime import _heartbeat
 
