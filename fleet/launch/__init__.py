@@ -22,8 +22,8 @@ What the folder holds, one idea a file:
   ``_watchdog.py``: stuck workers (process state, heartbeat files);
   ``_failure.py``: what went wrong, in words.
 * ``_rendezvous.py``: how the nodes of a multi-node job meet before the first
-  start (the protocol, the checks, the waiting lines); ``_rendezvous_host.py``:
-  node 0's side; ``_rendezvous_join.py``: the other nodes' side and :func:`meet`.
+  start (the protocol, the checks, the waiting lines) and node 0's side;
+  ``_rendezvous_join.py``: the other nodes' side and :func:`meet`.
 * ``_agent.py``: ``fleetrun``'s adapter: workers as ``Popen`` of the script, the
   echo of worker 0's log, signals, the report, restarts. ``_run.py``: what each
   ``fleetrun`` worker runs (by path; it imports nothing from fleet).

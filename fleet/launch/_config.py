@@ -260,7 +260,7 @@ def _nodes(config: LaunchConfig) -> tuple[int, int, str | None]:
     if master is not None:
         host, port = _net.split_host_port(master, "--master")
         if node_rank == 0 and nnodes == 1:  # several: the rendezvous listens there first
-            _net.check_port_free(host, port, "--master")
+            _net.check_port_free(host, port)
     return nnodes, node_rank, master
 
 
