@@ -17,50 +17,21 @@ from fleet.launch import _devices, _net
 from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
 
 DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
-DEFAULT_PROGRESS_TIMEOUT = 600.0
-DEFAULT_JOIN_TIMEOUT = 300.0  # JAX's own initialization_timeout
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """One node's share of a job. ``None`` fields are filled in by :func:`resolve`.
 
+    Every field but the script's is the ``fleetrun`` option of its name (what each
+    means: ``fleetrun --help``, from ``OPTIONS`` in ``fleet/launch/_args.py``).
+
     Attributes:
         training_script: the script every worker runs (``None`` under ``fleet.spawn``).
         training_script_args: its arguments.
-        nproc_per_node: processes on this node (default: one per visible GPU, else 1).
-        gpus: GPU ids, one process each; each process sees only its GPU.
-        cpu_devices: fake CPU devices per process (CPU only); ``None`` keeps the
-            inherited ``XLA_FLAGS`` / ``JAX_PLATFORMS``.
-        nnodes: number of nodes.
-        node_rank: this node's index.
-        master: ``host:port`` of the coordinator (process 0's node). ``None`` on a
-            single node: loopback and a free port, picked again at each restart.
-        ips: Paddle's ``--ips`` (``--cluster_node_ips``): every node's address, node
-            ``i`` at ``ips[i]``.
-        node_ip: Paddle's ``--node_ip``: this node's address in ``ips`` (gives
-            ``node_rank``).
-        started_port: Paddle's ``--started_port``: the first port of each node's
-            workers; rank 0's (on ``ips[0]``) is the coordinator.
-        log_dir: where ``workerlog.N`` go.
-        max_restarts: how often the whole group restarts after a failure.
-        job_id: a name for the job, given to every worker.
-        progress_timeout: seconds a worker may stay stopped, or go without a
-            heartbeat once it has sent one, before the job fails (0: never). The
-            first step gets at least ``first_step_min``.
-        first_step_min: the least time (seconds) a worker gets to end its first step.
-        uneven_grace: seconds a worker may wait in a step that a finished peer never
-            ran before the job fails (at most ``progress_timeout``).
-        silence_warning: seconds of a worker's silence (no heartbeat, or stopped)
-            before a warning line, and between the next ones (0: none).
-        allow_oversubscribe: start more CPU processes than
-            ``_devices.PROCESSES_PER_CORE`` (8) per CPU core.
-        verbose_env: print every variable of the first worker, not only Paddle's
-            (implies ``print_config``).
-        print_config: print Paddle's two tables at start (the configuration
-            arguments and the first worker's environment) instead of one line.
-        join_timeout: seconds the nodes of a multi-node job wait for each other
-            before the first start (``fleet/launch/_rendezvous.py``).
+        cpu_devices: ``None`` keeps the inherited ``XLA_FLAGS`` / ``JAX_PLATFORMS``.
+        master: ``None`` on a single node: loopback and a free port, picked again at
+            each restart.
     """
 
     training_script: str | None = None
@@ -77,13 +48,13 @@ class LaunchConfig:
     log_dir: str = "log"
     max_restarts: int = 0
     job_id: str = "default"
-    progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
+    progress_timeout: float = 600.0
     first_step_min: float = FIRST_STEP_MIN
     uneven_grace: float = UNEVEN_GRACE
     silence_warning: float = SILENCE_WARNING
     allow_oversubscribe: bool = False
     verbose_env: bool = False
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    join_timeout: float = 300.0  # JAX's own initialization_timeout
     print_config: bool = False
 
     @property
@@ -94,11 +65,6 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
-
-    @property
-    def fixed_master(self) -> bool:
-        """Whether the coordinator address is fixed (else picked per attempt)."""
-        return self.master is not None
 
     def table(self, given: LaunchConfig | None = None) -> dict[str, object]:
         """The configuration table's rows: Paddle launcher's nine first, as the user

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fleet._errors import FleetConfigError, FleetTypeError
-from fleet.launch._args import ALIASES
+from fleet.launch._args import ALIASES, DEFAULTS
 from fleet.launch._args import OPTIONS as _CLI_OPTIONS
 from fleet.launch._config import LaunchConfig
 
@@ -77,9 +77,9 @@ def config_from_options(nprocs: int, options: dict[str, Any]) -> LaunchConfig:
 
 def _option_value(name: str, value: Any) -> Any:
     """A keyword option as its field: text goes through fleetrun's own converter."""
-    convert, default, _ = _CLI_OPTIONS[name]
+    convert, _ = _CLI_OPTIONS[name]
     if value is None:
-        return default
+        return DEFAULTS[name]
     if name == "gpus" and not isinstance(value, str):
         value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     if isinstance(value, str):
@@ -87,6 +87,4 @@ def _option_value(name: str, value: Any) -> Any:
             return convert(value)
         except ValueError:
             raise FleetConfigError(f"fleet.spawn option {name}={value!r} is not valid") from None
-    if name in ("progress_timeout", "first_step_min", "uneven_grace", "silence_warning"):
-        return float(value)
-    return value
+    return float(value) if convert is float else value
