@@ -12,7 +12,8 @@ What the folder holds, one idea a file:
 * ``_main.py``: the ``fleetrun`` command and its manual; ``__main__.py``: ``python
   -m fleet.launch``; ``_log_dir.py``: ``--log_dir`` made and written to once before
   any start.
-* ``_args.py``: the command line and ``FLEETRUN_*`` variables -> :class:`LaunchConfig`.
+* ``_args.py``: the command line and ``FLEETRUN_*`` variables, or ``fleet.spawn``'s
+  keyword options -> :class:`LaunchConfig`.
 * ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults);
   ``_worker_plan.py``: :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
   devices) and ``_net.py`` (addresses, ports) serve it; ``_tables.py``: the two
@@ -28,7 +29,7 @@ What the folder holds, one idea a file:
   echo of worker 0's log, signals, the report, restarts. ``_run.py``: what each
   ``fleetrun`` worker runs (by path; it imports nothing from fleet).
 * ``_spawn.py``: ``fleet.spawn``'s adapter: ``multiprocessing`` children that send
-  their result or traceback over a pipe; ``_spawn_options.py``: its options.
+  their result or traceback over a pipe.
 
 What it may import: the standard library and fleet's lower layers, at module level:
 the core (``fleet._errors``, ``fleet.runtime._env``, ``fleet.runtime._worker``,

@@ -1,5 +1,6 @@
 """Command line -> :class:`LaunchConfig`: every option as ``--flag_name``,
-``--flag-name`` and an environment variable ``FLEETRUN_FLAG_NAME``.
+``--flag-name`` and an environment variable ``FLEETRUN_FLAG_NAME``; and
+``fleet.spawn``'s keyword options, the same options by name (:func:`spawn_config`).
 
 A flag on the command line wins over its variable; the variable wins over the
 default.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -188,3 +190,54 @@ def parse_args(argv: Sequence[str] | None = None,
         training_script_args=tuple(ns.script[1:]),
         **{name: getattr(ns, name) for name in OPTIONS},
     )
+
+
+# fleetrun's options that fleet.spawn takes too, and its own ``print_config``.
+_SHARED = ("cpu_devices", "gpus", "job_id", "master", "progress_timeout", "first_step_min",
+           "uneven_grace", "silence_warning", "allow_oversubscribe", "verbose_env")
+_NAMES = {alias: name for name in _SHARED for alias in (name, *ALIASES.get(name, ()))}
+SPAWN_OPTIONS = tuple(sorted([*_SHARED, "print_config"]))
+_ALIASES_TEXT = "; ".join(f"{', '.join(ALIASES[n])} for {n}" for n in _SHARED if n in ALIASES)
+
+
+def spawn_config(nprocs: int, options: dict[str, Any]) -> LaunchConfig:
+    """``fleet.spawn``'s ``nprocs`` and keyword options as an unresolved
+    :class:`LaunchConfig`, checked before any process starts."""
+    unknown = sorted(set(options) - set(SPAWN_OPTIONS) - set(_NAMES))
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, SPAWN_OPTIONS, n=1) for n in unknown}
+        said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                         for n, h in hints.items())
+        raise FleetConfigError(
+            f"fleet.spawn got unknown option(s) {said}; valid options: {', '.join(SPAWN_OPTIONS)} "
+            f"(aliases: {_ALIASES_TEXT})"
+        )
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or (nprocs < 1 and nprocs != -1):
+        raise FleetConfigError(
+            f"nprocs={nprocs!r} must be a positive integer, or -1 for one process per "
+            "visible GPU (1 without GPUs)"
+        )
+    values: dict[str, Any] = {}
+    for key, value in options.items():
+        if key == "print_config":
+            continue
+        name = _NAMES[key]
+        if name in values:
+            raise FleetConfigError(f"fleet.spawn got {name!r} twice (as {key!r} too)")
+        values[name] = _option_value(name, value)
+    return LaunchConfig(nproc_per_node=None if nprocs == -1 else nprocs, **values)
+
+
+def _option_value(name: str, value: Any) -> Any:
+    """A keyword option as its field: text goes through fleetrun's own converter."""
+    convert, _ = OPTIONS[name]
+    if value is None:
+        return DEFAULTS[name]
+    if name == "gpus" and not isinstance(value, str):
+        value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    if isinstance(value, str):
+        try:
+            return convert(value)
+        except ValueError:
+            raise FleetConfigError(f"fleet.spawn option {name}={value!r} is not valid") from None
+    return float(value) if convert is float else value
