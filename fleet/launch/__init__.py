@@ -1,6 +1,7 @@
 """Starting jobs: ``fleetrun`` / ``python -m fleet.launch`` and ``fleet.spawn``.
 
-The manual is ``fleetrun --help`` (the docstring of ``fleet/launch/_main.py``).
+The manual is the docstring of ``fleet/launch/_main.py`` (``python -m pydoc
+fleet.launch._main``); ``fleetrun --help`` lists the options.
 The stages are separate and each can be used alone::
 
     config = parse_args(["--nproc_per_node", "2", "--cpu_devices", "2", "train.py"])
@@ -10,14 +11,14 @@ The stages are separate and each can be used alone::
 What the folder holds, one idea a file:
 
 * ``_main.py``: the ``fleetrun`` command and its manual; ``__main__.py``: ``python
-  -m fleet.launch``; ``_log_dir.py``: ``--log_dir`` made and written to once before
-  any start.
+  -m fleet.launch``.
 * ``_args.py``: the command line and ``FLEETRUN_*`` variables, or ``fleet.spawn``'s
   keyword options -> :class:`LaunchConfig`.
-* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults);
-  ``_worker_plan.py``: :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
-  devices) and ``_net.py`` (addresses, ports) serve it; ``_tables.py``: the two
-  tables the launcher prints.
+* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine
+  defaults), ``--log_dir`` made and written to once before any start;
+  ``_worker_plan.py``: :func:`plan_workers` (each worker's environment);
+  ``_devices.py`` (GPUs, CPU devices) and ``_net.py`` (addresses, ports) serve
+  them; ``_tables.py``: what the launcher prints at a start.
 * ``_supervisor.py``: the one supervisor of both launchers: waits for the
   workers' exits, runs the watchdog, names the culprit, stops the rest.
   ``_watchdog.py``: stuck workers (process state, heartbeat files);

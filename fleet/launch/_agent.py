@@ -24,9 +24,8 @@ from typing import IO
 
 from fleet._errors import FleetConfigError
 from fleet.launch import _tables
-from fleet.launch._config import LaunchConfig
+from fleet.launch._config import LaunchConfig, make_log_dir
 from fleet.launch._failure import Failure, signal_name
-from fleet.launch._log_dir import make_log_dir
 from fleet.launch._rendezvous import Stopped
 from fleet.launch._rendezvous_join import meet
 from fleet.launch._supervisor import Outcome, Supervisor, Worker, die_with_parent

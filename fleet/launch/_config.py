@@ -2,17 +2,20 @@
 
 ``LaunchConfig`` is what the user asked for; :func:`resolve` fills in the
 defaults that depend on the machine (GPUs, node rank from ``--ips``) and checks
-everything that can be checked before a worker starts. Each worker's
-environment for one attempt: ``fleet.launch._worker_plan``.
+everything that can be checked before a worker starts; :func:`make_log_dir`
+makes ``--log_dir`` and writes to it once. Each worker's environment for one
+attempt: ``fleet.launch._worker_plan``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 
 from fleet._errors import FleetConfigError
+from fleet.checkpoint import _disk
 from fleet.launch import _devices, _net
 from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
 
@@ -91,9 +94,18 @@ def _shown(value: object) -> object:
     return ",".join(value) if isinstance(value, tuple) else value
 
 
-def _positive(name: str, value: int | None, minimum: int = 1) -> None:
-    if value is not None and value < minimum:
-        raise FleetConfigError(f"--{name} {value} must be at least {minimum}")
+# Each number's bound: whether a value keeps it, and the error's end when not.
+_BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "nproc_per_node": (lambda v: v >= 1, "must be at least 1"),
+    "cpu_devices": (lambda v: v >= 1, "must be at least 1"),
+    "nnodes": (lambda v: v >= 1, "must be at least 1"),
+    "max_restarts": (lambda v: v >= 0, "must be at least 0"),
+    "progress_timeout": (lambda v: v >= 0, "must be >= 0 seconds (0 turns the watchdog off)"),
+    "silence_warning": (lambda v: v >= 0, "must be >= 0 seconds (0: no warning lines)"),
+    "first_step_min": (lambda v: v > 0, "must be > 0 seconds"),
+    "uneven_grace": (lambda v: v > 0, "must be > 0 seconds"),
+    "join_timeout": (lambda v: v > 0, "must be > 0 seconds"),
+}
 
 
 def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -115,23 +127,10 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
 
 def _check_values(config: LaunchConfig) -> None:
     """The values that can be checked one by one."""
-    _positive("nproc_per_node", config.nproc_per_node)
-    _positive("cpu_devices", config.cpu_devices)
-    _positive("nnodes", config.nnodes)
-    _positive("max_restarts", config.max_restarts, 0)
-    if config.progress_timeout < 0:
-        raise FleetConfigError(
-            f"--progress_timeout {config.progress_timeout} must be >= 0 seconds (0 turns "
-            "the watchdog off)"
-        )
-    if config.silence_warning < 0:
-        raise FleetConfigError(
-            f"--silence_warning {config.silence_warning} must be >= 0 seconds (0: no "
-            "warning lines)"
-        )
-    for name in ("first_step_min", "uneven_grace", "join_timeout"):
-        if getattr(config, name) <= 0:
-            raise FleetConfigError(f"--{name} {getattr(config, name)} must be > 0 seconds")
+    for name, (allowed, bound) in _BOUNDS.items():
+        value = getattr(config, name)
+        if value is not None and not allowed(value):
+            raise FleetConfigError(f"--{name} {value} {bound}")
     if config.training_script is not None and not os.path.isfile(config.training_script):
         raise FleetConfigError(
             f"training script {config.training_script!r} does not exist (looked in "
@@ -269,4 +268,38 @@ def _node_rank_from_ips(ips: tuple[str, ...]) -> int:
     raise FleetConfigError(
         f"--ips {','.join(ips)} lists this machine more than once (nodes "
         f"{', '.join(map(str, matches))}); pass --node_rank I to say which node this is"
+    )
+
+
+def make_log_dir(log_dir: str) -> None:
+    """Creates ``log_dir`` (and its parents) and checks, before any worker starts,
+    that a file can be written there (``fleetrun`` prints the error and exits 2).
+
+    Whether the directory takes a file is asked by writing one (a temporary file,
+    removed at once): permission bits do not stop root, a read-only mount stops
+    everyone, and only the write itself tells both apart.
+
+    Raises:
+        fleet.FleetConfigError: it cannot be made or written; the message names
+            the directory (or the parent that refused), why, and what to do.
+    """
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fleetrun-write-test-", dir=log_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _unwritable(log_dir, e) from None
+
+
+def _unwritable(log_dir: str, e: OSError) -> FleetConfigError:
+    hit = _disk.nearest(log_dir)
+    where = hit if hit == os.path.abspath(log_dir) else f"{hit} (to create {log_dir})"
+    why = _disk.unwritable(e)
+    said = f"it is {why}" if why is not None else "it cannot be written"
+    return FleetConfigError(
+        f"--log_dir {log_dir!r}: cannot write to {where}: {said} ([Errno {e.errno}] {e.strerror}). "
+        "fleetrun writes each worker's output there (workerlog.RANK) before it starts "
+        "them: give a writable directory with --log_dir DIR (or FLEETRUN_LOG_DIR=DIR), "
+        "or remount the file system writable"
     )

@@ -177,8 +177,7 @@ from fleet._errors import FleetConfigError
 from fleet.launch import _tables
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
-from fleet.launch._config import resolve
-from fleet.launch._log_dir import make_log_dir
+from fleet.launch._config import make_log_dir, resolve
 
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
 
