@@ -66,14 +66,7 @@ and Paddle's ``FLAGS_selected_gpus`` (its physical id). Rank 0 also gets
 collectives) listeners bind and what they tell their peers: 127.0.0.1 on a single
 node; on several, ``--node_ip`` or the address of the interface that reaches the
 master, never what the hostname resolves to (Debian's default ``/etc/hosts`` maps
-it to 127.0.1.1, which no other node reaches). At each
-start the launcher prints one line, what starts where and where the logs go
-(``fleetrun: 2 processes x 2 CPU devices on this host, job default; rank 0's output
-follows (every rank's: log/workerlog.N)``). With ``--print_config``
-(``FLEETRUN_PRINT_CONFIG=1``) it prints Paddle's tables instead: its configuration
-(Paddle's nine rows first, as given, then fleet's, resolved) and its first worker's
-Paddle variables (every variable with ``--verbose_env``, which implies
-``--print_config``).
+it to 127.0.1.1, which no other node reaches).
 
 ``FLEET_JAX_HEARTBEAT_TIMEOUT`` (set by the launcher to at least 100 s and 30 s more
 than ``--progress_timeout``) and ``FLEET_JAX_INIT_TIMEOUT`` (yours to set; JAX's
@@ -85,13 +78,19 @@ address and the variables it came from (``fleet/runtime/_coordinator.py``).
 Output
 ------
 
-Worker ``N`` writes ``LOG_DIR/workerlog.N`` (global rank; after a restart the
-file goes on after a ``----- restart K -----`` line). This node's first worker is
-echoed live on the console as it wrote it (rank 0 on node 0, as Paddle does; without
-``--print_config`` the echo leaves out gloo's ``[Gloo] Rank N is connected to K peer
-ranks`` notes when all K peers came, which the log keeps); the
-last lines of a failed worker, which mix with it, are prefixed ``[rank N]``. The
-launcher's own lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
+At each start the launcher prints one line, what starts where and where the logs
+go (``fleetrun: 2 processes x 2 CPU devices on this host, job default; rank 0's
+output follows (every rank's: log/workerlog.N)``); with ``--print_config`` (or
+``--verbose_env``), Paddle's tables instead: its configuration (Paddle's nine rows
+first, as given, then fleet's, resolved) and its first worker's Paddle variables
+(every variable with ``--verbose_env``). Worker ``N`` writes
+``LOG_DIR/workerlog.N`` (global rank; after a restart the file goes on after a
+``----- restart K -----`` line). This node's first worker is echoed live on the
+console as it wrote it (rank 0 on node 0, as Paddle does; without
+``--print_config`` the echo leaves out gloo's ``[Gloo] Rank N is connected to K
+peer ranks`` notes when all K peers came, which the log keeps); the last lines of
+a failed worker, which mix with it, are prefixed ``[rank N]``. The launcher's own
+lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
 
 Failures
 --------

@@ -1,25 +1,17 @@
 """The nodes of a multi-node job meet before any worker starts; this file holds
 the protocol and node 0's side (the others' side and :func:`meet`:
-``fleet/launch/_rendezvous_join.py``).
+``fleet/launch/_rendezvous_join.py``). What the user sees (the checks, the
+waiting lines, a wrong ``--master``): the manual, ``fleet/launch/_main.py``,
+"Failures".
 
-Node 0's launcher listens on the master address (``--master HOST:PORT``, the
-port its rank 0 worker's coordinator takes once every node has come); every
-other node's launcher connects there and says who it is (:class:`NodeInfo`).
-Node 0 alone decides: it checks each arrival against its own (:func:`mismatch`)
-and ends the job on every node at once with the first mismatch, or when
-``--join_timeout`` passes with nodes missing, naming them and the nodes that
-came. While nodes are missing every launcher prints what it waits for (every
-30 s, every tenth of ``--join_timeout`` if shorter, at least 1 s). A node whose
-``--master`` is wrong (nothing of fleet's answers there) ends at its own
-timeout; node 0 refuses a ``--master`` that is not its own address at once,
-after asking whoever listens there whether it is node 0 too (then both end,
-naming each other). What the user sees: the manual (``fleet/launch/_main.py``,
-"Failures").
-
-The rendezvous runs once, before the first start: restarts are each node's own.
-Nothing here authenticates a peer, as JAX's coordination service does not: the
-job's network must be trusted. The protocol is one JSON object a line, with
-``magic`` in the first of each side; a connection that does not speak it is
+Node 0's launcher listens on the master address, the port its rank 0 worker's
+coordinator takes once every node has come; every other node's launcher
+connects there and says who it is (:class:`NodeInfo`). Node 0 alone decides: it
+ends the job on every node at once with the first :func:`mismatch`, or when
+``--join_timeout`` passes with nodes missing. The rendezvous runs once, before
+the first start (restarts are each node's own), and authenticates no peer, as
+JAX's coordination service does not. The protocol is one JSON object a line,
+with ``magic`` in the first of each side; a connection that does not speak it is
 named in a warning and closed (by node 0) or waited past (by the others); a node
 that leaves before the end is forgotten (it may come again).
 """
