@@ -146,21 +146,17 @@ def _add(group: Any, name: str, environ: Mapping[str, str]) -> None:
     if environ.get(variable, "") != "":
         default = _from_env(variable, environ[variable], convert)
     if convert is _flag:  # on/off: the flag alone turns it on
-        group.add_argument(f"--{name}", dest=name, action="store_true", default=default,
-                           help=help_text)
-        for flag in others:
-            group.add_argument(flag, dest=name, action="store_true",
-                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        return
-    metavar = _METAVARS.get(name) or {int: "N", float: "SEC", _ids: "LIST"}.get(convert, "X")
-    shown = ("" if default is None else f" (default {default!r})" if isinstance(default, str)
-             else f" (default {','.join(default)})" if isinstance(default, tuple)
-             else f" (default {default:g})")
-    group.add_argument(f"--{name}", dest=name, type=convert, default=default,
-                       metavar=metavar, help=f"{help_text}{shown}")
+        kind, shown = {"action": "store_true"}, ""
+    else:
+        metavar = _METAVARS.get(name) or {int: "N", float: "SEC", _ids: "LIST"}.get(convert, "X")
+        kind = {"type": convert, "metavar": metavar}
+        shown = ("" if default is None else f" (default {default!r})" if isinstance(default, str)
+                 else f" (default {','.join(default)})" if isinstance(default, tuple)
+                 else f" (default {default:g})")
+    group.add_argument(f"--{name}", dest=name, default=default, help=f"{help_text}{shown}", **kind)
     for flag in others:
-        group.add_argument(flag, dest=name, type=convert, default=argparse.SUPPRESS,
-                           metavar=metavar, help=argparse.SUPPRESS)
+        group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                           **kind)
 
 
 def _from_env(variable: str, text: str, convert: Callable[[str], object]) -> object:
