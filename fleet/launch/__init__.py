@@ -1,6 +1,7 @@
 """Starting jobs: ``fleetrun`` / ``python -m fleet.launch`` and ``fleet.spawn``.
 
-The manual is ``fleetrun --help`` (the docstring of ``fleet/launch/_main.py``).
+The manual is the docstring of ``fleet/launch/_main.py`` (``python -m pydoc
+fleet.launch._main``); ``fleetrun --help`` lists the options.
 The stages are separate and each can be used alone::
 
     config = parse_args(["--nproc_per_node", "2", "--cpu_devices", "2", "train.py"])
@@ -10,25 +11,26 @@ The stages are separate and each can be used alone::
 What the folder holds, one idea a file:
 
 * ``_main.py``: the ``fleetrun`` command and its manual; ``__main__.py``: ``python
-  -m fleet.launch``; ``_log_dir.py``: ``--log_dir`` made and written to once before
-  any start.
-* ``_args.py``: the command line and ``FLEETRUN_*`` variables -> :class:`LaunchConfig`.
-* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine defaults);
-  ``_worker_plan.py``: :func:`plan_workers` (each worker's environment); ``_devices.py`` (GPUs, CPU
-  devices) and ``_net.py`` (addresses, ports) serve it; ``_tables.py``: the two
-  tables the launcher prints.
+  -m fleet.launch``.
+* ``_args.py``: the command line and ``FLEETRUN_*`` variables, or ``fleet.spawn``'s
+  keyword options -> :class:`LaunchConfig`.
+* ``_config.py``: :class:`LaunchConfig`, :func:`resolve` (checks, machine
+  defaults), ``--log_dir`` made and written to once before any start;
+  ``_worker_plan.py``: :func:`plan_workers` (each worker's environment);
+  ``_devices.py`` (GPUs, CPU devices) and ``_net.py`` (addresses, ports) serve
+  them; ``_tables.py``: what the launcher prints at a start.
 * ``_supervisor.py``: the one supervisor of both launchers: waits for the
   workers' exits, runs the watchdog, names the culprit, stops the rest.
   ``_watchdog.py``: stuck workers (process state, heartbeat files);
-  ``_stop.py``: how workers are stopped; ``_failure.py``: what went wrong, in words.
+  ``_failure.py``: what went wrong, in words.
 * ``_rendezvous.py``: how the nodes of a multi-node job meet before the first
-  start (the protocol, the checks, the waiting lines); ``_rendezvous_host.py``:
-  node 0's side; ``_rendezvous_join.py``: the other nodes' side and :func:`meet`.
+  start (the protocol, the checks, the waiting lines) and node 0's side;
+  ``_rendezvous_join.py``: the other nodes' side and :func:`meet`.
 * ``_agent.py``: ``fleetrun``'s adapter: workers as ``Popen`` of the script, the
   echo of worker 0's log, signals, the report, restarts. ``_run.py``: what each
   ``fleetrun`` worker runs (by path; it imports nothing from fleet).
 * ``_spawn.py``: ``fleet.spawn``'s adapter: ``multiprocessing`` children that send
-  their result or traceback over a pipe; ``_spawn_options.py``: its options.
+  their result or traceback over a pipe.
 
 What it may import: the standard library and fleet's lower layers, at module level:
 the core (``fleet._errors``, ``fleet.runtime._env``, ``fleet.runtime._worker``,

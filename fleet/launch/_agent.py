@@ -1,11 +1,10 @@
 """``fleetrun``'s run of one node: start the script's workers, echo one, restart.
 
 Each worker is ``python -u _run.py SCRIPT ARGS`` in a session (and process group)
-of its own, with its output in ``log_dir/workerlog.RANK``. The workers are
-watched, the first failure named and the others stopped by the supervisor that
-``fleet.spawn`` uses too (``fleet/launch/_supervisor.py``); this file adds what
-is ``fleetrun``'s own: how a worker starts (:class:`ScriptWorker`), the echo of
-worker 0's log, the launcher's signals, the report and the restarts.
+of its own, with its output in ``log_dir/workerlog.RANK``, watched and stopped by
+the supervisor ``fleet.spawn`` uses too (``fleet/launch/_supervisor.py``). This
+file is what is ``fleetrun``'s own: how a worker starts (:class:`ScriptWorker`),
+the echo of worker 0's log, the launcher's signals, the report and the restarts.
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ from typing import IO
 
 from fleet._errors import FleetConfigError
 from fleet.launch import _tables
-from fleet.launch._config import LaunchConfig
+from fleet.launch._config import LaunchConfig, make_log_dir
 from fleet.launch._failure import Failure, signal_name
-from fleet.launch._log_dir import make_log_dir
 from fleet.launch._rendezvous import Stopped
 from fleet.launch._rendezvous_join import meet
-from fleet.launch._stop import die_with_parent
-from fleet.launch._supervisor import Outcome, Supervisor, Worker
+from fleet.launch._supervisor import Outcome, Supervisor, Worker, die_with_parent
 from fleet.launch._worker_plan import WorkerSpec, plan_workers, worker_base_environ
 
 log = logging.getLogger("fleet.launch")
@@ -62,6 +59,10 @@ class SignalCatcher:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
 
+    def first(self) -> int | None:
+        """The first signal received (``None``: none yet)."""
+        return self.received[0] if self.received else None
+
     def another(self) -> Callable[[], bool]:
         """Whether a signal came after this call: a second Ctrl-C hurries the stop."""
         seen = len(self.received)
@@ -69,13 +70,13 @@ class SignalCatcher:
 
 
 class LogFollower:
-    """Echoes the new lines of a log file, each prefixed with the rank that wrote it."""
+    """Echoes the new lines of a log file from ``offset`` on, less those ``skip`` says."""
 
-    def __init__(self, path: str, offset: int, prefix: str, out: IO[str],
+    def __init__(self, path: str, offset: int, out: IO[str],
                  skip: Callable[[str], bool] | None = None):
         self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
         self._file.seek(offset)
-        self._prefix, self._out, self._partial = prefix, out, b""
+        self._out, self._partial = out, b""
         self._skip = skip or (lambda line: False)
 
     def poll(self, final: bool = False) -> None:
@@ -85,9 +86,9 @@ class LogFollower:
             for raw in lines:
                 line = raw.decode("utf-8", "replace")
                 if not self._skip(line):
-                    self._out.write(self._prefix + line + "\n")
+                    self._out.write(line + "\n")
         if final and self._partial:
-            self._out.write(self._prefix + self._partial.decode("utf-8", "replace") + "\n")
+            self._out.write(self._partial.decode("utf-8", "replace") + "\n")
             self._partial = b""
         self._out.flush()
 
@@ -145,9 +146,9 @@ def watch(supervisor: Supervisor, config: LaunchConfig, signals: SignalCatcher,
         out.write(_tables.start_line(config, first.rank, restart) + "\n")
         out.flush()
     skip = None if config.tables else _tables.quiet_line
-    follower = LogFollower(first.log_path, first.log_offset, "", out, skip)
+    follower = LogFollower(first.log_path, first.log_offset, out, skip)
     try:
-        return supervisor.run(signals=signals, tick=follower.poll)
+        return supervisor.run(stopped=signals.first, tick=follower.poll)
     finally:
         follower.close()
 
@@ -164,11 +165,8 @@ def launch(config: LaunchConfig, out: IO[str] | None = None) -> int:
     heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
     restart = 0
     if config.tables:  # Paddle's opening line; by default the start's one line says it
-        devices = (f"GPU {','.join(config.gpus)}" if config.gpus is not None else
-                   f"CPU, {config.cpu_devices} devices each" if config.cpu_devices is not None
-                   else "each with the devices JAX finds here: no --gpus or --cpu_devices given")
-        log.info("Run collective mode: %d processes on node %d of %d (%s), %d in the job",
-                 config.nproc_per_node, config.node_rank, config.nnodes, devices,
+        log.info("Run collective mode: %s on node %d of %d, %d in the job",
+                 _tables.devices_phrase(config), config.node_rank, config.nnodes,
                  config.world_size)
     try:
         with SignalCatcher() as signals:
@@ -189,7 +187,7 @@ def _meet(config: LaunchConfig, signals: SignalCatcher) -> int | None:
     """The nodes' rendezvous before the first start (``_rendezvous.py``): ``None`` when
     every node came and agrees, else the launcher's exit code (2, or 128 + N)."""
     try:
-        meet(config, lambda: signals.received[0] if signals.received else None)
+        meet(config, signals.first)
     except Stopped as e:
         log.warning("got %s while the nodes met: no worker started", signal_name(e.signum))
         return 128 + e.signum

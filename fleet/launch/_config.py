@@ -2,65 +2,39 @@
 
 ``LaunchConfig`` is what the user asked for; :func:`resolve` fills in the
 defaults that depend on the machine (GPUs, node rank from ``--ips``) and checks
-everything that can be checked before a worker starts. Each worker's
-environment for one attempt: ``fleet.launch._worker_plan``.
+everything that can be checked before a worker starts; :func:`make_log_dir`
+makes ``--log_dir`` and writes to it once. Each worker's environment for one
+attempt: ``fleet.launch._worker_plan``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 
 from fleet._errors import FleetConfigError
+from fleet.checkpoint import _disk
 from fleet.launch import _devices, _net
 from fleet.launch._watchdog import FIRST_STEP_MIN, SILENCE_WARNING, UNEVEN_GRACE
 
 DEFAULT_PORT = 6070  # Paddle's first port when --ips is given without a port.
-DEFAULT_PROGRESS_TIMEOUT = 600.0
-DEFAULT_JOIN_TIMEOUT = 300.0  # JAX's own initialization_timeout
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """One node's share of a job. ``None`` fields are filled in by :func:`resolve`.
 
+    Every field but the script's is the ``fleetrun`` option of its name (what each
+    means: ``fleetrun --help``, from ``OPTIONS`` in ``fleet/launch/_args.py``).
+
     Attributes:
         training_script: the script every worker runs (``None`` under ``fleet.spawn``).
         training_script_args: its arguments.
-        nproc_per_node: processes on this node (default: one per visible GPU, else 1).
-        gpus: GPU ids, one process each; each process sees only its GPU.
-        cpu_devices: fake CPU devices per process (CPU only); ``None`` keeps the
-            inherited ``XLA_FLAGS`` / ``JAX_PLATFORMS``.
-        nnodes: number of nodes.
-        node_rank: this node's index.
-        master: ``host:port`` of the coordinator (process 0's node). ``None`` on a
-            single node: loopback and a free port, picked again at each restart.
-        ips: Paddle's ``--ips`` (``--cluster_node_ips``): every node's address, node
-            ``i`` at ``ips[i]``.
-        node_ip: Paddle's ``--node_ip``: this node's address in ``ips`` (gives
-            ``node_rank``).
-        started_port: Paddle's ``--started_port``: the first port of each node's
-            workers; rank 0's (on ``ips[0]``) is the coordinator.
-        log_dir: where ``workerlog.N`` go.
-        max_restarts: how often the whole group restarts after a failure.
-        job_id: a name for the job, given to every worker.
-        progress_timeout: seconds a worker may stay stopped, or go without a
-            heartbeat once it has sent one, before the job fails (0: never). The
-            first step gets at least ``first_step_min``.
-        first_step_min: the least time (seconds) a worker gets to end its first step.
-        uneven_grace: seconds a worker may wait in a step that a finished peer never
-            ran before the job fails (at most ``progress_timeout``).
-        silence_warning: seconds of a worker's silence (no heartbeat, or stopped)
-            before a warning line, and between the next ones (0: none).
-        allow_oversubscribe: start more CPU processes than
-            ``_devices.PROCESSES_PER_CORE`` (8) per CPU core.
-        verbose_env: print every variable of the first worker, not only Paddle's
-            (implies ``print_config``).
-        print_config: print Paddle's two tables at start (the configuration
-            arguments and the first worker's environment) instead of one line.
-        join_timeout: seconds the nodes of a multi-node job wait for each other
-            before the first start (``fleet/launch/_rendezvous.py``).
+        cpu_devices: ``None`` keeps the inherited ``XLA_FLAGS`` / ``JAX_PLATFORMS``.
+        master: ``None`` on a single node: loopback and a free port, picked again at
+            each restart.
     """
 
     training_script: str | None = None
@@ -77,13 +51,13 @@ class LaunchConfig:
     log_dir: str = "log"
     max_restarts: int = 0
     job_id: str = "default"
-    progress_timeout: float = DEFAULT_PROGRESS_TIMEOUT
+    progress_timeout: float = 600.0
     first_step_min: float = FIRST_STEP_MIN
     uneven_grace: float = UNEVEN_GRACE
     silence_warning: float = SILENCE_WARNING
     allow_oversubscribe: bool = False
     verbose_env: bool = False
-    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    join_timeout: float = 300.0  # JAX's own initialization_timeout
     print_config: bool = False
 
     @property
@@ -94,11 +68,6 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
-
-    @property
-    def fixed_master(self) -> bool:
-        """Whether the coordinator address is fixed (else picked per attempt)."""
-        return self.master is not None
 
     def table(self, given: LaunchConfig | None = None) -> dict[str, object]:
         """The configuration table's rows: Paddle launcher's nine first, as the user
@@ -125,9 +94,18 @@ def _shown(value: object) -> object:
     return ",".join(value) if isinstance(value, tuple) else value
 
 
-def _positive(name: str, value: int | None, minimum: int = 1) -> None:
-    if value is not None and value < minimum:
-        raise FleetConfigError(f"--{name} {value} must be at least {minimum}")
+# Each number's bound: whether a value keeps it, and the error's end when not.
+_BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "nproc_per_node": (lambda v: v >= 1, "must be at least 1"),
+    "cpu_devices": (lambda v: v >= 1, "must be at least 1"),
+    "nnodes": (lambda v: v >= 1, "must be at least 1"),
+    "max_restarts": (lambda v: v >= 0, "must be at least 0"),
+    "progress_timeout": (lambda v: v >= 0, "must be >= 0 seconds (0 turns the watchdog off)"),
+    "silence_warning": (lambda v: v >= 0, "must be >= 0 seconds (0: no warning lines)"),
+    "first_step_min": (lambda v: v > 0, "must be > 0 seconds"),
+    "uneven_grace": (lambda v: v > 0, "must be > 0 seconds"),
+    "join_timeout": (lambda v: v > 0, "must be > 0 seconds"),
+}
 
 
 def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> LaunchConfig:
@@ -149,23 +127,10 @@ def resolve(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> L
 
 def _check_values(config: LaunchConfig) -> None:
     """The values that can be checked one by one."""
-    _positive("nproc_per_node", config.nproc_per_node)
-    _positive("cpu_devices", config.cpu_devices)
-    _positive("nnodes", config.nnodes)
-    _positive("max_restarts", config.max_restarts, 0)
-    if config.progress_timeout < 0:
-        raise FleetConfigError(
-            f"--progress_timeout {config.progress_timeout} must be >= 0 seconds (0 turns "
-            "the watchdog off)"
-        )
-    if config.silence_warning < 0:
-        raise FleetConfigError(
-            f"--silence_warning {config.silence_warning} must be >= 0 seconds (0: no "
-            "warning lines)"
-        )
-    for name in ("first_step_min", "uneven_grace", "join_timeout"):
-        if getattr(config, name) <= 0:
-            raise FleetConfigError(f"--{name} {getattr(config, name)} must be > 0 seconds")
+    for name, (allowed, bound) in _BOUNDS.items():
+        value = getattr(config, name)
+        if value is not None and not allowed(value):
+            raise FleetConfigError(f"--{name} {value} {bound}")
     if config.training_script is not None and not os.path.isfile(config.training_script):
         raise FleetConfigError(
             f"training script {config.training_script!r} does not exist (looked in "
@@ -260,7 +225,7 @@ def _nodes(config: LaunchConfig) -> tuple[int, int, str | None]:
     if master is not None:
         host, port = _net.split_host_port(master, "--master")
         if node_rank == 0 and nnodes == 1:  # several: the rendezvous listens there first
-            _net.check_port_free(host, port, "--master")
+            _net.check_port_free(host, port)
     return nnodes, node_rank, master
 
 
@@ -303,4 +268,38 @@ def _node_rank_from_ips(ips: tuple[str, ...]) -> int:
     raise FleetConfigError(
         f"--ips {','.join(ips)} lists this machine more than once (nodes "
         f"{', '.join(map(str, matches))}); pass --node_rank I to say which node this is"
+    )
+
+
+def make_log_dir(log_dir: str) -> None:
+    """Creates ``log_dir`` (and its parents) and checks, before any worker starts,
+    that a file can be written there (``fleetrun`` prints the error and exits 2).
+
+    Whether the directory takes a file is asked by writing one (a temporary file,
+    removed at once): permission bits do not stop root, a read-only mount stops
+    everyone, and only the write itself tells both apart.
+
+    Raises:
+        fleet.FleetConfigError: it cannot be made or written; the message names
+            the directory (or the parent that refused), why, and what to do.
+    """
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fleetrun-write-test-", dir=log_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _unwritable(log_dir, e) from None
+
+
+def _unwritable(log_dir: str, e: OSError) -> FleetConfigError:
+    hit = _disk.nearest(log_dir)
+    where = hit if hit == os.path.abspath(log_dir) else f"{hit} (to create {log_dir})"
+    why = _disk.unwritable(e)
+    said = f"it is {why}" if why is not None else "it cannot be written"
+    return FleetConfigError(
+        f"--log_dir {log_dir!r}: cannot write to {where}: {said} ([Errno {e.errno}] {e.strerror}). "
+        "fleetrun writes each worker's output there (workerlog.RANK) before it starts "
+        "them: give a writable directory with --log_dir DIR (or FLEETRUN_LOG_DIR=DIR), "
+        "or remount the file system writable"
     )

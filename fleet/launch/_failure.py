@@ -20,18 +20,6 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def describe_returncode(returncode: int) -> str:
-    """``Popen.returncode`` in words: ``exited with code 3`` / ``was killed by SIGKILL``."""
-    if returncode < 0:
-        return f"was killed by signal {signal_name(-returncode)} ({-returncode})"
-    return f"exited with code {returncode}"
-
-
-def exit_code_of(returncode: int) -> int:
-    """The shell's convention: a death by signal N is exit code 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 @dataclasses.dataclass(frozen=True)
 class Failure:
     """The first worker that failed: it exited non-zero, died of a signal, or is stuck."""
@@ -47,15 +35,19 @@ class Failure:
 
     @property
     def how(self) -> str:
+        """In words: ``exited with code 3``, ``was killed by signal SIGKILL (9)``, ``is stuck: ...``."""
         if self.returncode is None:
             return f"is stuck: {self.stuck}"
-        return describe_returncode(self.returncode)
+        if self.returncode < 0:
+            return f"was killed by signal {signal_name(-self.returncode)} ({-self.returncode})"
+        return f"exited with code {self.returncode}"
 
     @property
     def exit_code(self) -> int:
+        """The shell's convention: 128 + N for a death by signal N (124 when stuck)."""
         if self.returncode is None:
             return STUCK_EXIT_CODE
-        return exit_code_of(self.returncode) or 1
+        return 128 - self.returncode if self.returncode < 0 else self.returncode or 1
 
     @property
     def short(self) -> str:
@@ -69,25 +61,19 @@ class Failure:
         return f"rank {self.rank} (pid {self.pid}) {self.how}"
 
     def log_tail(self, lines: int = TAIL_LINES) -> list[str]:
-        """The last ``lines`` lines this worker wrote in this attempt."""
-        if not self.log_path:
+        """The last ``lines`` lines this worker wrote in this attempt (of its last 64 KiB)."""
+        if not self.log_path:  # fleet.spawn's workers keep no log
             return []
-        return read_tail(self.log_path, self.log_offset, lines)
-
-
-def read_tail(path: str, offset: int, lines: int) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            start = max(offset, size - 64 * 1024)
-            f.seek(start)
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return []
-    tail = text.splitlines()
-    if start > offset and tail:
-        tail = tail[1:]  # a partial first line
-    return tail[-lines:]
+        try:
+            with open(self.log_path, "rb") as f:
+                start = max(self.log_offset, os.fstat(f.fileno()).st_size - 64 * 1024)
+                f.seek(start)
+                tail = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return []
+        if start > self.log_offset and tail:
+            tail = tail[1:]  # a partial first line
+        return tail[-lines:]
 
 
 class WorkerFailedError(FleetError, RuntimeError):

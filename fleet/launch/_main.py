@@ -44,43 +44,9 @@ Options
 -------
 
 Every option is spelled ``--flag_name`` or ``--flag-name`` and can also come from
-the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins):
-
-==========================  ==============================================================
-``--nproc_per_node N``      processes on this node; default: one per visible GPU, else 1
-``--gpus 0,1``              GPU ids (``--devices``, ``--selected_gpus``): one process each,
-                            with ``CUDA_VISIBLE_DEVICES`` set to its id. Ids are physical
-                            and must be visible (``CUDA_VISIBLE_DEVICES`` of the launcher)
-``--cpu_devices N``         CPU processes with N devices each (``XLA_FLAGS=
-                            --xla_force_host_platform_device_count=N``, ``JAX_PLATFORMS=cpu``)
-``--nnodes N``              number of nodes (default 1, or the length of ``--ips``)
-``--node_rank I``           this node's index (default 0, or its position in ``--ips``)
-``--master HOST:PORT``      the coordinator, on node 0. On one node the default is
-                            127.0.0.1 with a free port (chosen again at each restart), and
-                            the coordinator listens on loopback only
-``--ips A,B``               every node's address (``--cluster_node_ips``); node 0's is the
-                            coordinator's host, port 6070 unless ``--master`` or
-                            ``--started_port`` says otherwise
-``--node_ip A``             this node's address in ``--ips``: gives ``--node_rank``; with
-                            ``--master`` on several nodes, the address its workers listen on
-``--started_port P``        the first port of each node's workers (Paddle); rank 0's is
-                            the coordinator
-``--log_dir DIR``           where ``workerlog.RANK`` go (default ``log``)
-``--max_restarts N``        after a failure restart the whole group, up to N times (0)
-``--job_id NAME``           the job's name, ``FLEET_JOB_ID`` in every worker (``default``)
-``--progress_timeout S``    the stuck-worker limit in seconds (600; 0 turns it off)
-``--first_step_min S``      the least time a worker gets to end its first step (30)
-``--uneven_grace S``        the wait in a step a finished peer never ran (10)
-``--silence_warning S``     warn after S seconds of a worker's silence, and every S
-                            seconds after, until ``--progress_timeout`` (60; 0: never)
-``--allow_oversubscribe``   start more than 8 CPU processes per CPU core
-``--join_timeout S``        how long the nodes of a multi-node job wait for each other
-                            before the first start (300); then the job ends, naming the
-                            node ranks that never came
-``--print_config``          print Paddle's two tables at start (below) instead of one line
-``--verbose_env``           print every variable of the first worker, not only Paddle's
-                            (implies ``--print_config``)
-==========================  ==============================================================
+the environment variable ``FLEETRUN_FLAG_NAME`` (the command line wins);
+``fleetrun --help`` lists them, by group, with their defaults (their one table:
+``OPTIONS`` in ``fleet/launch/_args.py``).
 
 What each worker gets
 ---------------------
@@ -100,14 +66,7 @@ and Paddle's ``FLAGS_selected_gpus`` (its physical id). Rank 0 also gets
 collectives) listeners bind and what they tell their peers: 127.0.0.1 on a single
 node; on several, ``--node_ip`` or the address of the interface that reaches the
 master, never what the hostname resolves to (Debian's default ``/etc/hosts`` maps
-it to 127.0.1.1, which no other node reaches). At each
-start the launcher prints one line, what starts where and where the logs go
-(``fleetrun: 2 processes x 2 CPU devices on this host, job default; rank 0's output
-follows (every rank's: log/workerlog.N)``). With ``--print_config``
-(``FLEETRUN_PRINT_CONFIG=1``) it prints Paddle's tables instead: its configuration
-(Paddle's nine rows first, as given, then fleet's, resolved) and its first worker's
-Paddle variables (every variable with ``--verbose_env``, which implies
-``--print_config``).
+it to 127.0.1.1, which no other node reaches).
 
 ``FLEET_JAX_HEARTBEAT_TIMEOUT`` (set by the launcher to at least 100 s and 30 s more
 than ``--progress_timeout``) and ``FLEET_JAX_INIT_TIMEOUT`` (yours to set; JAX's
@@ -119,13 +78,19 @@ address and the variables it came from (``fleet/runtime/_coordinator.py``).
 Output
 ------
 
-Worker ``N`` writes ``LOG_DIR/workerlog.N`` (global rank; after a restart the
-file goes on after a ``----- restart K -----`` line). This node's first worker is
-echoed live on the console as it wrote it (rank 0 on node 0, as Paddle does; without
-``--print_config`` the echo leaves out gloo's ``[Gloo] Rank N is connected to K peer
-ranks`` notes when all K peers came, which the log keeps); the
-last lines of a failed worker, which mix with it, are prefixed ``[rank N]``. The
-launcher's own lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
+At each start the launcher prints one line, what starts where and where the logs
+go (``fleetrun: 2 processes x 2 CPU devices on this host, job default; rank 0's
+output follows (every rank's: log/workerlog.N)``); with ``--print_config`` (or
+``--verbose_env``), Paddle's tables instead: its configuration (Paddle's nine rows
+first, as given, then fleet's, resolved) and its first worker's Paddle variables
+(every variable with ``--verbose_env``). Worker ``N`` writes
+``LOG_DIR/workerlog.N`` (global rank; after a restart the file goes on after a
+``----- restart K -----`` line). This node's first worker is echoed live on the
+console as it wrote it (rank 0 on node 0, as Paddle does; without
+``--print_config`` the echo leaves out gloo's ``[Gloo] Rank N is connected to K
+peer ranks`` notes when all K peers came, which the log keeps); the last lines of
+a failed worker, which mix with it, are prefixed ``[rank N]``. The launcher's own
+lines (``INFO`` / ``WARNING`` / ``ERROR``) go to stderr.
 
 Failures
 --------
@@ -211,8 +176,7 @@ from fleet._errors import FleetConfigError
 from fleet.launch import _tables
 from fleet.launch._agent import launch
 from fleet.launch._args import parse_args
-from fleet.launch._config import resolve
-from fleet.launch._log_dir import make_log_dir
+from fleet.launch._config import make_log_dir, resolve
 
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
 

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import socket
 import struct
+from collections.abc import Callable
 
 from fleet._errors import FleetConfigError
 
@@ -31,23 +32,38 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def check_port_free(host: str, port: int, option: str) -> None:
-    """Fails before any worker starts if ``host:port`` cannot be listened on."""
+class NotMine(FleetConfigError):
+    """The master address is not this machine's, so nothing here can listen there."""
+
+
+def bind(host: str, port: int, master: str, taken: Callable[[str], str],
+         backlog: int = 0) -> socket.socket:
+    """A socket bound to ``host:port`` (listening when ``backlog``), or the error of
+    a ``--master`` that cannot be: :class:`NotMine` when ``host`` is not this
+    machine's, else ``taken(why)``. REUSEADDR: a port in TIME_WAIT (a previous run)
+    is free; one in LISTEN is not."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            # REUSEADDR: a port in TIME_WAIT (a previous run) is free; one in LISTEN is not.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        if backlog:
+            sock.listen(backlog)
     except OSError as e:
+        sock.close()
         if e.errno == errno.EADDRNOTAVAIL:
-            raise FleetConfigError(not_mine(f"{host}:{port}", host)) from None
-        raise FleetConfigError(
-            f"port {port} on {host or 'all interfaces'} is already in use (or cannot be "
-            f"bound: {e.strerror}); the coordinator of process 0 must listen there. Pick a "
-            f"free port with {option} host:PORT, or leave {option} out on a single node and "
-            "fleet picks one"
-        ) from None
+            raise NotMine(not_mine(master, host)) from None
+        raise FleetConfigError(taken(e.strerror)) from None
+    return sock
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fails before any worker starts if ``host:port`` cannot be listened on."""
+    bind(host, port, f"{host}:{port}", lambda why: (
+        f"port {port} on {host or 'all interfaces'} is already in use (or cannot be "
+        f"bound: {why}); the coordinator of process 0 must listen there. Pick a free "
+        "port with --master host:PORT, or leave --master out on a single node and fleet "
+        "picks one")).close()
 
 
 def not_mine(master: str, address: str) -> str:

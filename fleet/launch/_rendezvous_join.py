@@ -1,5 +1,6 @@
-"""A node's side of the rendezvous (``fleet/launch/_rendezvous.py``), and
-:func:`meet`, which each launcher of a multi-node job calls before its first start.
+"""A node's side of the rendezvous (``fleet/launch/_rendezvous.py``: the protocol,
+node 0's side), and :func:`meet`, which each launcher of a multi-node job calls
+before its first start.
 
 A node other than 0 connects to the master address, again every half second while
 nothing answers, says hello, and waits for node 0's verdict: the list of every
@@ -24,15 +25,16 @@ from fleet.launch._rendezvous import (
     PROBE,
     RETRY,
     Clock,
+    Host,
     NodeInfo,
     Refused,
     Stopped,
-    config_join,
+    listen,
     parse,
+    recv,
     send,
     waiting_line,
 )
-from fleet.launch._rendezvous_host import Host, NotMine, listen
 
 log = logging.getLogger("fleet.launch")
 
@@ -48,7 +50,8 @@ def meet(config: LaunchConfig, stopped: Callable[[], int | None]) -> list[NodeIn
 
     ``stopped`` says which signal the launcher got (``None``: none).
     """
-    host, port, master = config_join(config)
+    host, port = _net.split_host_port(config.master, "--master")
+    master = f"{host}:{port}"
     address = _net.node_address(host, config.node_ip)
     note = _net.hostname_note(address)
     if note:
@@ -77,7 +80,7 @@ def _listen_or_probe(host: str, port: int, master: str, me: NodeInfo,
     twice``), else the error says the address is not this machine's."""
     try:
         return listen(host, port, master)
-    except NotMine as e:
+    except _net.NotMine as e:
         probe = Clock(PROBE)
         probe.interval = float("inf")  # no waiting lines: it is only a question
         try:
@@ -85,8 +88,8 @@ def _listen_or_probe(host: str, port: int, master: str, me: NodeInfo,
         except Refused:
             raise
         except FleetConfigError:
-            raise e from None
-        raise e from None  # a node 0 never lets a second one in
+            pass  # nothing of fleet's answered: the address is simply not this machine's
+        raise e from None  # (a node 0 never lets a second one in)
 
 
 def _join(host: str, port: int, master: str, me: NodeInfo, clock: Clock,
@@ -144,10 +147,7 @@ def _wait_for_verdict(sock: socket.socket, master: str, me: NodeInfo, clock: Clo
         ready, _, _ = select.select([sock], [], [], 0.1)
         if not ready:
             continue
-        try:
-            data = sock.recv(65536)
-        except OSError:
-            data = b""
+        data = recv(sock)
         if not data:
             if not spoke:
                 raise _NotFleet(f"something at {master} closed the connection unanswered")

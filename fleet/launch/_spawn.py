@@ -1,17 +1,14 @@
 """``fleet.spawn``: Paddle's ``paddle.distributed.spawn`` on fleet's launcher.
 
-Each process is started with the ``spawn`` start method and the environment a
-``fleetrun`` worker gets (rank, world size, coordinator on loopback, ...), calls
-``func(*args)`` and sends its return value back to the parent. The first
-failure (an exception, a non-zero exit, a signal, a stuck process) stops the
-others and is raised in the parent as :class:`fleet.launch.WorkerFailedError`
-with the child's traceback.
-
-The processes are watched and stopped by the supervisor ``fleetrun`` uses too
-(``fleet/launch/_supervisor.py``); this file adds what is ``fleet.spawn``'s own:
-how a child starts and what it sends back (:class:`SpawnedWorker`,
-:func:`_child_main`), and the failure as an exception. Its options are checked
-in ``fleet/launch/_spawn_options.py``.
+Each process starts with the ``spawn`` start method and the environment a
+``fleetrun`` worker gets, calls ``func(*args)`` and sends its return value back;
+the first failure stops the others and is raised in the parent with the child's
+traceback (:func:`spawn`). The processes are watched and stopped by the
+supervisor ``fleetrun`` uses too (``fleet/launch/_supervisor.py``); this file is
+what is ``fleet.spawn``'s own: what it refuses before any start (a function or
+arguments that do not pickle, a call outside the ``__main__`` guard; its options:
+``fleet/launch/_args.py``), how a child starts and what it sends back
+(:class:`SpawnedWorker`, :func:`_child_main`), and the failure as an exception.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -29,14 +27,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleet._errors import FleetConfigError
+from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.io import _main_guard
 from fleet.launch import _tables
+from fleet.launch._args import spawn_config
 from fleet.launch._config import LaunchConfig, resolve
 from fleet.launch._failure import Failure, WorkerFailedError
-from fleet.launch._spawn_options import check_picklable, config_from_options
-from fleet.launch._stop import die_with_parent
-from fleet.launch._supervisor import Supervisor, Worker
+from fleet.launch._supervisor import Supervisor, Worker, die_with_parent
 from fleet.launch._worker_plan import WorkerSpec, plan_workers, worker_base_environ
 from fleet.runtime import _heartbeat
 
@@ -83,7 +80,7 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
     """
     check_picklable(func, args)
     _check_main_guard(nprocs)
-    config = resolve(config_from_options(nprocs, options))
+    config = resolve(spawn_config(nprocs, options))
     if options.get("print_config"):
         print(_tables.config_table(config.table()), flush=True)
     heartbeat_dir = tempfile.mkdtemp(prefix="fleet-heartbeat-")
@@ -100,6 +97,31 @@ def spawn(func: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = -1,
         while not context.join():
             pass
     return context
+
+
+def check_picklable(func: Callable[..., Any], args: Sequence[Any]) -> None:
+    """The children get ``func`` and ``args`` by pickle: refuse what will not pickle."""
+    if not callable(func):
+        raise FleetTypeError(f"fleet.spawn needs a function, got {type(func).__name__} {func!r}")
+    name = getattr(func, "__qualname__", repr(func))
+    try:
+        pickle.dumps(func)
+    except Exception as e:  # noqa: BLE001 (PicklingError, AttributeError, TypeError...)
+        kind = ("a lambda" if "<lambda>" in name else
+                "a local function" if "<locals>" in name else "not picklable")
+        raise FleetTypeError(
+            f"fleet.spawn cannot send {name!r} to the new processes: it is {kind} "
+            f"(pickle: {type(e).__name__}: {e}). Give a function defined at the top level "
+            "of an importable module (not __main__ of an interactive session), e.g. "
+            "def train(lr): ... in train.py, and fleet.spawn(train, args=(0.1,))"
+        ) from None
+    try:
+        pickle.dumps(tuple(args))
+    except Exception as e:  # noqa: BLE001
+        raise FleetTypeError(
+            f"fleet.spawn cannot send args={args!r} to the new processes (pickle: "
+            f"{type(e).__name__}: {e}); pass values that pickle (numbers, strings, arrays)"
+        ) from None
 
 
 def _check_main_guard(nprocs: int) -> None:

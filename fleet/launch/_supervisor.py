@@ -1,39 +1,39 @@
 """The one supervisor of ``fleetrun`` and ``fleet.spawn``: watch the workers, name
 the first failure, stop the rest.
 
-Both launchers start their workers their own way (a ``subprocess.Popen`` of the
-script, ``fleet/launch/_agent.py``; a ``multiprocessing`` child that sends its
-result or traceback over a pipe, ``fleet/launch/_spawn.py``) and hand them here
-as :class:`Worker` adapters, which say only how to wait for a worker's end (and
-what error text it sent). Everything else is done here, the same way for both:
+Both launchers start their workers their own way (``fleet/launch/_agent.py``,
+``fleet/launch/_spawn.py``) and hand them here as :class:`Worker` adapters, which
+say only how to wait for a worker's end (and what error text it sent). One thread
+per worker waits for its exit and posts it on a queue, so the supervisor learns
+the order in which workers died; :meth:`Supervisor.run` waits for those exits,
+for a signal and for a deadline, and every ``_CHECK_EVERY`` seconds asks the
+watchdog (``fleet/launch/_watchdog.py``) for a stuck worker.
 
-* one thread per worker waits for its exit and posts it on a queue, so the
-  supervisor learns the order in which workers died;
-* :meth:`Supervisor.run` waits for those exits, for a signal to the launcher
-  and for a deadline, and every ``_CHECK_EVERY`` seconds asks the watchdog
-  (``fleet/launch/_watchdog.py``) for a stuck worker; the watchdog's warnings of
-  a silent worker go to the ``fleet.launch`` logger (stderr);
-* the culprit of a failure is chosen among the exits that arrive within
-  ``_SETTLE`` seconds of the first, a death by a signal first
-  (:meth:`Supervisor._culprit`);
-* the workers are stopped as ``fleet/launch/_stop.py`` says.
-
-What to say about the failure (a log and an exit code, or an exception) is the
-launchers' own.
+Stopping: each worker runs in a session (and process group) of its own and gets
+``SIGKILL`` from the kernel if its launcher dies, even by ``SIGKILL``
+(:func:`die_with_parent`). :meth:`Supervisor.stop` sends ``SIGTERM`` (and
+``SIGCONT``, for stopped workers) to every worker's process group and to the
+worker itself (a ``fleet.spawn`` child may not have made its group yet), then
+``SIGKILL`` to every group after a short grace, or at once when the caller says
+to hurry (a second Ctrl-C): JAX workers take ``SIGTERM`` as a preemption notice
+and keep running, so the ``SIGKILL`` is what ends them. Leftover children of a
+worker die with its group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
-from fleet.launch import _stop
 from fleet.launch._config import LaunchConfig
 from fleet.launch._failure import Failure
 from fleet.launch._watchdog import (
@@ -54,6 +54,28 @@ _CHECK_EVERY = 0.5  # seconds between watchdog checks
 # named: a worker killed by a signal makes its peers fail in their next collective, and
 # their exits may reach the launcher first.
 _SETTLE = 0.5
+TERMINATE_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child: ask the kernel for ``SIGKILL`` when the parent dies (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the parent died before we asked
+        os._exit(1)
 
 
 class Worker:
@@ -82,11 +104,13 @@ class Worker:
         """It exited non-zero, died of a signal, or sent an error."""
         return self.returncode != 0 or self.error is not None
 
-    def has_exited(self) -> bool:
-        return self.exited.is_set()
-
-    def wait_exit(self, timeout: float) -> bool:
-        return self.exited.wait(timeout)
+    def send_signal(self, signum: int) -> None:
+        """``signum`` to the worker's process group, and to the worker while it lives."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+        if not self.exited.is_set():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signum)
 
     def _wait_for_exit(self) -> int:
         """Blocks until the process has ended and is reaped; its returncode."""
@@ -109,12 +133,6 @@ class Worker:
                        stuck=None if stuck is None else stuck.reason,
                        stuck_brief=None if stuck is None else stuck.brief, error=self.error,
                        log_path=self.log_path, log_offset=self.log_offset)
-
-
-class Signalled(Protocol):
-    """The launcher's signals, as a list its loops read (``_agent.SignalCatcher``)."""
-
-    received: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,14 +182,17 @@ class Supervisor:
             t.start()
             self._threads.append(t)
 
-    def run(self, signals: Signalled | None = None, tick: Callable[[], None] = lambda: None,
+    def run(self, stopped: Callable[[], int | None] = lambda: None,
+            tick: Callable[[], None] = lambda: None,
             deadline: float | None = None) -> Outcome | None:
         """Until every worker exits 0 (``Outcome()``), one fails or is stuck, or the
-        launcher is signalled; ``None`` once ``deadline`` (``time.monotonic()``)
-        passes. ``tick`` runs after each wait (at least every ``_POLL`` seconds)."""
+        launcher is signalled (``stopped()`` names the signal); ``None`` once
+        ``deadline`` (``time.monotonic()``) passes. ``tick`` runs after each wait (at
+        least every ``_POLL`` seconds)."""
         while True:
-            if signals is not None and signals.received:
-                return Outcome(signum=signals.received[0])
+            signum = stopped()
+            if signum is not None:
+                return Outcome(signum=signum)
             wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
             try:
                 w = self._events.get(timeout=wait)
@@ -221,17 +242,26 @@ class Supervisor:
         return [w.rank for w in self.workers
                 if not w.exited.is_set() and process_state(w.pid) in STOPPED_STATES]
 
-    def stop(self, hurry: Callable[[], bool] = lambda: False,
-             grace: float = _stop.TERMINATE_GRACE) -> None:
-        """Stops every worker (``_stop.stop``), and waits for their waiters."""
-        _stop.stop(self.workers, grace, hurry=hurry)
-        self._join_waiters()
+    def stop(self, hurry: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM (+SIGCONT) to every live worker, SIGKILL to all after
+        ``TERMINATE_GRACE`` s (or as soon as ``hurry()``), then :meth:`reap`."""
+        alive = [w for w in self.workers if not w.exited.is_set()]
+        for w in alive:
+            w.send_signal(signal.SIGTERM)
+            w.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + TERMINATE_GRACE
+        for w in alive:
+            while not w.exited.wait(0.05) and time.monotonic() < deadline:
+                if hurry():
+                    deadline = 0.0
+        self.reap()
 
     def reap(self) -> None:
-        """SIGKILL to every group (leftover children too), then wait for every worker."""
-        _stop.kill(self.workers)
-        self._join_waiters()
-
-    def _join_waiters(self) -> None:
+        """SIGKILL to every group (leftover children too), then waits for every worker
+        and its waiter thread."""
+        for w in self.workers:
+            w.send_signal(signal.SIGKILL)
+        for w in self.workers:
+            w.exited.wait(10.0)
         for t in self._threads:
             t.join(timeout=10)

@@ -1,39 +1,28 @@
 """The launcher side of liveness: is a worker stopped, silent, or waiting in a step
-that a finished peer never ran?
+that a finished peer never ran? (The rules as the user sees them: the manual,
+``fleet/launch/_main.py``, "Failures".)
 
-Read from outside the worker, so that a frozen worker cannot hide:
+Read from outside the worker, so that a frozen worker cannot hide: the process
+state in ``/proc/PID/stat`` (``T`` / ``t``: ``SIGSTOP``, ``Ctrl-Z``, a debugger;
+works for any script), and the heartbeat file (``FLEET_HEARTBEAT_FILE``, format
+and reader: ``fleet.runtime._heartbeat``), whose modification time is the
+worker's last beat and which holds its step counts and whether its script has
+ended well.
 
-* the process state in ``/proc/PID/stat``: ``T`` / ``t`` means stopped
-  (``SIGSTOP``, ``Ctrl-Z``, a debugger). Works for any script.
-* the heartbeat file (``FLEET_HEARTBEAT_FILE``, format and reader: ``fleet.runtime._heartbeat``):
-  its modification time is the worker's last beat (every ``distributed_step``
-  beats when it starts and when it returns), and it holds the worker's step
-  counts and whether its script has ended well.
-
-A job is stuck when, for ``timeout`` seconds (``--progress_timeout``), a worker
-has been stopped, or silent since its last beat, or (before its first beat)
-running with no beat at all. The time to the end of the first step gets
-``max(timeout, first_step_min)`` (30 s by default: the worker imports, builds and
-compiles then). The report
-names the worker furthest behind: a stopped one first, then one that never sent
-a heartbeat while others did, then the one whose
-last heartbeat is oldest (in a deadlock every worker falls silent; the first to
-do so is the likeliest cause). A worker that has finished (exited 0, or its
-script ended well and it waits in JAX's shutdown barrier) is never blamed.
-
-Uneven steps: when a worker has finished after N steps while a peer started step
-N + 1 (or later) and has been silent since for ``min(timeout, uneven_grace)``
-(10 s by default), the peer
-waits in a collective the finished worker will never join. The job ends naming
-the rank that ran more steps, and both step counts (in its last line too:
-:attr:`Stuck.brief`).
-
-Long before ``timeout`` ends a job, a silence is told: when a worker has sent no
-heartbeat (or been stopped) for ``silence_warning`` seconds (``--silence_warning``,
-60 by default), and again every ``silence_warning`` seconds while it lasts, the
-watchdog hands its ``warn`` callback one line naming the worker furthest behind
-(rank, pid, how long it has been silent, whether it is stopped), the other silent
-ranks, and how long until ``timeout`` ends the job. No line when ``timeout`` is 0.
+A job is stuck when, for ``timeout`` seconds, a worker has been stopped, or
+silent since its last beat, or (before its first beat) running with no beat at
+all; the first step gets ``max(timeout, first_step_min)``. The report names the
+worker furthest behind: a stopped one first, then one that never sent a
+heartbeat while others did, then the one whose last heartbeat is oldest (in a
+deadlock every worker falls silent; the first to do so is the likeliest cause).
+A finished worker (exited 0, or its script ended well and it waits in JAX's
+shutdown barrier) is never blamed. Uneven steps: a worker finished after N steps
+while a peer started step N + 1 (or later) and has been silent since for
+``min(timeout, uneven_grace)``; the job ends naming the rank that ran more steps
+and both step counts (:attr:`Stuck.brief`, for the job's last line). A silence
+of ``silence_warning`` seconds, and each as many more, hands ``warn`` one line
+naming the worker furthest behind, the other silent ranks, and the time until
+``timeout`` ends the job.
 """
 
 from __future__ import annotations
@@ -149,9 +138,9 @@ class Watchdog:
         beats = {w.rank: progress[w.rank].beat for w in running}
         stopped_long = [w for w in running
                         if now - self._stopped_since.get(w.rank, now) >= self.timeout]
-        silent = [w for w in running if (
-            now - beats[w.rank] >= self._limit(progress[w.rank]) if beats[w.rank] is not None
-            else w.started is not None and now - w.started >= self.first_step_timeout)]
+        since = {w.rank: beats[w.rank] or w.started for w in running}
+        silent = [w for w in running if since[w.rank] is not None
+                  and now - since[w.rank] >= self._limit(progress[w.rank])]
         if not stopped_long and not silent:
             self._warn_silence(running, progress, now)
             return None
@@ -168,9 +157,9 @@ class Watchdog:
         return key
 
     def _limit(self, p: Progress) -> float:
-        """Silence allowed after a beat: the first step (it compiles) gets the first
-        step's allowance until it returns."""
-        return self.first_step_timeout if p.ended == 0 else self.timeout
+        """Silence allowed since the last beat (or the start): the first step (it
+        compiles) gets the first step's allowance until it returns."""
+        return self.first_step_timeout if p.beat is None or p.ended == 0 else self.timeout
 
     def _uneven(self, running: list[Watched], finished: set[int],
                 progress: dict[int, Progress], now: float) -> Stuck | None:
@@ -237,10 +226,7 @@ class Watchdog:
 
     def _time_left(self, w: Watched, p: Progress, since: float | None, now: float) -> float:
         """Seconds until ``w`` is stuck if nothing changes."""
-        left = float("inf")
-        if since is not None:
-            limit = self._limit(p) if p.beat is not None else self.first_step_timeout
-            left = limit - (now - since)
+        left = float("inf") if since is None else self._limit(p) - (now - since)
         if w.rank in self._stopped_since:
             left = min(left, self.timeout - (now - self._stopped_since[w.rank]))
         return left
