@@ -7,8 +7,9 @@ mask all see fewer rows than the single-device step, and trained silently away
 from it (4 CPU devices, 3 SGD steps: 0.006 to 2.5 in the loss, 0.069 in the
 parameters for the masked loss). Each is now refused at the first call, naming
 the line, before anything runs; on one replica each equals one device. Row-wise
-operations that look alike (along the features, within a row, over every row)
-still train as on one device.
+operations that look alike (along the features, within a row, over every row,
+rows reordered alike: a GAN's real and generated rows concatenated) still train
+as on one device.
 """
 
 from __future__ import annotations
@@ -57,15 +58,16 @@ def masked(m, x, y):
 
 # name: (the loss, what the error says)
 MIXING = {
-    "mixup's shuffle": (mixup, r"rows picked by index"),
+    "mixup's shuffle": (mixup, r"the rows reordered by a sort over them .*, then combined "
+                               r"with the rows in another order"),
     "a flipped batch": (lambda m, x, y: jnp.mean((m(x) - m(x)[::-1]) ** 2),
-                        r"the rows reversed"),
+                        r"the rows reversed .*, then combined with the rows in another order"),
     "a rolled batch": (lambda m, x, y: jnp.mean((m(x) - jnp.roll(m(x), 1, axis=0)) ** 2),
                        r"some of the rows taken"),
     "a contrastive loss": (contrastive, r"a product of every row with every row"),
     "a sort over the rows": (
         lambda m, x, y: jnp.mean(jnp.sort(m(x)[:, 0]) * jnp.arange(x.shape[0])),
-        r"a sort over the rows"),
+        r"the rows reordered by a sort over them"),
     "the batch mean subtracted": (
         lambda m, x, y: jnp.mean((m(x) - m(x).mean(0)) ** 2 * y),
         r"a value reduced over the replica's rows .* combined with the rows themselves"),
@@ -135,6 +137,10 @@ ROW_WISE = {
     "labels picked per row": lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(
         m(x), (y[:, 0] > 0).astype(jnp.int32)).mean(),
     "every row's slice": lambda m, x, y: jnp.mean((m(x)[: x.shape[0]] - y) ** 2),
+    # reordering alone: a mean sees the same rows (a GAN's real and generated rows)
+    "two batches concatenated": lambda m, x, y: jnp.mean(
+        (m(jnp.concatenate([x, 0.5 * x])) - jnp.concatenate([y, -y])) ** 2),
+    "the rows reversed alone": lambda m, x, y: jnp.mean((m(x[::-1]) - y[::-1]) ** 2),
 }
 
 

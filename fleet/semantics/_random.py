@@ -37,7 +37,9 @@ every replica.
 
 A draw's bits are exact; what the step does with them must be row-wise, as
 everything in a data-parallel step must be: a random permutation of the batch
-rows (mixup's shuffle) permutes each replica's rows among themselves.
+rows (mixup's shuffle) would permute each replica's rows among themselves, and a
+step that sets them against the rows in order is refused
+(:mod:`fleet.semantics._row_mixing`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,196 @@
+"""The rows' rules of :mod:`fleet.semantics._row_mixing`, one per primitive.
+
+A value's tag says how it holds the replica's batch rows: a :class:`Row` (its
+row axis, and the order of the rows along it: ``0`` is the batch's own),
+:data:`PARTIAL` (reduced over the rows: a sum, a mean, a maximum), or
+:data:`UNKNOWN` (the walk does not follow it); untagged values do not depend
+on the batch. A rule gets the equation and its inputs' tags, returns its
+outputs' tags, and asks the walk (``walk.refuse``, ``walk.reorder``) where the
+rows meet other rows. Reordering the rows alone is harmless (every row's value
+is still its own, and a mean over them the same); a reordered value that meets
+the rows in another order pairs different rows, which the walk refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+PARTIAL, UNKNOWN = "partial", "unknown"
+
+
+class Row(NamedTuple):
+    axis: int
+    order: Any = 0  # (0: the batch's own order)
+
+
+def is_row(t: Any) -> bool:
+    return isinstance(t, Row)
+
+
+def _along(op: str):
+    """A rule for an operation that reorders or mixes rows along the row axis."""
+    def rule(walk: Any, eqn: Any, ins: list) -> list:
+        rows = [t for t in ins if is_row(t)]
+        if not rows or any(not is_row(t) and t is not None for t in ins):
+            return [UNKNOWN if ins[0] is not None else None] * len(eqn.outvars)
+        t, p = rows[0], eqn.params
+        axis = {"rev": lambda: t.axis if t.axis in p["dimensions"] else None,
+                "sort": lambda: p["dimension"], "cumulative": lambda: p["axis"],
+                "concatenate": lambda: p["dimension"],
+                "pad": lambda: t.axis if tuple(p["padding_config"][t.axis]) != (0, 0, 0)
+                else None}[op]()
+        if axis != t.axis:
+            if len({r.order for r in rows}) > 1 or len({r.axis for r in rows}) > 1:
+                walk.refuse(eqn, "rows in different orders put side by side")
+            return [t] * len(eqn.outvars)
+        if op in ("cumulative", "pad"):
+            walk.refuse(eqn, {"cumulative": "a cumulative sum or product over the rows",
+                              "pad": "rows padded"}[op])
+        if op == "rev":
+            return [walk.reorder(eqn, Row(t.axis, ("rev", t.order)),
+                                 "the rows reversed (x[::-1], jnp.flip)")]
+        if op == "sort":
+            new = walk.reorder(eqn, Row(t.axis, ("sort", id(eqn))),
+                               "the rows reordered by a sort over them (jnp.sort, "
+                               "jnp.argsort, jax.random.permutation)")
+            return [new] * len(eqn.outvars)
+        order = ("concat", tuple(getattr(x, "order", None) for x in ins),
+                 tuple(v.aval.shape[t.axis] for v in eqn.invars))
+        return [walk.reorder(eqn, Row(t.axis, order),
+                             "rows concatenated (jnp.concatenate over the batch)")]
+    return rule
+
+
+def _slice(walk: Any, eqn: Any, ins: list) -> list:
+    t = ins[0]
+    if not is_row(t):
+        return [t]
+    size, out = eqn.invars[0].aval.shape[t.axis], eqn.outvars[0].aval.shape[t.axis]
+    if out != size:
+        walk.refuse(eqn, f"some of the rows taken ({out} of {size}: x[:k], jnp.roll)")
+    return [t]
+
+
+def _split(walk: Any, eqn: Any, ins: list) -> list:
+    t = ins[0]
+    if is_row(t) and t.axis == eqn.params["axis"]:
+        walk.refuse(eqn, "the rows split (jnp.split over the batch)")
+    return [t] * len(eqn.outvars)
+
+
+def _top_k(walk: Any, eqn: Any, ins: list) -> list:
+    t = ins[0]
+    if is_row(t) and t.axis == eqn.invars[0].aval.ndim - 1:
+        walk.refuse(eqn, "the top rows picked (jax.lax.top_k over the rows)")
+    return [t] * len(eqn.outvars)
+
+
+def _windowed(walk: Any, eqn: Any, ins: list) -> list:
+    """Pooling (``reduce_window``) and its gradient: row-wise when its window
+    does not span the rows."""
+    t = next((x for x in ins if x is not None), None)
+    if not is_row(t) or any(x not in (None, t) for x in ins):
+        return [UNKNOWN] * len(eqn.outvars)
+    return [t if eqn.params["window_dimensions"][t.axis] == 1 else UNKNOWN] * len(eqn.outvars)
+
+
+def _conv(walk: Any, eqn: Any, ins: list) -> list:
+    lt, rt = ins[:2]
+    dn = eqn.params["dimension_numbers"]
+    if is_row(lt) and rt is None and lt.axis == dn.lhs_spec[0]:
+        return [Row(dn.out_spec[0], lt.order)]
+    if is_row(lt) and is_row(rt) and lt.order == rt.order and (lt.axis, rt.axis) == (
+            dn.lhs_spec[1], dn.rhs_spec[1]):
+        return [PARTIAL]  # (a kernel's gradient: the rows contracted)
+    return [UNKNOWN]
+
+
+def _gather(walk: Any, eqn: Any, ins: list) -> list:
+    t, idx = ins[0], ins[1]
+    dn = eqn.params["dimension_numbers"]
+    out_batch = [d for d in range(eqn.outvars[0].aval.ndim) if d not in dn.offset_dims]
+    if is_row(t) and t.axis in dn.start_index_map:
+        if len(out_batch) != 1:
+            walk.refuse(eqn, "some rows picked by index (x[0], jnp.take over the rows)")
+        if is_row(idx):  # (x[jnp.arange(n), y]: each row's own; x[perm]: perm's order)
+            return [Row(out_batch[0], idx.order)]
+        if idx is None:
+            return [walk.reorder(eqn, Row(out_batch[0], ("gather", id(eqn.invars[1]))),
+                                 "rows picked by index (x[idx] over the rows)")]
+        return [UNKNOWN]
+    if is_row(t):
+        if idx is not None or t.axis in dn.operand_batching_dims or (
+                eqn.params["slice_sizes"][t.axis] != eqn.invars[0].aval.shape[t.axis]):
+            return [UNKNOWN]  # (take_along_axis: row by row, not followed)
+        kept = [d for d in range(eqn.invars[0].aval.ndim)
+                if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+        return [Row(dn.offset_dims[kept.index(t.axis)], t.order)]
+    if is_row(idx) and idx.axis < eqn.invars[1].aval.ndim - 1 and idx.axis < len(out_batch):
+        return [Row(out_batch[idx.axis], idx.order)]  # (an embedding of each row's ids)
+    return [UNKNOWN]
+
+
+def _dot(walk: Any, eqn: Any, ins: list) -> list:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lt, rt = ins
+    if PARTIAL in ins:
+        return [PARTIAL if None in ins else UNKNOWN]
+    lfree = [d for d in range(eqn.invars[0].aval.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(eqn.invars[1].aval.ndim) if d not in rc and d not in rb]
+    if is_row(lt) and is_row(rt):
+        if lt.axis in lfree and rt.axis in rfree:
+            walk.refuse(eqn, "a product of every row with every row (z @ z.T: a "
+                             "contrastive loss's similarity matrix)")
+        if lt.order != rt.order:
+            walk.refuse(eqn, "rows multiplied with rows in another order")
+        if lt.axis in lb and rt.axis in rb and lb.index(lt.axis) == rb.index(rt.axis):
+            return [Row(lb.index(lt.axis), lt.order)]
+        if lt.axis in lc and rt.axis in rc and lc.index(lt.axis) == rc.index(rt.axis):
+            return [PARTIAL]  # (rows contracted: a gradient's sum over the rows)
+        return [UNKNOWN]
+    t, side, free, batch, contract = ((lt, 0, lfree, lb, lc) if is_row(lt)
+                                      else (rt, 1, rfree, rb, rc))
+    if t.axis in contract:
+        return [PARTIAL]
+    if t.axis in batch:
+        return [Row(batch.index(t.axis), t.order)]
+    return [Row(len(lb) + (0 if side == 0 else len(lfree)) + free.index(t.axis), t.order)]
+
+
+def _broadcast(walk: Any, eqn: Any, ins: list) -> list:
+    t = ins[0]
+    return [Row(eqn.params["broadcast_dimensions"][t.axis], t.order) if is_row(t) else t]
+
+
+def _transpose(walk: Any, eqn: Any, ins: list) -> list:
+    t = ins[0]
+    return [Row(list(eqn.params["permutation"]).index(t.axis), t.order) if is_row(t) else t]
+
+
+def _squeeze(walk: Any, eqn: Any, ins: list) -> list:
+    t, dims = ins[0], eqn.params["dimensions"]
+    if not is_row(t):
+        return [t]
+    return [UNKNOWN if t.axis in dims else Row(t.axis - sum(d < t.axis for d in dims), t.order)]
+
+
+def _reshape(walk: Any, eqn: Any, ins: list) -> list:
+    t = ins[0]
+    old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if is_row(t) and old[:t.axis + 1] != tuple(new[:t.axis + 1]):
+        return [UNKNOWN]  # (the rows split or merged: not followed)
+    return [t]
+
+
+CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+RULES = {
+    "rev": _along("rev"), "sort": _along("sort"), "concatenate": _along("concatenate"),
+    "pad": _along("pad"), **{name: _along("cumulative") for name in CUMULATIVE},
+    "slice": _slice, "dynamic_slice": _slice, "split": _split, "top_k": _top_k,
+    "gather": _gather, "dot_general": _dot, "conv_general_dilated": _conv,
+    **{name: _windowed for name in ("reduce_window_sum", "reduce_window_max",
+                                    "reduce_window_min", "reduce_window",
+                                    "select_and_scatter_add", "select_and_gather_add")},
+    "broadcast_in_dim": _broadcast, "transpose": _transpose, "squeeze": _squeeze,
+    "reshape": _reshape,
+}
