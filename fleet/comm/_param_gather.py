@@ -82,7 +82,11 @@ def _bucket_gather(trace: SyncTrace, keys: tuple, layouts: tuple) -> Any:
     def fwd(*slices):
         return gathered(*slices), None
 
+    foreign = trace.foreign > 0
+
     def bwd(_, cts):
+        if foreign:
+            trace.twice(keys, sliced=True)
         return tuple(_scatter_back(trace, keys, layouts, cts))
 
     gathered.defvjp(fwd, bwd)

@@ -157,9 +157,14 @@ def _make_bucket_sync(bucket: Bucket, keys: tuple, wire: str | None):
     def fwd(*leaves):
         return sync(*leaves), None
 
+    made_in = current()
+    foreign = made_in is not None and made_in.foreign > 0
+
     def bwd(_, cts):
         # (outside a step, an empty trace: nothing to add, divide or check)
         trace = current() or SyncTrace(num_replicas=0)
+        if foreign:
+            trace.twice(keys)
         cts = [ct if is_varying(ct) else jax.lax.pcast(ct, DATA_AXIS, to="varying") for ct in cts]
         return tuple(reduce_bucket(trace, bucket, keys, trace.accum.take(keys, cts), wire))
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from flax import nnx
+from flax.errors import TraceContextError
 from flax.typing import MISSING, Missing
 
 from fleet import _compat
@@ -151,6 +152,10 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
         return
     keys = list(variables)
     raw = [variables[k].get_raw_value() for k in keys]
+    if keys and not _writable(variables[keys[0]], raw[0]):
+        with _foreign(trace):
+            yield
+        return
     layouts = [layout_of(variables[k]) for k in keys]
     synced = sync_leaves(keys, raw, buckets, layouts)
     changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
@@ -161,3 +166,29 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
     finally:
         for v, r, _ in changed:
             v.set_raw_value(r)
+
+
+def _writable(variable: Any, raw: Any) -> bool:
+    """Whether this trace may write the model's variables (Flax lets only the
+    model's own: not a JAX transformation that closes over it)."""
+    try:
+        variable.set_raw_value(raw)  # (the value it holds: nothing changes)
+    except TraceContextError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _foreign(trace: SyncTrace) -> Iterator[None]:
+    """A wrapped model's call inside a JAX transformation that closes over it: each
+    read syncs itself (:meth:`SyncedRead.get_value`), once per parameter in this
+    call, in this transformation's trace; those values cannot leave it, so the
+    step's own syncs are set aside meanwhile. A parameter read here and in the
+    step is synced twice (:meth:`fleet.comm._trace.SyncTrace.twice`)."""
+    outer, trace.synced = trace.synced, {}
+    trace.foreign += 1
+    try:
+        yield
+    finally:
+        trace.foreign -= 1
+        trace.synced = outer

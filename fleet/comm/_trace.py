@@ -25,6 +25,16 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from fleet._errors import FleetError
+
+_TWICE = (
+    "the wrapped model is called inside a JAX transformation that closes over it (jax.grad "
+    "of the inputs, jax.vmap over the rows: a gradient penalty), and the loss is "
+    "differentiated through that call, so the parameter {key!r} is synced twice in the "
+    "step; under no_sync, strategy.gradient_merge or sharding stage 3 fleet accumulates or "
+    "slices each parameter's gradient once, and cannot here. Turn those off for this step, "
+    "or compute the inputs' gradient outside the step")
+
 
 @dataclasses.dataclass
 class Accumulation:
@@ -118,9 +128,20 @@ class SyncTrace:
     #: id(parameter value) -> its synced (stage 3: gathered) value, read once per trace
     #: (fleet.comm._sync.sync_leaves)
     synced: dict = dataclasses.field(default_factory=dict)
+    #: depth of wrapped-model calls inside a JAX transformation that closes over the
+    #: model (jax.grad of the inputs: fleet.comm._synced.bucketed_call)
+    foreign: int = 0
     #: the values whose ids tx.grads and shard.grads hold, kept alive for the trace so
     #: that no later value (an output) gets one of their ids
     held: list = dataclasses.field(default_factory=list)
+
+    def twice(self, keys: Sequence, sliced: bool = False) -> None:
+        """A backward pass of a sync made inside :attr:`foreign` calls: refused
+        where each parameter's gradient is accumulated (``no_sync``, gradient
+        merge) or kept as one slice (stage 3, ``sliced``), which a second sync of
+        the parameter would add twice or leave twice."""
+        if self.accum.no_sync or self.accum.given or sliced:
+            raise FleetError(_TWICE.format(key=keys[0]))
 
     def hold(self, leaves: Sequence) -> list[int]:
         """The ids of ``leaves``, unique for the whole trace: the leaves are kept alive."""

@@ -24,7 +24,10 @@ _UNUSED_SUM = (
     "averages the wrapped model's gradients over the {n} replicas, which is the "
     "single-device gradient of a loss that is a mean over the batch; a summed loss "
     "would train with gradients {n} times smaller than on one device. Use a mean: "
-    "`.mean()`, or divide the sum by the replica's row count (x.shape[0] inside the step)")
+    "`.mean()`, or divide the sum by the replica's row count (x.shape[0] inside the step). "
+    "If it is a sum differentiated with respect to the inputs, not the parameters (a "
+    "gradient penalty's jax.grad(lambda x: model(x).sum())(x)), take each row's gradient "
+    "instead: jax.vmap(jax.grad(lambda row: model(row[None]).sum()))(x)")
 
 
 def _unused_scalars(jaxpr: Any, ref: Any, sa: Scope, sb: Scope) -> list:
