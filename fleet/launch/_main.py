@@ -35,7 +35,7 @@ or Paddle's older spelling of it, where each machine names itself::
 A job started by a cluster's own launcher needs no fleetrun: under SLURM's
 ``srun -n 4 python train.py`` (or Open MPI 4's ``mpirun``) ``fleet.init`` finds
 its place from the cluster's variables and joins through JAX's own cluster
-detection (``fleet/runtime/_cluster.py``).
+detection (``fleet/runtime/_env.py``).
 
 The script calls ``fleet.init(is_collective=True)`` (or Paddle's
 ``fleet.init_parallel_env()``) first; it reads the environment below.
