@@ -67,7 +67,9 @@ def _slice(walk: Any, eqn: Any, ins: list) -> list:
         return [t]
     size, out = eqn.invars[0].aval.shape[t.axis], eqn.outvars[0].aval.shape[t.axis]
     if out != size:
-        walk.refuse(eqn, f"some of the rows taken ({out} of {size}: x[:k], jnp.roll)")
+        walk.refuse(eqn, f"some of the rows taken ({out} of {size}: x[:k], jnp.roll; for "
+                         "micro-batches, scan over x.reshape(k, -1, ...) or set "
+                         "strategy.gradient_merge)")
     return [t]
 
 
