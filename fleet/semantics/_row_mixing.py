@@ -149,9 +149,13 @@ class _Rows:
             if inner is not None and len(getattr(inner, "jaxpr", inner).invars) == len(ins):
                 self.calls.append(eqn)
                 try:
-                    return self.walk(inner, ins)
+                    outs = self.walk(inner, ins)
                 finally:
                     self.calls.pop()
+                for v, w in zip(getattr(inner, "jaxpr", inner).outvars, eqn.outvars):
+                    if not isinstance(v, Literal) and id(v) in self.mixed:  # (mixed inside)
+                        self.mixed.setdefault(id(w), self.mixed[id(v)])
+                return outs
             return [UNKNOWN] * n_out
         rule = RULES.get(name)
         if rule is not None:
