@@ -55,6 +55,12 @@ def centered(z):
     return z - z.mean(0)
 
 
+def scanned_contrastive(m, x, y):
+    """A contrastive loss after a scanned block (the walk follows scan bodies)."""
+    z = jax.lax.scan(lambda h, _: (jnp.tanh(h), None), m(x), None, length=2)[0]
+    return jnp.mean(z @ z.T)
+
+
 def masked(m, x, y):
     mask = (y[:, 0] > 0).astype(jnp.float32)
     per_row = jnp.mean((m(x) - y) ** 2, axis=-1)
@@ -85,6 +91,8 @@ MIXING = {
     "the batch mean subtracted in a jitted helper": (
         lambda m, x, y: jnp.mean(centered(m(x)) ** 2 * y),
         r"a value reduced over the replica's rows .* combined with the rows themselves"),
+    "a contrastive loss after a scan": (
+        scanned_contrastive, r"a product of every row with every row"),
     "a loss divided by the batch's mask": (
         masked, r"a value reduced over the replica's rows .* combined with the rows themselves"),
 }

@@ -30,9 +30,11 @@ them on purpose, and is not refused). A value fleet reduces over the replicas
 (its buckets, ``fleet.all_reduce``, ``fleet.all_gather``, a ``psum``) is
 global: it has no row axis.
 
-What it cannot follow (a loop, ``nnx.scan`` over layers included, a reshape
-that splits the rows, an operation it does not know) it leaves unchecked from
-there on: the check refuses only what it sees.
+It follows ``scan`` bodies (``nnx.scan`` over layers, a scan over micro-batches
+made by a reshape the walk does not follow). What it cannot follow (a
+``while_loop``, a branch, a loop over the rows themselves, a reshape that splits
+the rows, an operation it does not know) it leaves unchecked from there on: the
+check refuses only what it sees.
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ class _Rows:
                         self.mixed.setdefault(id(w), self.mixed[id(v)])
                 return outs
             return [UNKNOWN] * n_out
+        if name == "scan":
+            return self.scan(eqn, ins)
         rule = RULES.get(name)
         if rule is not None:
             return rule(self, eqn, ins)
@@ -165,6 +169,33 @@ class _Rows:
         if name in _REDUCTIONS:
             return [self.reduction(eqn, ins[0])] * n_out
         return [UNKNOWN] * n_out
+
+    def scan(self, eqn: Any, ins: list) -> list:
+        """A ``scan`` (``nnx.scan`` over layers, a loop over micro-batches): its body
+        walked with its constants' and carries' tags and its scanned inputs' one
+        axis in, the carries walked again until their tags hold; its stacked
+        outputs get that axis back. A loop over the rows themselves (``jax.lax.map``
+        over the batch) is not followed."""
+        consts, carries = _compat.scan_counts(eqn.params)
+        body = eqn.params["jaxpr"]
+        xs = [_unstacked(t) for t in ins[consts + carries:]]
+        carry = list(ins[consts:consts + carries])
+        self.calls.append(eqn)
+        try:
+            for _ in range(3):
+                outs = self.walk(body, [*ins[:consts], *carry, *xs])
+                settled = [a if a == b else UNKNOWN for a, b in zip(carry, outs[:carries])]
+                if settled == carry:
+                    break
+                carry = settled
+            else:
+                return [UNKNOWN] * len(eqn.outvars)
+        finally:
+            self.calls.pop()
+        for v, w in zip(body.jaxpr.outvars, eqn.outvars):
+            if not isinstance(v, Literal) and id(v) in self.mixed:  # (mixed inside)
+                self.mixed.setdefault(id(w), self.mixed[id(v)])
+        return [*carry, *(_stacked(t) for t in outs[carries:])]
 
     def elementwise(self, eqn: Any, ins: list) -> Any:
         rows = [t for t in ins if is_row(t)]
@@ -191,6 +222,17 @@ class _Rows:
         if t.axis in axes:
             return PARTIAL
         return Row(t.axis - sum(a < t.axis for a in axes), t.order)
+
+
+def _unstacked(t: Any) -> Any:
+    """A scanned input's tag inside the body: one step of its leading axis."""
+    if not is_row(t):
+        return t
+    return UNKNOWN if t.axis == 0 else Row(t.axis - 1, t.order)
+
+
+def _stacked(t: Any) -> Any:
+    return Row(t.axis + 1, t.order) if is_row(t) else t
 
 
 def _reduces(eqn: Any) -> bool:
