@@ -35,6 +35,18 @@ def is_sync(eqn: Any) -> bool:
         or any(e.params.get("name") == "fleet_gather" for e in inner.eqns))
 
 
+#: fleet's reductions of a wrapped model's gradient buckets (fleet.comm._hooks)
+GRADIENT_BUCKETS = ("fleet_bucket", "fleet_scatter")
+#: JAX's own sums over the replicas (the transpose of a cast to varying)
+PSUMS = ("psum", "psum_invariant")
+
+
+def reduces_gradient(eqn: Any) -> bool:
+    """Whether an equation is a gradient's reduction over the replicas: one of
+    fleet's buckets, or JAX's psum."""
+    return eqn.params.get("name") in GRADIENT_BUCKETS or eqn.primitive.name in PSUMS
+
+
 def refuse_custom_vjp3() -> None:
     """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
     if getattr(jax.config, "jax_custom_vjp3", False):

@@ -40,7 +40,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
-from fleet.semantics._jaxpr_scope import is_sync, is_varying_var
+from fleet.semantics._jaxpr_scope import GRADIENT_BUCKETS, PSUMS, is_sync, is_varying_var
 
 _PER_EXAMPLE = (
     "the step takes gradients per example (jax.vmap or nnx.vmap of a gradient over the "
@@ -91,7 +91,7 @@ def _collect(jaxpr: Any, reads: set, reductions: list) -> None:
         if is_sync(eqn):  # (stage 3's sync reads slices and gives whole parameters)
             reads.update((_shapes(eqn.invars), _shapes(eqn.outvars)))
             continue
-        if name in ("fleet_bucket", "fleet_scatter"):
+        if name in GRADIENT_BUCKETS:
             reductions.append((name == "fleet_scatter", _shapes(eqn.invars)))
             continue
         if name in FLEET_CALLS:
@@ -100,7 +100,7 @@ def _collect(jaxpr: Any, reads: set, reductions: list) -> None:
         if prim in ("pvary", "pcast"):
             reads.update(_shapes([v]) for v in eqn.invars
                          if not isinstance(v, Literal) and not is_varying_var(v))
-        elif prim in ("psum", "psum_invariant"):
+        elif prim in PSUMS:
             reductions.extend((False, _shapes([v])) for v in eqn.invars)
         for sub in jaxprs_in_params(eqn.params):
             _collect(getattr(sub, "jaxpr", sub), reads, reductions)

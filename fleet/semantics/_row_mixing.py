@@ -46,7 +46,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
-from fleet.semantics._jaxpr_scope import CALLS
+from fleet.semantics._jaxpr_scope import CALLS, reduces_gradient
 from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Row, is_row
 
 _ELEMENTWISE = frozenset((
@@ -154,9 +154,7 @@ class _Rows:
                     outs = self.walk(inner, ins)
                 finally:
                     self.calls.pop()
-                for v, w in zip(getattr(inner, "jaxpr", inner).outvars, eqn.outvars):
-                    if not isinstance(v, Literal) and id(v) in self.mixed:  # (mixed inside)
-                        self.mixed.setdefault(id(w), self.mixed[id(v)])
+                self.mixed_out(inner, eqn)
                 return outs
             return [UNKNOWN] * n_out
         if name == "scan":
@@ -180,22 +178,28 @@ class _Rows:
         body = eqn.params["jaxpr"]
         xs = [_unstacked(t) for t in ins[consts + carries:]]
         carry = list(ins[consts:consts + carries])
+        held = False
         self.calls.append(eqn)
         try:
             for _ in range(3):
                 outs = self.walk(body, [*ins[:consts], *carry, *xs])
                 settled = [a if a == b else UNKNOWN for a, b in zip(carry, outs[:carries])]
-                if settled == carry:
+                held = settled == carry
+                if held:
                     break
                 carry = settled
-            else:
-                return [UNKNOWN] * len(eqn.outvars)
         finally:
             self.calls.pop()
-        for v, w in zip(body.jaxpr.outvars, eqn.outvars):
-            if not isinstance(v, Literal) and id(v) in self.mixed:  # (mixed inside)
-                self.mixed.setdefault(id(w), self.mixed[id(v)])
+        self.mixed_out(body, eqn)
+        if not held:  # (the carries' tags did not hold)
+            return [UNKNOWN] * len(eqn.outvars)
         return [*carry, *(_stacked(t) for t in outs[carries:])]
+
+    def mixed_out(self, inner: Any, eqn: Any) -> None:
+        """A value mixed inside a call's or a loop's body leaves it mixed."""
+        for v, w in zip(getattr(inner, "jaxpr", inner).outvars, eqn.outvars):
+            if not isinstance(v, Literal) and id(v) in self.mixed:
+                self.mixed.setdefault(id(w), self.mixed[id(v)])
 
     def elementwise(self, eqn: Any, ins: list) -> Any:
         rows = [t for t in ins if is_row(t)]
@@ -238,10 +242,7 @@ def _stacked(t: Any) -> Any:
 def _reduces(eqn: Any) -> bool:
     """Whether an equation reduces over the replicas (fleet's buckets, a psum), or
     holds one that does (a loop, a call)."""
-    if eqn.params.get("name") in ("fleet_bucket", "fleet_scatter") or (
-            eqn.primitive.name in ("psum", "psum_invariant")):
-        return True
-    return any(_reduces(e) for sub in jaxprs_in_params(eqn.params)
+    return reduces_gradient(eqn) or any(_reduces(e) for sub in jaxprs_in_params(eqn.params)
                for e in getattr(sub, "jaxpr", sub).eqns)
 
 

@@ -44,10 +44,15 @@ SHARD_GRADS_READ = (
     "(optax.clip_by_global_norm), or turn strategy.sharding off")
 
 
+def replica_rows(plan: Plan, batch: list) -> frozenset:
+    """The row counts of the batch arguments on one replica."""
+    return frozenset(r // plan.mesh.devices.size for r in _roles.rows_of(batch))
+
+
 def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:
     """The probe's draws that fleet cannot make exact, refused (fleet.semantics._random_guards)."""
     n = plan.mesh.devices.size
-    rows = frozenset(r // n for r in _roles.rows_of(batch))
+    rows = replica_rows(plan, batch)
     _random_guards.check_draws(jaxpr, rows, reference if n > 1 else None,
                                frozenset(r * n for r in rows))
     _random_guards.check_typing(jaxpr, rows, marked)
@@ -57,30 +62,26 @@ def check_per_example(plan: Plan, graph: GraphCache, jaxpr: Any, batch: list,
                       trees: list) -> None:
     """The probe's per-example gradients, refused (fleet.semantics._per_example);
     on one replica they are the single-device ones."""
-    n = plan.mesh.devices.size
-    if n == 1:
+    if plan.mesh.devices.size == 1:
         return
     tree_pos = [i for i, k in enumerate(plan.kinds) if k == _roles.TREE]
     named = [(name, v.shape) for name, v in zip(graph.names, graph.variables)] + [
         (f"{nth(tree_pos[i])} leaf {dotted(p)!r}", jnp.shape(x))
         for i, t in enumerate(trees) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]]
-    _per_example.check_per_example(
-        jaxpr, frozenset(r // n for r in _roles.rows_of(batch)), named)
+    _per_example.check_per_example(jaxpr, replica_rows(plan, batch), named)
 
 
 def check_row_mixing(plan: Plan, jaxpr: Any, args: tuple) -> None:
     """The probe's operations that combine different rows of the batch, refused
     (fleet.semantics._row_mixing); on one replica its rows are the global batch.
     ``args``: the body's (state, trees, batch, repl)."""
-    n = plan.mesh.devices.size
-    if n == 1:
+    if plan.mesh.devices.size == 1:
         return
     state, trees, batch = args[:3]
     start = len(jax.tree.leaves(state)) + len(jax.tree.leaves(trees))
     _row_mixing.check_rows(
         _outputs.shard_body(jaxpr), range(start, start + len(jax.tree.leaves(batch))),
-        frozenset(r // n for r in _roles.rows_of(batch)),
-        partial_mixing=world().strategy.sync_batch_norm is not False)
+        replica_rows(plan, batch), partial_mixing=world().strategy.sync_batch_norm is not False)
 
 
 def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,
