@@ -67,6 +67,8 @@ def train(loss_fn, data, step_of):
     model, optimizer, step = step_of(model, optimizer, loss_fn)
     for x, y in data:
         step(model, optimizer, x, y)
+    if step_of is distributed:  # (replicated state holds the same bits on every device)
+        assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
     return models.flat_params(model)
 
 

@@ -174,3 +174,4 @@ def test_row_wise_steps_that_look_alike_train_as_on_one_device(make_world, name)
     d = models.max_diff(models.flat_params(got), want)
     print(f"{name}: {d:.1e} from one device")
     assert d < 1e-6
+    assert fleet.check_replicas(got) == []
