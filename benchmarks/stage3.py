@@ -35,6 +35,7 @@ devices (fresh worlds over the first N of 8 fake CPU devices).
     .venv/bin/python benchmarks/stage3.py [--rounds 5] [--steps 3] [--width 1024] [--depth 4]
     .venv/bin/python benchmarks/stage3.py --quick          # smoke run: width 256, 2 rounds
     .venv/bin/python benchmarks/stage3.py --platform gpu   # the devices jax finds (no fakes)
+    .venv/bin/python benchmarks/stage3.py --drift 16 [--precision highest]  # vs one device
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ parser.add_argument("--width", type=int, default=None)
 parser.add_argument("--depth", type=int, default=4)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--quick", action="store_true")
+parser.add_argument("--drift", type=int, default=0, metavar="STEPS",
+                    help="instead of the tables: STEPS steps of each stage from the same start, "
+                         "each step's largest parameter difference from nnx.jit's one-device step")
+parser.add_argument("--precision", default=None,
+                    help="jax_default_matmul_precision (e.g. highest: no TF32 on a GPU)")
 args = parser.parse_args()
 args.rounds = args.rounds or (2 if args.quick else 5)
 args.width = args.width or (256 if args.quick else 1024)
@@ -67,6 +73,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+if args.precision:
+    jax.config.update("jax_default_matmul_precision", args.precision)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _steps import MLP, loss_of  # noqa: E402
@@ -201,11 +210,15 @@ def timed(variants: dict) -> dict:
     return times
 
 
+def batch() -> tuple:
+    rng = np.random.RandomState(0)
+    return (rng.randn(args.batch, args.width).astype(np.float32),
+            rng.randint(0, 10, args.batch).astype(np.int32))
+
+
 def main() -> None:
     n = args.devices
-    rng = np.random.RandomState(0)
-    x = rng.randn(args.batch, args.width).astype(np.float32)
-    y = rng.randint(0, 10, args.batch).astype(np.int32)
+    x, y = batch()
     variants = {f"stage {s}": Fleet(s, n, x, y) for s in (0, 2, 3)}
     variants["hand FSDP"] = HandFSDP(n, x, y)
     times = timed(variants)
@@ -251,5 +264,33 @@ def sweep(x, y) -> None:
               f"{1 / n:>6.3f}")
 
 
+def drift(x, y) -> None:
+    """Each stage against the contract's reference, step by step: ``nnx.jit`` of the
+    same step on one device, from the same parameters, on the same global batch. Adam
+    turns float noise in a near-zero gradient into a whole step of ``lr``, so a
+    difference that grows by about 1e-3 a step is noise amplified, not a wrong
+    gradient (compare ``--precision highest``)."""
+    model = make_mlp(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    single = nnx.jit(train_step)
+    variants = {f"stage {s}": Fleet(s, args.devices, x, y) for s in (0, 2, 3)}
+    print(f"|dparam| from nnx.jit on one device, per step ({args.devices} devices "
+          f"({jax.devices()[0].platform}), matmul precision {args.precision or 'default'}, "
+          f"jax {jax.__version__})")
+    print(f"{'step':>4} " + " ".join(f"{k:>9}" for k in variants))
+    for i in range(args.drift):
+        single(model, opt, x, y)
+        ref = [np.asarray(v[...]) for v in jax.tree.leaves(
+            nnx.state(model, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable))]
+        cells = []
+        for v in variants.values():
+            v.step()
+            cells.append(max(float(np.abs(a - b).max()) for a, b in zip(v.params(), ref)))
+        print(f"{i:>4} " + " ".join(f"{c:>9.1e}" for c in cells))
+
+
 if __name__ == "__main__":
-    main()
+    if args.drift:
+        drift(*batch())
+    else:
+        main()
