@@ -653,11 +653,11 @@ def test_tutorial_equals_one_device(make_world, n, name):
 #: name -> (the script as its page writes it, why fleet still refuses it)
 FOUND = {
     "cookbook lbfgs": (lambda: cookbook("lbfgs"), (
-        "The cookbook's L-BFGS: value_fn closes over the replica's rows, so optax's zoom "
-        "line search (a jax.lax.while_loop inside optimizer.update) carries a per-replica "
-        "loss; refused naming the optimizer.update line and 'while_loop carry 0 (int32[]), "
-        "1, 2 (float32[])', with fixes for a loss carry the script does not write "
-        "(jnp.zeros_like(x, shape=()) / pcast) that the user cannot apply inside optax")),
+        "The cookbook's L-BFGS: its update is given value=loss, this replica's loss, and a "
+        "value_fn that closes over the replica's rows; refused naming value= and the fix "
+        "value=fleet.all_reduce(loss, 'avg') (tests/test_update_arguments.py; before, for a "
+        "jax.lax.while_loop carry inside optax the user never wrote). With both made global "
+        "the script equals one device (test_cookbook_lbfgs_with_an_all_reduced_value_fn)")),
     "randomness recurrent dropout": (lambda: recurrent_dropout(rnn_forward), (
         "The Randomness guide's recurrent dropout: RNNCell.initial_state starts the hidden "
         "state at jnp.zeros((batch_size, dout)), a carry the same on every replica that "

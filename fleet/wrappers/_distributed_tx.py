@@ -61,6 +61,30 @@ def _prepare(grads):
     return grads
 
 
+def _refuse_per_replica_extra(extra: dict, params) -> None:
+    """An extra argument of the update (optax's ``value=``, ``value_fn=``, ...) that
+    differs across replicas would step each replica's optimizer differently, where
+    one device steps once on the global batch's value: refused, naming it."""
+    for name, value in extra.items():
+        what = "a value that"
+        if name == "value_fn" and callable(value) and params is not None:
+            try:  # optax's line searches call value_fn(params): its value's type
+                value = jax.eval_shape(value, params)
+            except Exception:  # noqa: BLE001 - not optax's value_fn(params): left to optax
+                continue
+            what = "a function whose value"
+        if any(_sync.is_varying(v) for v in jax.tree.leaves(value)
+               if isinstance(v, (jax.Array, jax.ShapeDtypeStruct))):
+            fix = (f"{name}=fleet.all_reduce(loss, 'avg')" if what == "a value that" else
+                   f"{name}=lambda p: fleet.all_reduce(loss_of(p), 'avg')")
+            raise FleetUnsupportedError(
+                f"the optimizer's update was given {name}= {what} differs across replicas "
+                f"(computed from this replica's rows, such as its loss): each replica's "
+                f"optimizer would step on its own, where one device steps on the global "
+                f"batch's. Pass the global value: {fix} for a mean over the rows ('sum' for "
+                f"a sum), which is the loss itself on one device")
+
+
 def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """``inner`` made distributed (see the module docstring); ``local_update``
     gives its update in parts, for ``DistributedOptimizer`` and check_nan_inf."""
@@ -87,6 +111,7 @@ def _distributed_tx(inner: optax.GradientTransformation) -> optax.GradientTransf
         """The update in parts (see fleet.sections._sharding.local_update):
         ``core(*args)`` updates the arrays this replica holds (its slices under
         sharding), ``finish`` makes the full parameters, updates and state."""
+        _refuse_per_replica_extra(extra, params)
         grads = _prepare(grads)
         if any(map(_sharding.is_shard, jax.tree.leaves(state, is_leaf=_sharding.is_shard))) or (
                 _stage3.split_gradients(_sync.current(), grads)):  # (plain SGD's empty state)
