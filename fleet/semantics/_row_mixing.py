@@ -20,11 +20,13 @@ combines those where they leave the step, and reduces gradients). Reordering
 the rows alone (a reversal, a sort, an index, a concatenation of two batches, as
 a GAN's discriminator takes real and generated rows) changes nothing a mean
 sees; it refuses, naming the user's line: rows in one order combined with rows
-in another (``x + x[perm]``), some rows taken (a slice, ``jnp.roll``), a padded
-or cumulative row axis, a product of every row with every row (a matrix of row
-pairs), and a partial value combined with the rows it came from where what is
-made of it reaches a gradient's reduction over the replicas (the loss mixed its
-rows; a standard deviation that is only returned is the outputs' check's,
+in another (``x + x[perm]``), some rows taken (a slice, ``jnp.roll``,
+``jax.lax.top_k``), a padded or cumulative row axis, a product of every row with
+every row (a matrix of row pairs), and a partial value combined with the rows it
+came from where what is made of it reaches a gradient's reduction over the
+replicas (the loss mixed its rows: a batch mean subtracted, class weights counted
+with ``jnp.bincount``; a standard deviation that is only returned is the outputs'
+check's,
 :mod:`fleet.semantics._outputs`; ``strategy.sync_batch_norm = False`` mixes
 them on purpose, and is not refused). A value fleet reduces over the replicas
 (its buckets, ``fleet.all_reduce``, ``fleet.all_gather``, a ``psum``) is
@@ -210,14 +212,19 @@ class _Rows:
             self.refuse(eqn, f"{self.reorders.get(order, 'the rows reordered')}, then "
                              "combined with the rows in another order")
         if rows and PARTIAL in ins:
-            if self.partial_mixing:
-                origin = (eqn, "a value reduced over the replica's rows (a sum, mean or "
-                               "maximum over the batch) combined with the rows themselves",
-                          list(self.calls))
-                for v in eqn.outvars:
-                    self.mixed[id(v)] = origin
-            return UNKNOWN
+            return self.combine(eqn)
         return rows[0] if rows else PARTIAL
+
+    def combine(self, eqn: Any) -> Any:
+        """``eqn`` combines a partial value with the rows it came from: what is made of
+        it is refused where it reaches a gradient (:meth:`follow_mixed`)."""
+        if self.partial_mixing:
+            origin = (eqn, "a value reduced over the replica's rows (a sum, mean, maximum "
+                           "or count over the batch) combined with the rows themselves",
+                      list(self.calls))
+            for v in eqn.outvars:
+                self.mixed[id(v)] = origin
+        return UNKNOWN
 
     def reduction(self, eqn: Any, t: Any) -> Any:
         if not is_row(t):

@@ -5,8 +5,8 @@ row axis, and the order of the rows along it: ``0`` is the batch's own),
 :data:`PARTIAL` (reduced over the rows: a sum, a mean, a maximum), or
 :data:`UNKNOWN` (the walk does not follow it); untagged values do not depend
 on the batch. A rule gets the equation and its inputs' tags, returns its
-outputs' tags, and asks the walk (``walk.refuse``, ``walk.reorder``) where the
-rows meet other rows. Reordering the rows alone is harmless (every row's value
+outputs' tags, and asks the walk (``walk.refuse``, ``walk.reorder``,
+``walk.combine``) where the rows meet other rows. Reordering the rows alone is harmless (every row's value
 is still its own, and a mean over them the same); a reordered value that meets
 the rows in another order pairs different rows, which the walk refuses.
 """
@@ -82,7 +82,7 @@ def _split(walk: Any, eqn: Any, ins: list) -> list:
 
 def _top_k(walk: Any, eqn: Any, ins: list) -> list:
     t = ins[0]
-    if is_row(t) and t.axis == eqn.invars[0].aval.ndim - 1:
+    if is_row(t) and t.axis == eqn.params.get("axis", eqn.invars[0].aval.ndim - 1):
         walk.refuse(eqn, "the top rows picked (jax.lax.top_k over the rows)")
     return [t] * len(eqn.outvars)
 
@@ -111,6 +111,15 @@ def _gather(walk: Any, eqn: Any, ins: list) -> list:
     t, idx = ins[0], ins[1]
     dn = eqn.params["dimension_numbers"]
     out_batch = [d for d in range(eqn.outvars[0].aval.ndim) if d not in dn.offset_dims]
+    if PARTIAL in (t, idx) and (is_row(t) or is_row(idx)):  # (counts[y], a class's mean)
+        return [walk.combine(eqn)]
+    if is_row(t) and t.axis in dn.operand_batching_dims:  # (take_along_axis: row by row)
+        j = dn.operand_batching_dims.index(t.axis)
+        if not is_row(idx) or idx.axis != dn.start_indices_batching_dims[j]:
+            return [UNKNOWN]
+        if idx.order != t.order:
+            walk.refuse(eqn, "rows indexed by the rows of another order")
+        return [Row(out_batch[idx.axis], t.order)]
     if is_row(t) and t.axis in dn.start_index_map:
         if len(out_batch) != 1:
             walk.refuse(eqn, "some rows picked by index (x[0], jnp.take over the rows)")
@@ -132,10 +141,45 @@ def _gather(walk: Any, eqn: Any, ins: list) -> list:
     return [UNKNOWN]
 
 
+def _scatter(walk: Any, eqn: Any, ins: list) -> list:
+    """``x.at[i].add(u)`` and its kin: row by row where the rows ride a batching or
+    a whole window dimension (take_along_axis's gradient); combined into the operand
+    where each row lands at its index (``jnp.bincount``, an embedding's gradient):
+    partial, as a sum over the rows."""
+    to, ti, tu = ins[:3]
+    dn = eqn.params["dimension_numbers"]
+    rows = [t for t in (to, ti, tu) if is_row(t)]
+    if not rows:
+        return [PARTIAL]
+    if PARTIAL in (to, ti, tu):
+        return [walk.combine(eqn)]
+    order = rows[0].order
+    if any(r.order != order for r in rows):
+        walk.refuse(eqn, "rows written at the rows of another order")
+    scatter_dims = [d for d in range(eqn.invars[2].aval.ndim) if d not in dn.update_window_dims]
+    if is_row(ti) and ti.axis in dn.scatter_indices_batching_dims:
+        axis = dn.operand_batching_dims[dn.scatter_indices_batching_dims.index(ti.axis)]
+        ok = to in (None, Row(axis, order)) and tu in (None, Row(scatter_dims[ti.axis], order))
+        return [Row(axis, order) if ok else UNKNOWN]
+    if ti is None and is_row(tu) and tu.axis in dn.update_window_dims:
+        window = [d for d in range(eqn.invars[0].aval.ndim)
+                  if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+        axis = window[dn.update_window_dims.index(tu.axis)]
+        whole = eqn.invars[2].aval.shape[tu.axis] == eqn.invars[0].aval.shape[axis]
+        return [Row(axis, order) if whole and to in (None, Row(axis, order)) else UNKNOWN]
+    landing = ti is None or ti.axis < eqn.invars[1].aval.ndim - 1
+    if to is None and landing and (tu is None or tu.axis in scatter_dims) and (
+            ti is None or tu is None or scatter_dims[ti.axis] == tu.axis):
+        return [PARTIAL]
+    return [UNKNOWN]
+
+
 def _dot(walk: Any, eqn: Any, ins: list) -> list:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lt, rt = ins
     if PARTIAL in ins:
+        if any(map(is_row, ins)):  # (rows times the batch's own statistics)
+            return [walk.combine(eqn)]
         return [PARTIAL if None in ins else UNKNOWN]
     lfree = [d for d in range(eqn.invars[0].aval.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(eqn.invars[1].aval.ndim) if d not in rc and d not in rb]
@@ -185,11 +229,14 @@ def _reshape(walk: Any, eqn: Any, ins: list) -> list:
 
 
 CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub", "scatter-mul",
+            "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
 RULES = {
     "rev": _along("rev"), "sort": _along("sort"), "concatenate": _along("concatenate"),
     "pad": _along("pad"), **{name: _along("cumulative") for name in CUMULATIVE},
     "slice": _slice, "dynamic_slice": _slice, "split": _split, "top_k": _top_k,
-    "gather": _gather, "dot_general": _dot, "conv_general_dilated": _conv,
+    "gather": _gather, **{name: _scatter for name in SCATTERS}, "dot_general": _dot,
+    "conv_general_dilated": _conv,
     **{name: _windowed for name in ("reduce_window_sum", "reduce_window_max",
                                     "reduce_window_min", "reduce_window",
                                     "select_and_scatter_add", "select_and_gather_add")},
