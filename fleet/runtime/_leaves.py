@@ -57,10 +57,19 @@ def like(current: Any, data: Any) -> Any:
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(current)) if is_key(current) else data
 
 
+def variables_of(tree: Any) -> list[tuple[tuple, nnx.Variable]]:
+    """The NNX variables in ``tree`` that hold arrays, each with its key path. A
+    variable of no array (optax's ``MaskedNode``, which a masked or partitioned
+    optimizer such as ``optax.contrib.muon`` keeps for the parameters it leaves to
+    another part) is structure: ``tree``'s treedef holds it."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+    return [(p, v) for p, v in flat if isinstance(v, nnx.Variable) and jax.tree.leaves(v)]
+
+
 def module_variables(module: nnx.Pytree) -> dict[str, nnx.Variable]:
     """The object's variables by dotted path (``"linear1.kernel"``)."""
     flat = nnx.to_flat_state(nnx.state(module))
-    return {dotted(path): var for path, var in flat}
+    return {dotted(path): var for path, var in flat if jax.tree.leaves(var)}  # (variables_of)
 
 
 def state_dict(obj: nnx.Pytree) -> dict[str, np.ndarray]:

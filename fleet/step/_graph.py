@@ -22,7 +22,7 @@ from flax import nnx
 from fleet import _compat
 from fleet._errors import nth
 from fleet.comm import _sync, _synced
-from fleet.runtime._leaves import dotted
+from fleet.runtime._leaves import dotted, variables_of
 from fleet.sections import _sharding
 
 
@@ -92,8 +92,7 @@ class GraphCache:
         self.tree_vars, self.treedef = self._tree_view(objs)
         self.fingerprint = Fingerprint.of(objs)
         self.graphdef, state = nnx.split(objs)
-        with_path = jax.tree_util.tree_flatten_with_path(
-            state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+        with_path = variables_of(state)
         self.variables = [v for _, v in with_path]
         index = [int(dotted(p[:1])) for p, _ in with_path]
         self.names = [

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
 from fleet.comm import _sync, _trace
-from fleet.runtime._leaves import dotted
+from fleet.runtime._leaves import dotted, variables_of
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
@@ -314,7 +314,7 @@ class Program:
                          trace: Any) -> list:
         """The NNX state the step leaves (``trace``: the body's): batch-norm
         statistics averaged, anything else varying refused."""
-        variables = jax.tree_util.tree_leaves(new, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        variables = [v for _, v in variables_of(new)]
         leaves = [v.get_raw_value() for v in variables]
         # Under no_sync the wrapped parameters entered as varying; unchanged, they
         # leave as the invariant values they were.

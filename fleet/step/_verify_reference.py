@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fleet.runtime._leaves import dotted
+from fleet.runtime._leaves import dotted, variables_of
 from fleet.runtime._world import world
 from fleet.step import _roles
 from fleet.step import _verify_sections as sections
@@ -102,8 +102,7 @@ def run(jitted: Any, values: list, kinds: tuple, device: Any, delta: Any, mode: 
                 jax.tree.map(lambda x: _copy(x, device, delta), v))))
     with batch_norm:
         out, sums = jitted(tuple(statics), dynamic, sums, mode)
-    with_path = jax.tree_util.tree_flatten_with_path(
-        nnx.split(clone)[1], is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+    with_path = variables_of(nnx.split(clone)[1])
     leaves = [plain(v.get_raw_value()) for _, v in with_path]
     owners = ["counter" if isinstance(objs[int(dotted(p[:1]))], nnx.metrics.Metric)
               or not isinstance(v, (nnx.Param, nnx.OptState)) else "state" for p, v in with_path]

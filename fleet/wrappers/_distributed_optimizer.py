@@ -40,7 +40,7 @@ from fleet import _compat
 from fleet._errors import FleetTypeError, FleetUnsupportedError
 from fleet.comm import _sync
 from fleet.comm._shard_comm import to_shards
-from fleet.runtime._leaves import module_variables
+from fleet.runtime._leaves import module_variables, variables_of
 from fleet.runtime._replicate import replicate_in_place
 from fleet.runtime._world import current_strategy
 from fleet.sections import _amp, _finite_replay, _large_batch, _shard_probe, _sharding, _stage3
@@ -85,7 +85,7 @@ class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
                                         for v in self._state_variables())
 
     def _state_variables(self) -> list:
-        return jax.tree.leaves(self.opt_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        return [v for _, v in variables_of(self.opt_state)]
 
     def ensure_sharded(self, candidates: list) -> bool:
         """``strategy.sharding``: splits the parameter-shaped state over the
@@ -143,7 +143,7 @@ class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
         state = jax.tree.unflatten(jax.tree.structure(nnx.as_pure(self.opt_state)), [
             v.get_value() if lay is None else _sharding.Shard(v.get_value(), lay)
             for v, lay in zip(variables, layouts)])
-        written = [*jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+        written = [*(v for _, v in variables_of(model_state)),
                    *variables, self.step]
         before, step = [v.get_raw_value() for v in written], self.step[...]
         core, args, finish = self.tx.local_update(
