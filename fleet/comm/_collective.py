@@ -111,10 +111,21 @@ def all_gather(x: Any) -> Any:
     """Stacks every replica's (in a step) or process's (outside) ``x`` on a new
     leading axis, in replica / process order."""
     if _in_step():  # the same result on every replica: typed invariant
-        return jax.lax.all_gather(x, DATA_AXIS, to="invarying")
-    if jax.process_count() == 1:
-        return jax.tree.map(lambda v: np.asarray(v)[None], x)
+        return fleet_all_gather(x)
+    if jax.process_count() == 1:  # (traced: a single-device script's jit of the same step)
+        return jax.tree.map(lambda v: (v if isinstance(v, jax.core.Tracer) else np.asarray(v))[None],
+                            x)
     return _process_allgather(x)
+
+
+@jax.jit
+def fleet_all_gather(x: Any) -> Any:
+    """``jax.lax.all_gather`` over ``data``, marked as fleet's (``_sync.FLEET_CALLS``):
+    the sum over replicas in its backward pass (the cotangent of a value the same on
+    every replica, used with each replica's rows) is the global computation's, not
+    one of JAX's that multiplies a gradient by N (a contrastive loss against every
+    replica's rows trains as on one device)."""
+    return jax.lax.all_gather(x, DATA_AXIS, to="invarying")
 
 
 def _process_allgather(x: Any) -> Any:

@@ -121,7 +121,7 @@ def no_sync() -> Iterator[None]:
 #: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
 #: knows every other psum in a step is not fleet's (see fleet.step._decorator).
 FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_pmean", "fleet_scatter", "fleet_gather",
-               "fleet_batch_norm")
+               "fleet_batch_norm", "fleet_all_gather")
 
 
 @jax.jit

@@ -72,8 +72,9 @@ _MIXED = (
     "the step row-wise: each row's value computed from that row alone, then means or sums "
     "over the rows (a loss averaged over the rows is fine; one divided by the batch's "
     "total mask is not). Mix or shuffle rows (mixup, a flipped batch) in the data pipeline, "
-    "before the step; a loss over pairs of rows (a contrastive loss over the whole batch) "
-    "cannot be made exact across replicas: train it on one device")
+    "before the step; for a loss over pairs of rows (a contrastive loss), compare the "
+    "replica's rows with every replica's, gathered: za @ fleet.all_gather(zb).reshape(-1, "
+    "d).T, the positives offset by jax.lax.axis_index(fleet.DATA_AXIS) * rows")
 
 
 class _Rows:

@@ -1,0 +1,128 @@
+"""Losses over rows gathered from every replica with ``fleet.all_gather``.
+
+A contrastive loss (SimCLR, CLIP) compares each row with every row of the batch.
+On one device that is ``za @ zb.T`` (refused inside a fleet step: each replica
+has its own rows only, ``tests/test_row_mixing.py``). Its data-parallel form
+compares the replica's own embeddings with everyone's, gathered:
+``za @ fleet.all_gather(zb).reshape(-1, d).T``, the positives offset by the
+replica's index. That is the global computation's gradient once fleet averages
+the replicas (JAX sums the gathered value's cotangent over the replicas, the
+transpose of using it with each replica's rows), and it was refused as "the step
+sums over the replicas itself". It now trains as on one device.
+
+A loss computed from the gathered value alone (``fleet.all_gather(per_row).mean()``)
+is the same on every replica: its gradient reaches each replica's rows with no
+such sum, 1/N of the single-device one after fleet's average. It was accepted,
+silently (0.26 from one device in the parameters after 3 SGD steps on 4
+devices), and is now refused, naming fleet.all_gather.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models, tiers
+
+
+class Encoder(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(10, 8, rngs=rngs)
+
+    def __call__(self, x):
+        z = self.linear(x)
+        return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+
+def contrastive_one_device(m, x, y):
+    za, zb = m(x), m(x + 0.1 * y)
+    logits = za @ zb.T / 0.1
+    return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(x.shape[0])).mean()
+
+
+def contrastive_gathered(m, x, y):
+    """The data-parallel form: the replica's rows against every replica's."""
+    za, zb = m(x), m(x + 0.1 * y)
+    zb_all = fleet.all_gather(zb).reshape(-1, zb.shape[-1]) / 0.1  # (the temperature)
+    logits = za @ zb_all.T
+    positives = jax.lax.axis_index(fleet.DATA_AXIS) * x.shape[0] + jnp.arange(x.shape[0])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, positives).mean()
+
+
+def mse(m, x, y):
+    return jnp.mean((m(x) - y[:, :8]) ** 2)
+
+
+def gathered_alone(m, x, y):
+    return fleet.all_gather(jnp.mean((m(x) - y[:, :8]) ** 2, axis=1)).mean()
+
+
+def with_gathered_penalty(m, x, y):
+    """The replica's own loss plus a term of the gathered rows (fleet.all_gather is
+    ``x[None]`` on one device, so the same function runs there)."""
+    norms = jnp.sum(m(x) ** 2, axis=1)
+    return mse(m, x, y) + 0.1 * fleet.all_gather(norms).reshape(-1).var()
+
+
+def train(loss_fn, data, step_of, model=None, returned=True):
+    model = model or Encoder(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, x, y))(model)
+        optimizer.update(model, grads)
+        return loss if returned else 0.0
+
+    model, optimizer, fn = step_of(model, optimizer, step)
+    losses = [float(fn(model, optimizer, x, y)) for x, y in data]
+    return losses, models.flat_params(model), model
+
+
+def one_device(model, optimizer, step):
+    return model, optimizer, nnx.jit(step)
+
+
+def distributed(model, optimizer, step):
+    model = fleet.distributed_model(model)
+    return model, fleet.distributed_optimizer(optimizer), fleet.distributed_step(step)
+
+
+def data():
+    return [(x, np.repeat(y, 10, axis=1)) for x, y in models.batches("linear", 3, 16)]
+
+
+@pytest.mark.parametrize("n", tiers.devices(2, 4))
+def test_a_contrastive_loss_against_gathered_rows_equals_one_device(make_world, n):
+    ref = train(contrastive_one_device, data(), one_device)
+    make_world(n)
+    got = train(contrastive_gathered, data(), distributed)
+    d = models.max_diff(ref[1], got[1])
+    print(f"contrastive, gathered, on {n}: |dparams| {d:.1e}, losses {ref[0]} vs {got[0]}")
+    assert got[0] == pytest.approx(ref[0], rel=1e-5)
+    assert d < 1e-5
+    assert fleet.check_replicas(got[2]) == []
+
+
+def test_a_nonlinear_term_of_the_gathered_rows_is_refused(make_world):
+    """A false refusal, kept on purpose: the replica's own loss plus a variance of
+    every replica's rows trains exactly (its cotangent is summed over the replicas
+    before the variance's gradient), but fleet follows that sum only through a
+    product with the replica's rows, layout changes and constant scales."""
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"a term of them that fleet cannot follow"):
+        train(with_gathered_penalty, data(), distributed, returned=False)
+
+
+def test_a_loss_of_the_gathered_rows_alone_is_refused(make_world):
+    make_world(4)
+    model = Encoder(nnx.Rngs(0))
+    before = models.flat_params(model)
+    with pytest.raises(fleet.FleetError, match=r"differentiates "
+                       r"fleet.all_gather's result other than .* 1/4 of the single-device one"):
+        train(gathered_alone, data(), distributed, model)
+    assert models.max_diff(models.flat_params(model), before) == 0  # nothing stepped
