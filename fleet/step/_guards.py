@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal, jaxprs_in_params
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError, nth
@@ -30,19 +30,14 @@ from fleet.runtime._agree import agree
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.semantics import _trace_errors
+from fleet.semantics._gathered import PSUMS, gathered_cotangent
 from fleet.step import _rows
 from fleet.step._roles import REPL, TREE
-
-PSUMS = ("psum", "psum_invariant")
-_SCALED = ("mul", "div", "neg")
-#: Operations a cotangent passes on its way to ``fleet.all_gather``'s transpose.
-_LINEAR_LAYOUT = frozenset(("transpose", "reshape", "squeeze", "expand_dims", "add_any",
-                            "convert_element_type", "copy"))
 
 
 def foreign_psums(jaxpr: Any) -> int:
     """psums in ``jaxpr`` outside fleet's own collectives (``_sync.FLEET_CALLS``),
-    but for the sum of ``fleet.all_gather``'s cotangent (:func:`_gathered_cotangent`)."""
+    but for the sum of ``fleet.all_gather``'s cotangent (``_gathered.gathered_cotangent``)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     users: dict[int, list] = {}
     for eqn in jaxpr.eqns:
@@ -52,82 +47,12 @@ def foreign_psums(jaxpr: Any) -> int:
     for eqn in jaxpr.eqns:
         if eqn.params.get("name") in _sync.FLEET_CALLS:
             continue
-        if eqn.primitive.name in PSUMS and not _gathered_cotangent(
+        if eqn.primitive.name in PSUMS and not gathered_cotangent(
                 eqn, users, {id(v) for v in jaxpr.outvars}):
             total += len(eqn.invars)
         for sub in jaxprs_in_params(eqn.params):
             total += foreign_psums(sub)
     return total
-
-
-GATHERED_ALONE = (
-    "the step differentiates fleet.all_gather's result other than where each replica's own "
-    "rows meet it directly: a loss of the gathered rows alone (fleet.all_gather(per_row)"
-    ".mean(), the same on every replica, whose gradient would reach each replica's rows as "
-    "1/{n} of the single-device one), or a term of them that fleet cannot follow to each "
-    "replica's share (a nonlinear function of the gathered rows). Compute such a loss from "
-    "the replica's own rows (fleet averages it over the replicas); fleet.all_gather trains "
-    "as on one device where the replica's rows meet the gathered ones in a product (a "
-    "contrastive loss: its own embeddings times every replica's, za @ gathered.T)")
-
-
-def gathered_alone(jaxpr: Any) -> bool:
-    """Whether a cotangent reaches ``fleet.all_gather``'s transpose (the call with
-    an input the same on every replica and a per-replica output) other than through
-    JAX's sum over the replicas (:func:`_gathered_cotangent`): the gathered value was
-    used alone, not with each replica's rows, and that gradient would be N times too
-    small (:data:`GATHERED_ALONE`)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    for eqn in jaxpr.eqns:
-        if eqn.params.get("name") == "fleet_all_gather" and _is_transpose(eqn):
-            todo = list(eqn.invars)
-            while todo:
-                src = made.get(id(todo.pop()))
-                if src is None or not (src.primitive.name in PSUMS or _passes_cotangent(src)):
-                    return True  # (from an input of this jaxpr, or a non-linear op: alone)
-                if src.primitive.name not in PSUMS:
-                    todo.extend(v for v in src.invars if not isinstance(v, Literal))
-        if eqn.params.get("name") not in _sync.FLEET_CALLS and any(
-                gathered_alone(sub) for sub in jaxprs_in_params(eqn.params)):
-            return True
-    return False
-
-
-def _passes_cotangent(eqn: Any) -> bool:
-    """A layout change, a sum of cotangents, or a constant scale (a temperature)."""
-    name = eqn.primitive.name
-    return name in _LINEAR_LAYOUT or (
-        name in _SCALED and sum(not isinstance(v, Literal) for v in eqn.invars) == 1)
-
-
-def _is_transpose(eqn: Any) -> bool:
-    def varying(v):
-        return DATA_AXIS in v.aval.manual_axis_type.varying
-    return not any(map(varying, eqn.invars)) and all(map(varying, eqn.outvars))
-
-
-def _gathered_cotangent(eqn: Any, users: dict, outs: set) -> bool:
-    """Whether ``eqn`` (a psum) sums the cotangent of ``fleet.all_gather``'s value:
-    JAX's transpose of using that value (the same on every replica) with each
-    replica's rows, whose every use, through layout changes and sums, is the
-    gather's own transpose. The global computation's gradient needs that sum
-    (a contrastive loss against every replica's rows)."""
-    seen, todo = set(), list(eqn.outvars)
-    while todo:
-        v = todo.pop()
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        if id(v) in outs or not users.get(id(v)):
-            return False
-        for user in users[id(v)]:
-            if user.params.get("name") == "fleet_all_gather":
-                continue
-            if not _passes_cotangent(user):
-                return False
-            todo.extend(user.outvars)
-    return True
 
 
 def placeholder_uses(jaxpr: Any) -> list[str]:

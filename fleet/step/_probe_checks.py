@@ -24,6 +24,7 @@ from fleet._errors import FleetError, nth
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import world
 from fleet.semantics import (
+    _gathered,
     _metrics,
     _outputs,
     _per_example,
@@ -124,8 +125,8 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
     left or the step reads them under ``strategy.sharding``,
     and when ``strategy.gradient_merge`` has no distributed optimizer to merge them."""
     strategy = world().strategy
-    if _guards.gathered_alone(jaxpr):
-        raise FleetError(_guards.GATHERED_ALONE.format(n=plan.mesh.devices.size))
+    if _gathered.gathered_alone(jaxpr):
+        raise FleetError(_gathered.GATHERED_ALONE.format(n=plan.mesh.devices.size))
     if _guards.foreign_psums(jaxpr):
         summed = _guards.summed_state(jaxpr, plan.kinds, graph.names, trees)
         # Gradients of replicated state that no wrapped model synced: JAX summed
