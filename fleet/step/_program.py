@@ -54,6 +54,19 @@ from fleet.wrappers._distributed_optimizer import enter_trace
 from fleet.wrappers._gradient_merge import check_one_sum_each, leave_accumulators
 
 
+def _restructured(objs: Any) -> str:
+    """Why a step that changed its NNX objects' structure is refused, naming what
+    ``Module.sow`` stored (``nnx.Intermediate``), the usual cause."""
+    sown = [dotted(p[1:]) for p, _ in variables_of(nnx.state(objs, nnx.Intermediate))]
+    if sown:
+        return (f"the step stored intermediates in the model (Module.sow: {', '.join(sown[:3])}) "
+                "and left them there: a fleet step keeps its NNX objects' structure. Take "
+                "them out inside the step, as the loss reads them: nnx.pop(model, "
+                "nnx.Intermediate) (or collect them with nnx.capture)")
+    return ("the step changed the structure of an NNX object (added or removed a variable "
+            "or sub-module); build the whole model before training")
+
+
 class Program:
     """A step's function, traced: ``fn`` with its ``out_reduce``, the graph of the
     NNX objects it gets (:class:`GraphCache`, set by the step before a trace) and
@@ -259,10 +272,7 @@ class Program:
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
-                raise FleetError(
-                    "the step changed the structure of an NNX object (added or removed a "
-                    "variable or sub-module); build the whole model before training"
-                )
+                raise FleetError(_restructured(objs))
             new_state = self.replicated_state(new, plan, entered, original, trace)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
         check_returned(trace, out)
