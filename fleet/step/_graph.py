@@ -253,3 +253,16 @@ def tree_rows(trees: list) -> list:
     """Sharded tree leaves entering the body: the replica's row."""
     return jax.tree.map(lambda x: _sharding.Shard(x.value[0], x.layout)
                         if _sharding.is_shard(x) else x, trees, is_leaf=_sharding.is_shard)
+
+
+def restructured(objs: Any) -> str:
+    """Why a step that changed its NNX objects' structure is refused, naming what
+    ``Module.sow`` stored (``nnx.Intermediate``), the usual cause."""
+    sown = [dotted(p[1:]) for p, _ in variables_of(nnx.state(objs, nnx.Intermediate))]
+    if sown:
+        return (f"the step stored intermediates in the model (Module.sow: {', '.join(sown[:3])}) "
+                "and left them there: a fleet step keeps its NNX objects' structure. Take "
+                "them out inside the step, as the loss reads them: nnx.pop(model, "
+                "nnx.Intermediate) (or collect them with nnx.capture)")
+    return ("the step changed the structure of an NNX object (added or removed a variable "
+            "or sub-module); build the whole model before training")

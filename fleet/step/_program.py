@@ -38,7 +38,7 @@ from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
 from fleet.step import _first_trace, _guards, _roles
-from fleet.step._graph import GraphCache, Plan, is_buffer, tree_layout, tree_rows
+from fleet.step._graph import GraphCache, Plan, is_buffer, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
     check_gradients,
     check_per_example,
@@ -52,19 +52,6 @@ from fleet.step._record import PlanRecord
 from fleet.step._tail import COMBINE, combined, leave, probe_record, with_real_tail
 from fleet.wrappers._distributed_optimizer import enter_trace
 from fleet.wrappers._gradient_merge import check_one_sum_each, leave_accumulators
-
-
-def _restructured(objs: Any) -> str:
-    """Why a step that changed its NNX objects' structure is refused, naming what
-    ``Module.sow`` stored (``nnx.Intermediate``), the usual cause."""
-    sown = [dotted(p[1:]) for p, _ in variables_of(nnx.state(objs, nnx.Intermediate))]
-    if sown:
-        return (f"the step stored intermediates in the model (Module.sow: {', '.join(sown[:3])}) "
-                "and left them there: a fleet step keeps its NNX objects' structure. Take "
-                "them out inside the step, as the loss reads them: nnx.pop(model, "
-                "nnx.Intermediate) (or collect them with nnx.capture)")
-    return ("the step changed the structure of an NNX object (added or removed a variable "
-            "or sub-module); build the whole model before training")
 
 
 class Program:
@@ -272,7 +259,7 @@ class Program:
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
-                raise FleetError(_restructured(objs))
+                raise FleetError(restructured(objs))
             new_state = self.replicated_state(new, plan, entered, original, trace)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
         check_returned(trace, out)
