@@ -52,9 +52,13 @@ def gathered_alone(jaxpr: Any) -> bool:
     made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     for eqn in jaxpr.eqns:
         if eqn.params.get("name") == "fleet_all_gather" and _is_transpose(eqn):
-            todo = list(eqn.invars)
+            todo, seen = list(eqn.invars), set()
             while todo:
-                src = made.get(id(todo.pop()))
+                v = todo.pop()
+                if id(v) in seen:
+                    continue
+                seen.add(id(v))
+                src = made.get(id(v))
                 if src is None or not (src.primitive.name in PSUMS or _passes_cotangent(src)):
                     return True  # (from an input of this jaxpr, or a non-linear op: alone)
                 if src.primitive.name not in PSUMS:
@@ -91,7 +95,7 @@ def gathered_cotangent(eqn: Any, users: dict, outs: set) -> bool:
         if id(v) in outs or not users.get(id(v)):
             return False
         for user in users[id(v)]:
-            if user.params.get("name") == "fleet_all_gather":
+            if user.params.get("name") == "fleet_all_gather" and _is_transpose(user):
                 continue
             if not _passes_cotangent(user):
                 return False

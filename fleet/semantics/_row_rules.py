@@ -6,9 +6,10 @@ row axis, and the order of the rows along it: ``0`` is the batch's own),
 :data:`UNKNOWN` (the walk does not follow it); untagged values do not depend
 on the batch. A rule gets the equation and its inputs' tags, returns its
 outputs' tags, and asks the walk (``walk.refuse``, ``walk.reorder``,
-``walk.combine``) where the rows meet other rows. Reordering the rows alone is harmless (every row's value
-is still its own, and a mean over them the same); a reordered value that meets
-the rows in another order pairs different rows, which the walk refuses.
+``walk.combine``) where the rows meet other rows. Reordering the rows alone is
+harmless (every row's value is still its own, and a mean over them the same); a
+reordered value that meets the rows in another order pairs different rows,
+which the walk refuses.
 """
 
 from __future__ import annotations

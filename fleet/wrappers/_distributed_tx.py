@@ -66,17 +66,17 @@ def _refuse_per_replica_extra(extra: dict, params) -> None:
     differs across replicas would step each replica's optimizer differently, where
     one device steps once on the global batch's value: refused, naming it."""
     for name, value in extra.items():
-        what = "a value that"
-        if name == "value_fn" and callable(value) and params is not None:
+        function = name == "value_fn" and callable(value) and params is not None
+        if function:
             try:  # optax's line searches call value_fn(params): its value's type
                 value = jax.eval_shape(value, params)
             except Exception:  # noqa: BLE001 - not optax's value_fn(params): left to optax
                 continue
-            what = "a function whose value"
         if any(_sync.is_varying(v) for v in jax.tree.leaves(value)
                if isinstance(v, (jax.Array, jax.ShapeDtypeStruct))):
-            fix = (f"{name}=fleet.all_reduce(loss, 'avg')" if what == "a value that" else
-                   f"{name}=lambda p: fleet.all_reduce(loss_of(p), 'avg')")
+            what, fix = (("a function whose value", f"{name}=lambda p: fleet.all_reduce("
+                          "loss_of(p), 'avg')") if function else
+                         ("a value that", f"{name}=fleet.all_reduce(loss, 'avg')"))
             raise FleetUnsupportedError(
                 f"the optimizer's update was given {name}= {what} differs across replicas "
                 f"(computed from this replica's rows, such as its loss): each replica's "
