@@ -332,7 +332,7 @@ def test_a_multimetric_with_mixed_arguments_equals_one_device(make_world):
 @pytest.mark.parametrize("n", tiers.replicas(1, 4))
 @pytest.mark.parametrize("value, why", [
     (lambda pred, y: jnp.std(pred - y), "a sqrt"),
-    (lambda pred, y: (pred * y).sum() / (y ** 2).sum(), "a div of two values from the batch"),
+    (lambda pred, y: (pred * y).sum() / (y ** 2).sum(), "a sum over the rows divided by another"),
 ])
 def test_a_scalar_given_to_a_metric_that_no_reduction_combines_is_refused(make_world, n, value,
                                                                           why):

@@ -173,7 +173,7 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
     tainted = None
     out = []
     for name, dtype, a, b in zip(names, dtypes, body.outvars, ref.outvars):
-        walk = Walk(scale)
+        walk = Walk(scale, replicas=replicas)
         got = walk.kind(a, sa, b, sb)
         if got is None or got[0] != "k":
             why = walk.why if got is None else "a count of rows, not a value from them"
@@ -259,7 +259,7 @@ def _marked_calls(jaxpr: Any, names: set) -> dict:
 
 
 def metric_reduces(jaxpr: Any, reference: Any, scale: int, calls: list[str],
-                   labels: list[str]) -> list[str]:
+                   labels: list[str], replicas: int) -> list[str]:
     """How each varying scalar a metric's update got combines over the replicas
     (fleet.semantics._metrics): ``mean``, ``sum``, ``max`` or ``min``, read as for a scalar
     output (the module docstring) from its operand in ``calls[k]``, the probe's
@@ -286,7 +286,7 @@ def metric_reduces(jaxpr: Any, reference: Any, scale: int, calls: list[str],
             raise FleetError(_METRIC.format(label=label, dtype=dtype, why=(
                 "the step updates its metrics otherwise for other batch sizes")))
         eb, sb = theirs[call]
-        walk = Walk(scale)
+        walk = Walk(scale, replicas=replicas)
         got = walk.kind(a, sa, eb.invars[0], sb)
         if got is None or got[0] != "k":
             why = walk.why if got is None else "a count of rows, not a value from them"

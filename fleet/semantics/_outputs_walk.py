@@ -22,6 +22,22 @@ _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
 _DEPTH = 400
+_RATIO = ("a sum over the rows divided by another: a mean weighted by a mask? Divide by "
+          "fleet.all_reduce(mask.sum(), 'avg'), the replicas' mean count, and the replicas' "
+          "mean of the ratio is the single-device one")
+#: ``fleet.all_reduce``'s 'avg' and 'sum' in a step (fleet.comm._sync): the value of
+#: each, against the reference trace's, from its operand's (:meth:`Walk.kind`'s
+#: results, a constant as ``("c",)``). The mean over N replicas of a sum over each
+#: one's rows is a row count's size (grows with the rows: the mean of a mask's
+#: sums, the divisor that makes a masked sum a mean); their sum is the global
+#: value, as on one device; the sum of N means (or constants) is N times the
+#: reference's. With one replica both are the identity: the mean's column.
+_OVER_REPLICAS = {
+    "fleet_pmean": {("k", SUM): ("up",), ("up",): ("up",), ("k", MEAN): ("c", None),
+                    ("c",): ("c", None), ("down",): ("down",)},
+    "fleet_psum": {("k", SUM): ("c", None), ("up",): ("c", None), ("k", MEAN): ("down",),
+                   ("c",): ("down",)},
+}
 
 
 class Walk:
@@ -31,8 +47,10 @@ class Walk:
     ``("up",)`` / ``("down",)`` a literal that grows (a row count) or shrinks
     (its reciprocal) with the rows, or ``None``."""
 
-    def __init__(self, scale: int, summed_loss: bool = False):
+    def __init__(self, scale: int, summed_loss: bool = False, replicas: int | None = None):
         self.scale = scale
+        #: the replicas the probe ran on (``scale`` unless one: then twice its rows)
+        self.replicas = scale if replicas is None else replicas
         #: check_summed_loss's walk: a sum plus a constant is a sum (its gradient is
         #: the sum's), where an output's walk refuses it (no combination gives it)
         self.summed_loss = summed_loss
@@ -156,6 +174,9 @@ class Walk:
             return self._fail("a constant that depends on the batch size")
         if isinstance(a, Literal) or isinstance(b, Literal):
             return self._fail("a constant that depends on the batch size")
+        reduced = [_all_reduced(a, sa), _all_reduced(b, sb)]
+        if reduced != [None, None]:
+            return self._over_replicas(*reduced, depth)
         if not is_varying_var(a):
             if not is_varying_var(b) and self.same(a, sa, b, sb):
                 return ("c", None)
@@ -194,6 +215,22 @@ class Walk:
         if any(r is None for r in args):
             return None
         return self._op(name, ea, args)
+
+    def _over_replicas(self, ra: tuple | None, rb: tuple | None, depth: int) -> tuple | None:
+        """The value of ``fleet.all_reduce(x, 'avg' or 'sum')`` in both traces
+        (``(call, x, its scope)`` each), from ``x``'s kind: :data:`_OVER_REPLICAS`."""
+        if ra is None or rb is None or ra[0] != rb[0]:
+            return self._fail("the step computes it differently for other batch sizes")
+        inner = self.kind(ra[1], ra[2], rb[1], rb[2], depth + 1)
+        if inner is None:
+            return None
+        call = "fleet_pmean" if self.replicas == 1 else ra[0]
+        got = _OVER_REPLICAS[call].get(inner[:1] if inner[0] == "c" else inner)
+        if got is None:
+            op = "mean" if ra[0] == "fleet_pmean" else "sum"
+            return self._fail(f"fleet.all_reduce's {op} over the replicas of a "
+                              f"{inner[1] if inner[0] == 'k' else 'count of rows'}")
+        return ("c", inner[1]) if got == ("c", None) and inner[0] == "c" else got
 
     def _scan(self, ea, sa, eb, sb, i, depth):
         """A ``scan``'s carry ``i`` (accumulation over micro-batches): the kind
@@ -275,6 +312,8 @@ class Walk:
                 return ("c", None)
             if name == "mul" and y[0] == "k":
                 x, y = y, x
+            if name == "div" and x == y == ("k", SUM):
+                return self._fail(_RATIO)
             if x[0] != "k" or y[0] == "k":
                 return self._fail(f"a {name} of two values from the batch" if y[0] == "k"
                                   else "a division by a value from the batch")
@@ -297,3 +336,25 @@ class Walk:
                 return ("k", want)
         return self._fail(f"a {name}" if name not in ("max", "min") else
                           f"an elementwise {name}")
+
+
+def _all_reduced(v: Any, s: Scope) -> tuple | None:
+    """``(call, operand, its scope)`` when ``v`` is the value of ``fleet.all_reduce``'s
+    'avg' or 'sum' in a step (a call of :data:`_OVER_REPLICAS`, inside the calls
+    around it: its global adjoint's custom VJP), cast (to varying: a division of a
+    replica's value by it) or reshaped, else None."""
+    for _ in range(_DEPTH):
+        eqn = s.producer.get(id(v))
+        if eqn is None:
+            return None
+        if eqn.primitive.name in (*_SAME, "convert_element_type") and len(eqn.invars) == 1:
+            v = eqn.invars[0]
+            continue
+        i = eqn.outvars.index(v)
+        if eqn.params.get("name") in _OVER_REPLICAS:
+            return eqn.params["name"], eqn.invars[i], s
+        got = s.inner(eqn)
+        if got is None:
+            return None
+        s, v = got[0], got[1].outvars[i]
+    return None

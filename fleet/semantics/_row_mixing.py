@@ -71,7 +71,9 @@ _MIXED = (
     "where the single-device step sees the whole global batch, and train differently. Keep "
     "the step row-wise: each row's value computed from that row alone, then means or sums "
     "over the rows (a loss averaged over the rows is fine; one divided by the batch's "
-    "total mask is not). Mix or shuffle rows (mixup, a flipped batch) in the data pipeline, "
+    "total mask is not: divide it by fleet.all_reduce(mask.sum(), 'avg'), and take other "
+    "statistics of the batch's data, such as advantages' mean, as fleet.all_reduce(x.mean(), "
+    "'avg')). Mix or shuffle rows (mixup, a flipped batch) in the data pipeline, "
     "before the step; for a loss over pairs of rows (a contrastive loss), compare the "
     "replica's rows with every replica's, gathered: za @ fleet.all_gather(zb).reshape(-1, "
     "d).T, the positives offset by jax.lax.axis_index(fleet.DATA_AXIS) * rows")
@@ -89,6 +91,7 @@ class _Rows:
         #: the values computed from it: refused where one reaches a gradient
         self.mixed: dict = {}
         self.reorders: dict = {}  # a row order -> what made it
+        self.producer: dict = {}  # id(var) -> the equation that made it (the rules read it)
 
     def tag(self, v: Any) -> Any:
         return None if isinstance(v, Literal) else self.tags.get(id(v))
@@ -112,6 +115,7 @@ class _Rows:
         for v, t in zip(jaxpr.invars, tags):
             if t is not None:
                 self.tags[id(v)] = t
+        self.producer.update((id(v), e) for e in jaxpr.eqns for v in e.outvars)
         for eqn in jaxpr.eqns:
             self.follow_mixed(eqn)
             ins = [self.tag(v) for v in eqn.invars]

@@ -125,6 +125,10 @@ def _gather(walk: Any, eqn: Any, ins: list) -> list:
         if len(out_batch) != 1:
             walk.refuse(eqn, "some rows picked by index (x[0], jnp.take over the rows)")
         if is_row(idx):  # (x[jnp.arange(n), y]: each row's own; x[perm]: perm's order)
+            if idx.order == 0 and not own_index(walk, eqn.invars[1],
+                                                dn.start_index_map.index(t.axis)):
+                walk.refuse(eqn, "rows picked by indices that come from the batch (x[i] with "
+                                 "i a batch value: each replica's i picks among its own rows)")
             return [Row(out_batch[0], idx.order)]
         if idx is None:
             return [walk.reorder(eqn, Row(out_batch[0], ("gather", id(eqn.invars[1]))),
@@ -168,11 +172,59 @@ def _scatter(walk: Any, eqn: Any, ins: list) -> list:
         axis = window[dn.update_window_dims.index(tu.axis)]
         whole = eqn.invars[2].aval.shape[tu.axis] == eqn.invars[0].aval.shape[axis]
         return [Row(axis, order) if whole and to in (None, Row(axis, order)) else UNKNOWN]
+    if to is None and is_row(ti) and ti.axis < eqn.invars[1].aval.ndim - 1 and (
+            tu is None or tu.axis == scatter_dims[ti.axis]):
+        shape = eqn.invars[0].aval.shape
+        for k, axis in enumerate(dn.scatter_dims_to_operand_dims):
+            if shape[axis] in walk.rows and own_index(walk, eqn.invars[1], k):
+                return [Row(axis, order)]  # (x[jnp.arange(n), y]'s gradient: each row's own)
     landing = ti is None or ti.axis < eqn.invars[1].aval.ndim - 1
     if to is None and landing and (tu is None or tu.axis in scatter_dims) and (
             ti is None or tu is None or scatter_dims[ti.axis] == tu.axis):
         return [PARTIAL]
     return [UNKNOWN]
+
+
+_SAME_VALUE = ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims",
+               "pvary", "pcast", "copy", "copy_p")
+
+
+def own_index(walk: Any, v: Any, k: int | None = None) -> bool:
+    """Whether ``v`` (with ``k``: component ``k`` of its last axis, an index
+    vector) is each row's own index, ``jnp.arange`` over the rows: an ``iota``
+    along an axis of the rows' size, through casts, reshapes, broadcasts, the
+    concatenation that stacks index columns, and jnp's wrap of negative indices
+    (``select_n(i < 0, i, i + n)``)."""
+    for _ in range(64):
+        eqn = walk.producer.get(id(v))
+        if eqn is None:
+            return False
+        name = eqn.primitive.name
+        if name == "iota":
+            return eqn.outvars[0].aval.shape[eqn.params.get("dimension", 0)] in walk.rows
+        if k is not None and name == "concatenate" and (
+                eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1):
+            for x in eqn.invars:
+                width = x.aval.shape[-1]
+                if k < width:
+                    v = x
+                    break
+                k -= width
+            if width != 1:
+                return False
+            k = None
+            continue
+        if name == "select_n" and len(eqn.invars) == 3:  # (the wrap of negative indices)
+            wrapped = walk.producer.get(id(eqn.invars[2]))
+            if (wrapped is None or wrapped.primitive.name != "add"
+                    or wrapped.invars[0] is not eqn.invars[1]):
+                return False
+            v = eqn.invars[1]
+            continue
+        if name not in _SAME_VALUE or len(eqn.invars) != 1:
+            return False
+        v = eqn.invars[0]
+    return False
 
 
 def _dot(walk: Any, eqn: Any, ins: list) -> list:

@@ -114,7 +114,7 @@ def resolve_metrics(plan: Plan, record: PlanRecord, jaxpr: Any,
     labels = record.metric_labels
     record.metric_scalars = _outputs.metric_reduces(
         jaxpr, scaled() if labels else None, max(plan.mesh.devices.size, 2),
-        [_metrics.mark_name(k) for k in range(len(labels))], labels)
+        [_metrics.mark_name(k) for k in range(len(labels))], labels, plan.mesh.devices.size)
 
 
 def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,
