@@ -178,3 +178,24 @@ def test_advantages_normalised_by_the_replicas_rows_are_refused_naming_the_fix(m
     assert message.startswith("the step combines different rows of its batch: a value "
                               "reduced over the replica's rows")
     assert "fleet.all_reduce(x.mean(), 'avg')" in message
+
+
+def test_a_load_balancing_loss_of_two_batch_means_is_refused_naming_the_product(make_world):
+    """A mixture of experts' auxiliary loss, the routed fraction times the mean
+    router probability per expert, is a product of two means over the replica's
+    rows: no combination of the replicas' values is the single-device one. The
+    reason named the ``stop_gradient`` around the fraction before."""
+    def step(model, optimizer, x, y, mask):
+        def loss_fn(m):
+            logits = m(x)[:, 0]
+            probs = jax.nn.softmax(logits)
+            routed = jax.lax.stop_gradient(
+                jax.nn.one_hot(jnp.argmax(probs, -1), CLASSES).mean(0))
+            balance = CLASSES * jnp.sum(routed * probs.mean(0))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y[:, 0]).mean() + balance
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with pytest.raises(fleet.FleetError, match=r"\(a mul of two values from the batch\)"):
+        run(step, data(1), make_world(4))

@@ -17,7 +17,7 @@ from fleet.semantics._jaxpr_scope import CALLS, ReplicaConstant, Scope, is_varyi
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
 _SAME = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
-         "expand_dims", "reduce_precision")
+         "expand_dims", "reduce_precision", "stop_gradient")
 _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
@@ -180,7 +180,9 @@ class Walk:
         if not is_varying_var(a):
             if not is_varying_var(b) and self.same(a, sa, b, sb):
                 return ("c", None)
-            return self._fail("a value computed from the batch's shape")
+            if is_varying_var(b) or not _uses_all_reduce(a, sa):
+                return self._fail("a value computed from the batch's shape")
+            # (a global value computed from fleet.all_reduce's: followed op by op)
         if self.replica_constant(a, sa) and (self.summed_loss or (
                 self.replica_constant(b, sb) and self.same(a, sa, b, sb))):
             # Typed varying, the same on every replica: a term of the parameters read
@@ -358,3 +360,18 @@ def _all_reduced(v: Any, s: Scope) -> tuple | None:
             return None
         s, v = got[0], got[1].outvars[i]
     return None
+
+
+def _uses_all_reduce(v: Any, s: Scope, depth: int = 0) -> bool:
+    """Whether ``v`` is computed from a value of ``fleet.all_reduce``'s 'avg' or
+    'sum' (:func:`_all_reduced`), in its scope or the calls it makes."""
+    if depth > 50 or _all_reduced(v, s) is not None:
+        return depth <= 50
+    eqn = s.producer.get(id(v))
+    if eqn is None:
+        return False
+    got = s.inner(eqn)
+    if got is not None:
+        return _uses_all_reduce(got[1].outvars[eqn.outvars.index(v)], got[0], depth + 1)
+    return any(_uses_all_reduce(x, s, depth + 1) for x in eqn.invars
+               if not isinstance(x, Literal))
