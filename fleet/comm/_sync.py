@@ -121,7 +121,7 @@ def no_sync() -> Iterator[None]:
 #: Names of the ``jit`` calls that hold fleet's own collectives: the program guard
 #: knows every other psum in a step is not fleet's (see fleet.step._decorator).
 FLEET_CALLS = ("fleet_bucket", "fleet_psum", "fleet_pmean", "fleet_scatter", "fleet_gather",
-               "fleet_batch_norm", "fleet_all_gather")
+               "fleet_batch_norm", "fleet_all_gather", "fleet_written")
 
 
 @jax.jit
@@ -132,6 +132,16 @@ def fleet_psum(*leaves: Any) -> list:
 
 def psum(leaves: list) -> list:
     return list(fleet_psum(*leaves))
+
+
+@jax.jit
+def fleet_written(x: Any) -> Any:
+    """A value a wrapped model's call wrote into one of its parameters (``nnx.SpectralNorm``
+    writes the normalised kernel), typed the same on every replica: replica 0's,
+    exactly (the others add zeros). The probe checks that it was computed from
+    replicated values alone (fleet.step._probe_checks.check_written)."""
+    first = jax.lax.axis_index(DATA_AXIS) == 0
+    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), DATA_AXIS)
 
 
 @jax.jit

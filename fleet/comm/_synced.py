@@ -24,9 +24,10 @@ from flax.typing import MISSING, Missing
 
 from fleet import _compat
 from fleet._compat import is_differentiated
+from fleet._errors import FleetError
 from fleet.comm._buckets import BucketConfig
 from fleet.comm._shard_comm import to_logical, to_shards
-from fleet.comm._sync import current, is_varying, sync_leaves
+from fleet.comm._sync import current, fleet_written, is_varying, sync_leaves
 from fleet.comm._trace import SyncTrace
 
 
@@ -84,7 +85,10 @@ class SyncedRead:
 
     def set_value(self, value: Any, *, index: Any = MISSING) -> None:
         spec = self.get_metadata("fleet_sync", None)
-        if spec is None or spec.layout is None or current() is not None:
+        trace = current()
+        if trace is not None:  # (a write in the model's call is kept: bucketed_call)
+            trace.writes.add(id(self))
+        if spec is None or spec.layout is None or trace is not None:
             return super().set_value(value, index=index)
         whole = value
         if not (isinstance(index, Missing) or index is ...):
@@ -158,14 +162,35 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
         return
     layouts = [layout_of(variables[k]) for k in keys]
     synced = sync_leaves(keys, raw, buckets, layouts)
-    changed = [(variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
-    for v, _, s in changed:
+    changed = [(k, variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
+    for _, v, _, s in changed:
         v.set_raw_value(s)
+        trace.writes.discard(id(v))
     try:
         yield
     finally:
-        for v, r, _ in changed:
-            v.set_raw_value(r)
+        for k, v, r, s in changed:
+            written = v.get_raw_value()
+            # The call wrote it (``variable[...] = x``, ``set_value``: nnx.SpectralNorm's
+            # normalised kernel): kept, as on one device. A transformation that
+            # set the same value back (nnx.scan's state) is restored.
+            if written is not s and id(v) in trace.writes:
+                v.set_raw_value(_kept_write(trace, k, v, written))
+            else:
+                v.set_raw_value(r)
+
+
+def _kept_write(trace: SyncTrace, key: str, variable: Any, written: Any) -> Any:
+    """What a wrapped model's call wrote into parameter ``key``, for the rest of the
+    step: the same value on every replica (:func:`fleet.comm._sync.fleet_written`)."""
+    if layout_of(variable) is not None:
+        raise FleetError(
+            f"the model's call wrote its parameter {key!r} (nnx.SpectralNorm writes the "
+            "normalised kernel): under sharding_configs.stage = 3 each replica holds a "
+            "slice of it, and fleet cannot keep a write of the whole parameter; use stage "
+            "2 or lower, or a layer that reads its parameters without writing them")
+    trace.written.append(key)
+    return fleet_written(written)
 
 
 def _writable(variable: Any, raw: Any) -> bool:

@@ -131,6 +131,12 @@ class SyncTrace:
     #: depth of wrapped-model calls inside a JAX transformation that closes over the
     #: model (jax.grad of the inputs: fleet.comm._synced.bucketed_call)
     foreign: int = 0
+    #: the names of the parameters a wrapped model's call wrote (nnx.SpectralNorm's
+    #: kernel), in the order of their fleet_written calls (fleet.comm._synced)
+    written: list = dataclasses.field(default_factory=list)
+    #: ids of the wrapped parameters set in this trace (``variable[...] = x``):
+    #: fleet.comm._synced.SyncedRead.set_value
+    writes: set = dataclasses.field(default_factory=set)
     #: the values whose ids tx.grads and shard.grads hold, kept alive for the trace so
     #: that no later value (an output) gets one of their ids
     held: list = dataclasses.field(default_factory=list)

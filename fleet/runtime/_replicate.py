@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from fleet._errors import FleetError
+from fleet._errors import FleetError, FleetTypeError
 from fleet.runtime._agree import agree, raise_together
 from fleet.runtime._leaves import dotted, like, module_variables, to_host
 from fleet.runtime._world import world
@@ -102,7 +102,24 @@ def set_replicated(variables: dict[str, nnx.Variable], values: dict[str, Any]) -
         var.set_value(placed[key])
 
 
+def refuse_raw_arrays(state: Any, what: str) -> None:
+    """Refuses NNX state (``nnx.state`` of ``what``) that holds arrays outside
+    ``nnx.Variable``s: Flax lets a module keep ``self.table = jnp.ones(4)`` (its
+    own ``nnx.WeightNorm`` keeps its scales so), fleet keeps state in variables."""
+    raw = [dotted(p) for p, x in nnx.to_flat_state(state)
+           if not isinstance(x, nnx.Variable) and isinstance(x, (jax.Array, np.ndarray))]
+    if raw:
+        names = ", ".join(repr(r) for r in raw[:4]) + (" ..." if len(raw) > 4 else "")
+        raise FleetTypeError(
+            f"{what} keeps arrays as plain attributes, outside nnx.Variables: {names}. "
+            "fleet places, steps and saves an NNX object's state through its variables: "
+            "wrap each one, e.g. self.table = nnx.Variable(jnp.ones(4)) for a constant "
+            "(nnx.Param to train it), and read it as self.table[...]. (nnx.WeightNorm "
+            "keeps its scales so: nnx.WeightNorm(..., use_scale=False) keeps none.)")
+
+
 def replicate_in_place(obj: nnx.Pytree) -> None:
     """Makes every variable of ``obj`` replicated on the mesh, equal everywhere."""
+    refuse_raw_arrays(nnx.state(obj), f"this {type(obj).__name__}")
     variables = module_variables(obj)
     set_replicated(variables, {k: v.get_raw_value() for k, v in variables.items()})

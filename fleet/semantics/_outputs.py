@@ -63,6 +63,7 @@ from fleet.comm._synced import raw_read_hint
 from fleet.runtime._world import current_strategy
 from fleet.sections import _stage3
 from fleet.semantics._jaxpr_scope import (
+    ReplicaConstant,
     Scope,
     is_sync,
     refuse_custom_vjp3,
@@ -222,6 +223,42 @@ def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> N
     for name, a, b in zip(names, body.outvars[first:], ref.outvars[first:]):
         if not walk.same(a, sa, b, sb):
             raise FleetError(_COUNTED.format(name=name))
+
+
+_WRITTEN = (
+    "the model's call wrote its parameter {name!r} from values that differ across "
+    "replicas (computed from the batch?): each replica would keep its own value, "
+    "where the single-device step keeps one. Write the parameter from parameters and "
+    "replicated state alone (as nnx.SpectralNorm writes its normalised kernel), or keep "
+    "a statistic of the batch in an nnx.BatchStat, which fleet averages")
+
+
+def check_written(jaxpr: Any, names: list[str]) -> None:
+    """Refuses a parameter that a wrapped model's call wrote (``names``, in the
+    order of the probe's ``fleet_written`` calls: fleet.comm._synced) from values
+    that may differ across replicas: fleet keeps replica 0's value, right only
+    where every replica computed the same (fleet.semantics._jaxpr_scope.ReplicaConstant;
+    inside a loop or a branch it is not followed, and refused)."""
+    found: list = []
+
+    def visit(scope: Scope, inner: Any) -> None:
+        for eqn in inner.eqns:
+            if eqn.params.get("name") == "fleet_written":
+                found.append((eqn, scope))
+                continue
+            sub = scope.inner(eqn)
+            if sub is not None:
+                visit(*sub)
+                continue
+            for other in jaxprs_in_params(eqn.params):
+                visit(Scope(other), getattr(other, "jaxpr", other))
+
+    body = shard_body(jaxpr)
+    visit(Scope(body), getattr(body, "jaxpr", body))
+    constant = ReplicaConstant()
+    for name, (eqn, scope) in zip(names, found):
+        if not constant(eqn.invars[0], scope):
+            raise FleetError(_WRITTEN.format(name=name))
 
 
 _METRIC = (

@@ -23,6 +23,7 @@ from fleet import _compat
 from fleet._errors import nth
 from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import dotted, variables_of
+from fleet.runtime._replicate import refuse_raw_arrays
 from fleet.sections import _sharding
 
 
@@ -92,6 +93,8 @@ class GraphCache:
         self.tree_vars, self.treedef = self._tree_view(objs)
         self.fingerprint = Fingerprint.of(objs)
         self.graphdef, state = nnx.split(objs)
+        for i, obj in enumerate(objs):
+            refuse_raw_arrays(nnx.state(obj), f"{nth(positions[i])} ({type(obj).__name__})")
         with_path = variables_of(state)
         self.variables = [v for _, v in with_path]
         index = [int(dotted(p[:1])) for p, _ in with_path]

@@ -72,6 +72,14 @@ def check_per_example(plan: Plan, graph: GraphCache, jaxpr: Any, batch: list,
     _per_example.check_per_example(jaxpr, replica_rows(plan, batch), named)
 
 
+def check_written(plan: Plan, record: PlanRecord, jaxpr: Any) -> None:
+    """The parameters a wrapped model's call wrote, refused unless computed from
+    replicated values alone (fleet.semantics._outputs.check_written); on one
+    replica its value is the single-device one."""
+    if record.written and plan.mesh.devices.size > 1:
+        _outputs.check_written(jaxpr, record.written)
+
+
 def check_row_mixing(plan: Plan, jaxpr: Any, args: tuple) -> None:
     """The probe's operations that combine different rows of the batch, refused
     (fleet.semantics._row_mixing); on one replica its rows are the global batch.

@@ -45,6 +45,7 @@ from fleet.step._probe_checks import (
     check_randomness,
     check_returned,
     check_row_mixing,
+    check_written,
     resolve_metrics,
     resolve_scalars,
 )
@@ -147,6 +148,7 @@ class Program:
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
         check_row_mixing(plan, jaxpr, args)  # (after the outputs' own refusals)
+        check_written(plan, record, jaxpr)
         check_gradients(plan, record, self.graph, jaxpr, trees)
 
     def speculate(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,

@@ -34,6 +34,8 @@ class PlanRecord:
     marked: list = dataclasses.field(default_factory=list)
     #: indices of the state counted from the batch's shape (fleet.semantics._outputs.check_counted)
     counted: list = dataclasses.field(default_factory=list)
+    #: names of the parameters a wrapped model's call wrote (fleet.semantics._outputs.check_written)
+    written: list = dataclasses.field(default_factory=list)
     finite: list = dataclasses.field(default_factory=list)  # names of check_nan_inf's flags
     wrapped_syncs: int = 0  # buckets of wrapped-model parameters synced
     tx_calls: int = 0  # distributed optimizer updates

@@ -98,6 +98,7 @@ def probe_record(record: PlanRecord, graph: GraphCache, trace: Any, new_state: l
     record.wrapped_syncs, record.tx_calls = trace.wrapped_syncs, trace.tx.calls
     record.merge_updates, record.shard_grads = trace.accum.merge_updates, len(trace.shard.grads)
     record.shard_refusals = list(trace.shard.refusals or ())
+    record.written = list(trace.written)
     record.counted = [
         i for i, (v, x) in enumerate(zip(graph.variables, new_state))
         if not isinstance(v, (nnx.Param, nnx.OptState)) and not graph.per_replica[i]

@@ -1,0 +1,187 @@
+"""Layers whose call writes their own parameters, and arrays kept outside variables.
+
+``nnx.SpectralNorm`` and ``nnx.WeightNorm`` write the normalised kernel into their
+layer's ``nnx.Param`` during the call; on one device the optimizer then updates
+the normalised kernel. fleet restored the parameter after the model's call (it
+holds the synced value during it), so the write was lost: a SpectralNorm model
+trained silently away from one device, on one device too (0.37 in the kernel
+after one SGD step). The write is now kept, as the same value on every replica
+(``fleet.comm._synced``, ``fleet.comm._sync.fleet_written``); a write computed
+from the batch is refused (each replica would keep its own).
+
+Flax also lets a module keep an array as a plain attribute (``self.c = jnp.ones(4)``;
+``nnx.WeightNorm`` keeps its scales so). ``fleet.distributed_model`` failed on it
+with a raw ``AttributeError``; it now names the attribute and the fix.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+
+
+class Spectral(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.SpectralNorm(nnx.Linear(8, 16, rngs=rngs), rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+class Weighted(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, use_scale: bool = False):
+        self.hidden = nnx.WeightNorm(nnx.Linear(8, 16, rngs=rngs), use_scale=use_scale,
+                                     rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+class BatchWritten(nnx.Module):
+    """Writes a parameter from the batch, after using it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        out = self.linear(x)
+        self.linear.bias[...] = self.linear.bias[...] + x.mean()
+        return out
+
+
+class Constant(nnx.Module):
+    """A constant per output, kept as a plain array, or in a variable (``wrapped``)."""
+
+    def __init__(self, rngs: nnx.Rngs, wrapped: bool = False):
+        self.linear = nnx.Linear(8, 4, rngs=rngs)
+        scale = jnp.arange(1.0, 5.0)
+        self.scale = nnx.Variable(scale) if wrapped else scale
+
+    def __call__(self, x):
+        return self.linear(x) * self.scale[...]
+
+
+def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(
+        lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def data(steps: int = 3):
+    rng = np.random.RandomState(0)
+    return [(rng.randn(16, 8).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32))
+            for _ in range(steps)]
+
+
+def run(make, batches, wrap: bool):
+    model = make()
+    if wrap:
+        model = fleet.distributed_model(model)
+        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+        call = fleet.distributed_step(step)
+    else:
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        call = nnx.jit(step)
+    losses = [float(call(model, optimizer, *b)) for b in batches]
+    return model, losses
+
+
+def state_of(model) -> dict:
+    """Parameters and batch statistics (SpectralNorm's u and sigma), by path."""
+    return {".".join(map(str, p)): np.asarray(v[...])
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat)))}
+
+
+LAYERS = {"spectral norm": Spectral, "weight norm": lambda rngs: Weighted(rngs),
+          "a constant in a variable": lambda rngs: Constant(rngs, wrapped=True)}
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("name", LAYERS)
+def test_layers_that_write_their_parameters_train_as_on_one_device(make_world, n, name):
+    batches = data()
+    want, want_losses = run(lambda: LAYERS[name](nnx.Rngs(0)), batches, wrap=False)
+    make_world(n)
+    got, got_losses = run(lambda: LAYERS[name](nnx.Rngs(0)), batches, wrap=True)
+    d = models.max_diff(state_of(got), state_of(want))
+    print(f"{name} on {n}: {d:.1e} from one device")
+    assert d < 1e-6
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    assert fleet.check_replicas(got) == []
+
+
+def test_a_parameter_written_from_the_batch_is_refused_naming_it(make_world):
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"wrote its parameter 'linear.bias' from values "
+                                               r"that differ across replicas"):
+        run(lambda: BatchWritten(nnx.Rngs(0)), data(1), wrap=True)
+
+
+def test_on_one_replica_a_parameter_written_from_the_batch_equals_one_device(make_world):
+    want, _ = run(lambda: BatchWritten(nnx.Rngs(0)), data(2), wrap=False)
+    make_world(1)
+    got, _ = run(lambda: BatchWritten(nnx.Rngs(0)), data(2), wrap=True)
+    assert models.max_diff(state_of(got), state_of(want)) < 1e-6
+
+
+def test_a_write_under_stage_3_is_refused(make_world):
+    strategy = fleet.DistributedStrategy()
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 3}
+    make_world(4, strategy)
+    with pytest.raises(fleet.FleetError, match=r"wrote its parameter .* sharding_configs.stage = 3"):
+        run(lambda: Spectral(nnx.Rngs(0)), data(1), wrap=True)
+
+
+def test_arrays_outside_variables_are_refused_naming_them(make_world):
+    make_world(4)
+    with pytest.raises(fleet.FleetTypeError) as info:
+        fleet.distributed_model(Constant(nnx.Rngs(0)))
+    message = str(info.value)
+    assert "keeps arrays as plain attributes, outside nnx.Variables: 'scale'" in message
+    assert "nnx.Variable(" in message
+
+
+def test_weight_norm_with_scales(make_world):
+    """Flax 0.12.8's nnx.WeightNorm keeps its scales as plain arrays: refused,
+    naming them; a Flax that keeps them in variables trains as on one device."""
+    def make():
+        return Weighted(nnx.Rngs(0), use_scale=True)
+
+    raw = [p for p, x in nnx.to_flat_state(nnx.state(make())) if not isinstance(x, nnx.Variable)]
+    make_world(4)
+    if raw:
+        with pytest.raises(fleet.FleetTypeError, match=r"outside nnx.Variables: 'hidden.scales"):
+            fleet.distributed_model(make())
+        return
+    batches = data()
+    want, _ = run(make, batches, wrap=False)
+    got, _ = run(make, batches, wrap=True)
+    assert models.max_diff(state_of(got), state_of(want)) < 1e-6
+
+
+def test_an_unwrapped_object_with_arrays_outside_variables_is_refused_by_the_step(make_world):
+    make_world(4)
+    model = fleet.distributed_model(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    other = Constant(nnx.Rngs(1))
+
+    def with_other(model, optimizer, other, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(
+            m(x) + other(x), y).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x, y = data(1)[0]
+    with pytest.raises(fleet.FleetTypeError, match=r"the 3rd argument \(Constant\) keeps arrays "
+                                                   r"as plain attributes.*'scale'"):
+        fleet.distributed_step(with_other)(model, optimizer, other, jnp.asarray(x), y)
