@@ -188,6 +188,14 @@ def user_line(eqn: Any) -> str | None:
     return None
 
 
+def made_in(eqn: Any, path_end: str) -> bool:
+    """Whether a frame of the traceback that made ``eqn`` (as :func:`user_line`
+    reads it) is in a file whose path ends with ``path_end``."""
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    return any(frame.file_name.endswith(path_end)
+               for frame in getattr(traceback, "frames", None) or ())
+
+
 @functools.lru_cache(maxsize=1)
 def _library_dirs() -> tuple[str, ...]:
     here = os.path.dirname(os.path.abspath(__file__))  # fleet itself

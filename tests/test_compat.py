@@ -266,3 +266,17 @@ def test_scan_counts_reads_this_jax_s_scan():
     with pytest.raises(FleetUnsupportedError, match=r"describes a scan with \['jaxpr', 'length'\]"
                                                     r", neither num_consts / num_carry nor ft_in"):
         _compat.scan_counts({"jaxpr": None, "length": 4})
+
+
+def test_user_line_and_made_in_read_an_equation_s_traceback():
+    """Both read ``eqn.source_info.traceback`` (undocumented): the user's line that
+    made an equation, and whether a file made it (nnx.RNN's scan: the typing
+    refusal's hint, fleet.semantics._trace_errors)."""
+    def loss(x):
+        return jnp.sin(x).sum()  # (this line)
+
+    jaxpr = jax.make_jaxpr(loss)(jnp.ones(3))
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "sin"]
+    assert _compat.user_line(eqn) == f"{__file__}:{loss.__code__.co_firstlineno + 1}"
+    assert _compat.made_in(eqn, "tests/test_compat.py")
+    assert not _compat.made_in(eqn, "flax/nnx/nn/recurrent.py")

@@ -51,6 +51,14 @@ _CARRY_HINT = (
     "the mean over the replicas, the global-batch value)")
 
 
+_RNN = os.path.join("flax", "nnx", "nn", "recurrent.py")
+_RNN_HINT = (
+    " The loop is nnx.RNN's: its carry starts from its cell's initialize_carry, the same "
+    "on every replica. Pass one made from the batch (x: the RNN's input, batch first; the "
+    "same program on one device): rnn(x, initial_carry=jax.tree.map(lambda c: c + "
+    "jnp.zeros_like(x, shape=c.shape), rnn.cell.initialize_carry(x[:, 0].shape, rnn.rngs)))")
+
+
 def _is_user(filename: str) -> bool:
     path = os.path.abspath(filename)
     return not path.startswith(_LIBRARIES) and not path.startswith(os.path.dirname(
@@ -133,12 +141,24 @@ def typing_failure(error: Exception, untyped: Callable[[], Any]) -> FleetError |
             "jax.lax.scan / fori_loop / while_loop need a carry to keep its type. A carry "
             "started from a constant (`0.0`, `jnp.zeros(...)`) or from the parameters, "
             f"and summed with a loss, is such a carry. {_CARRY_HINT}")
+        if _has_rnn_scan(shmap.params["jaxpr"]):
+            message += _RNN_HINT
     else:
         message = (
             f"the step traces on one device but not once per replica{where}: JAX's "
             "typing of values as the same on every replica (invariant) or per replica "
             f"(varying) refuses it. JAX says: {type(error).__name__}: {error}")
     return FleetError(message).with_traceback(user_traceback(error.__traceback__))
+
+
+def _has_rnn_scan(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (at any depth) holds a scan that ``nnx.RNN`` made."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "scan" and _compat.made_in(eqn, _RNN):
+            return True
+        if any(_has_rnn_scan(sub) for sub in jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 def varying_carries(jaxpr: Any, varying: list[bool]) -> list[tuple[str, int, str]]:
