@@ -1,4 +1,4 @@
-"""Flax's own recurrent layer, ``nnx.RNN``, in a fleet step.
+"""Flax's own recurrent layers, ``nnx.RNN`` and Linen's ``nn.RNN``, in a fleet step.
 
 ``nnx.RNN`` starts its scan's carry from its cell's ``initialize_carry``: zeros,
 typed the same on every replica, that come out of the first time step different
@@ -6,17 +6,19 @@ on each. JAX refuses such a carry inside ``shard_map``, and fleet refused the
 step naming the loop and the generic carry fix (``jnp.zeros_like(x, shape=())``),
 which a user cannot apply inside Flax's layer. The refusal now names the layer
 and the argument that takes the fix, ``initial_carry``; with it, the step trains
-as on one device (where the edit changes nothing).
+as on one device (where the edit changes nothing). Linen's ``nn.RNN`` alike.
 """
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import train_state
 
 import fleet
 from tests import models
@@ -90,3 +92,45 @@ def test_an_rnn_with_its_carry_made_from_the_batch_equals_one_device(make_world,
     print(f"{n} device(s): {d:.1e} from one device")
     assert d < 1e-6
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+
+
+class LinenTagger(nn.Module):
+    carry_per_replica: bool
+
+    @nn.compact
+    def __call__(self, x):
+        cell = nn.LSTMCell(8)
+        if not self.carry_per_replica:
+            return nn.Dense(3)(nn.RNN(cell)(x))
+        carry = jax.tree.map(lambda c: c + jnp.zeros_like(x, shape=c.shape),
+                             cell.initialize_carry(jax.random.key(0), x[:, 0].shape))
+        return nn.Dense(3)(nn.RNN(cell)(x, initial_carry=carry))
+
+
+def linen_step(state, x, y):
+    def loss_fn(params):
+        return optax.softmax_cross_entropy_with_integer_labels(state.apply_fn(params, x), y).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_linen_rnn_is_refused_naming_initial_carry_and_trains_with_it(make_world):
+    batches = data()
+    params = LinenTagger(False).init(jax.random.key(0), batches[0][0])
+
+    def make_state(carry_per_replica, tx):
+        return train_state.TrainState.create(
+            apply_fn=LinenTagger(carry_per_replica).apply, params=params, tx=tx)
+
+    want = make_state(False, optax.sgd(0.1))
+    for x, y in batches:
+        want, _ = jax.jit(linen_step)(want, x, y)
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"The loop is Linen nn.RNN's.*initial_carry=jax"):
+        fleet.distributed_step(linen_step)(
+            make_state(False, fleet.distributed_optimizer(optax.sgd(0.1))), *batches[0])
+    got = make_state(True, fleet.distributed_optimizer(optax.sgd(0.1)))
+    step = fleet.distributed_step(linen_step)
+    for x, y in batches:
+        got, _ = step(got, x, y)
+    assert models.max_diff(models.flat_params(got.params), models.flat_params(want.params)) < 1e-6

@@ -51,12 +51,18 @@ _CARRY_HINT = (
     "the mean over the replicas, the global-batch value)")
 
 
-_RNN = os.path.join("flax", "nnx", "nn", "recurrent.py")
+#: Flax's recurrent layers (their scan's file), and how to start their carry per replica
+_RNNS = {
+    os.path.join("flax", "nnx", "nn", "recurrent.py"): (
+        "nnx.RNN's", "rnn.cell.initialize_carry(x[:, 0].shape, rnn.rngs)"),
+    os.path.join("flax", "linen", "recurrent.py"): (
+        "Linen nn.RNN's", "cell.initialize_carry(jax.random.key(0), x[:, 0].shape)"),
+}
 _RNN_HINT = (
-    " The loop is nnx.RNN's: its carry starts from its cell's initialize_carry, the same "
+    " The loop is {layer}: its carry starts from its cell's initialize_carry, the same "
     "on every replica. Pass one made from the batch (x: the RNN's input, batch first; the "
     "same program on one device): rnn(x, initial_carry=jax.tree.map(lambda c: c + "
-    "jnp.zeros_like(x, shape=c.shape), rnn.cell.initialize_carry(x[:, 0].shape, rnn.rngs)))")
+    "jnp.zeros_like(x, shape=c.shape), {init}))")
 
 
 def _is_user(filename: str) -> bool:
@@ -141,8 +147,10 @@ def typing_failure(error: Exception, untyped: Callable[[], Any]) -> FleetError |
             "jax.lax.scan / fori_loop / while_loop need a carry to keep its type. A carry "
             "started from a constant (`0.0`, `jnp.zeros(...)`) or from the parameters, "
             f"and summed with a loss, is such a carry. {_CARRY_HINT}")
-        if _has_rnn_scan(shmap.params["jaxpr"]):
-            message += _RNN_HINT
+        rnn = _rnn_scan(shmap.params["jaxpr"])
+        if rnn is not None:
+            layer, init = _RNNS[rnn]
+            message += _RNN_HINT.format(layer=layer, init=init)
     else:
         message = (
             f"the step traces on one device but not once per replica{where}: JAX's "
@@ -151,14 +159,19 @@ def typing_failure(error: Exception, untyped: Callable[[], Any]) -> FleetError |
     return FleetError(message).with_traceback(user_traceback(error.__traceback__))
 
 
-def _has_rnn_scan(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` (at any depth) holds a scan that ``nnx.RNN`` made."""
+def _rnn_scan(jaxpr: Any) -> str | None:
+    """The file of Flax's recurrent layer (:data:`_RNNS`) that made a scan of
+    ``jaxpr`` (at any depth), if one did."""
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        if eqn.primitive.name == "scan" and _compat.made_in(eqn, _RNN):
-            return True
-        if any(_has_rnn_scan(sub) for sub in jaxprs_in_params(eqn.params)):
-            return True
-    return False
+        if eqn.primitive.name == "scan":
+            made = next((f for f in _RNNS if _compat.made_in(eqn, f)), None)
+            if made is not None:
+                return made
+        for sub in jaxprs_in_params(eqn.params):
+            made = _rnn_scan(sub)
+            if made is not None:
+                return made
+    return None
 
 
 def varying_carries(jaxpr: Any, varying: list[bool]) -> list[tuple[str, int, str]]:
