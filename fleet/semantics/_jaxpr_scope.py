@@ -163,3 +163,53 @@ class ReplicaConstant:
         if not eqn.invars:
             return False  # (varying from nothing: axis_index)
         return all(self(x, s, depth + 1) for x in eqn.invars)
+
+
+#: ``fleet.all_reduce``'s 'avg' and 'sum' inside a step (fleet.comm._sync's named calls)
+ALL_REDUCES = ("fleet_pmean", "fleet_psum")
+#: operations that keep a value (a cast, a reshape, a retyping over the replicas)
+KEEPS_VALUE = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
+               "expand_dims", "reduce_precision", "stop_gradient", "convert_element_type")
+
+
+def all_reduced(v: Any, s: Scope) -> tuple | None:
+    """``(call, operand, its scope)`` when ``v`` is the value of ``fleet.all_reduce``'s
+    'avg' or 'sum' in a step (:data:`ALL_REDUCES`, inside the calls around it: its
+    global adjoint's custom VJP), cast (to varying: a division of a replica's value
+    by it) or reshaped, else None."""
+    for _ in range(400):
+        eqn = s.producer.get(id(v))
+        if eqn is None:
+            return None
+        if eqn.primitive.name in KEEPS_VALUE and len(eqn.invars) == 1:
+            v = eqn.invars[0]
+            continue
+        i = eqn.outvars.index(v)
+        if eqn.params.get("name") in ALL_REDUCES:
+            return eqn.params["name"], eqn.invars[i], s
+        got = s.inner(eqn)
+        if got is None:
+            return None
+        s, v = got[0], got[1].outvars[i]
+    return None
+
+
+def uses_all_reduce(v: Any, s: Scope) -> bool:
+    """Whether ``v`` is computed from a value of ``fleet.all_reduce``'s 'avg' or
+    'sum' (:func:`all_reduced`), in its scope or the calls it makes (each value
+    looked at once)."""
+    todo, seen = [(v, s)], set()
+    while todo:
+        v, s = todo.pop()
+        if isinstance(v, Literal) or (id(v), id(s)) in seen:
+            continue
+        seen.add((id(v), id(s)))
+        if all_reduced(v, s) is not None:
+            return True
+        eqn = s.producer.get(id(v))
+        got = None if eqn is None else s.inner(eqn)
+        if got is not None:
+            todo.append((got[1].outvars[eqn.outvars.index(v)], got[0]))
+        elif eqn is not None:
+            todo.extend((x, s) for x in eqn.invars)
+    return False

@@ -12,12 +12,19 @@ import numpy as np
 from jax.extend.core import Literal
 
 from fleet._compat import scan_counts
-from fleet.semantics._jaxpr_scope import CALLS, ReplicaConstant, Scope, is_varying_var
+from fleet.semantics._jaxpr_scope import (
+    CALLS,
+    KEEPS_VALUE,
+    ReplicaConstant,
+    Scope,
+    all_reduced,
+    is_varying_var,
+    uses_all_reduce,
+)
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
-_SAME = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
-         "expand_dims", "reduce_precision", "stop_gradient")
+_SAME = tuple(op for op in KEEPS_VALUE if op != "convert_element_type")
 _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
@@ -174,13 +181,13 @@ class Walk:
             return self._fail("a constant that depends on the batch size")
         if isinstance(a, Literal) or isinstance(b, Literal):
             return self._fail("a constant that depends on the batch size")
-        reduced = [_all_reduced(a, sa), _all_reduced(b, sb)]
+        reduced = [all_reduced(a, sa), all_reduced(b, sb)]
         if reduced != [None, None]:
             return self._over_replicas(*reduced, depth)
         if not is_varying_var(a):
             if not is_varying_var(b) and self.same(a, sa, b, sb):
                 return ("c", None)
-            if is_varying_var(b) or not _uses_all_reduce(a, sa):
+            if is_varying_var(b) or not uses_all_reduce(a, sa):
                 return self._fail("a value computed from the batch's shape")
             # (a global value computed from fleet.all_reduce's: followed op by op)
         if self.replica_constant(a, sa) and (self.summed_loss or (
@@ -309,27 +316,7 @@ class Walk:
             return self._fail("a sum plus a constant" if ks and ks[0][1] == SUM
                               else "a value that grows with the batch, added")
         if name in ("mul", "div"):
-            x, y = args
-            if x[0] == "c" and y[0] == "c":
-                return ("c", None)
-            if name == "mul" and y[0] == "k":
-                x, y = y, x
-            if name == "div" and x == y == ("k", SUM):
-                return self._fail(_RATIO)
-            if x[0] != "k" or y[0] == "k":
-                return self._fail(f"a {name} of two values from the batch" if y[0] == "k"
-                                  else "a division by a value from the batch")
-            grows = ("up",) if name == "div" else ("down",)
-            if y == grows:  # divided by the rows' count: a sum becomes a mean
-                return ("k", MEAN) if x[1] == SUM else self._fail(
-                    f"a {x[1]} divided by a count of rows")
-            if y[0] != "c":
-                return self._fail("a value scaled by a count of rows")
-            if x[1] in (MEAN, SUM):
-                return x
-            if y[1] is None or y[1] == 0:
-                return self._fail(f"a {x[1]} scaled by a value of unknown sign")
-            return x if y[1] > 0 else ("k", _FLIP[x[1]])
+            return self._scaled(name, *args)
         if name in ("max", "min"):
             want = MAX if name == "max" else MIN
             if all(r[0] == "c" for r in args):
@@ -339,39 +326,25 @@ class Walk:
         return self._fail(f"a {name}" if name not in ("max", "min") else
                           f"an elementwise {name}")
 
+    def _scaled(self, name, x, y):
+        """``x * y`` or ``x / y``, from the kinds of ``x`` and ``y``."""
+        if x[0] == "c" and y[0] == "c":
+            return ("c", None)
+        if name == "mul" and y[0] == "k":
+            x, y = y, x
+        if x[0] != "k" or y[0] == "k":
+            return self._fail(_RATIO if name == "div" and x == y == ("k", SUM) else
+                              f"a {name} of two values from the batch" if y[0] == "k"
+                              else "a division by a value from the batch")
+        grows = ("up",) if name == "div" else ("down",)
+        if y == grows:  # divided by the rows' count: a sum becomes a mean
+            return ("k", MEAN) if x[1] == SUM else self._fail(
+                f"a {x[1]} divided by a count of rows")
+        if y[0] != "c":
+            return self._fail("a value scaled by a count of rows")
+        if x[1] in (MEAN, SUM):
+            return x
+        if y[1] is None or y[1] == 0:
+            return self._fail(f"a {x[1]} scaled by a value of unknown sign")
+        return x if y[1] > 0 else ("k", _FLIP[x[1]])
 
-def _all_reduced(v: Any, s: Scope) -> tuple | None:
-    """``(call, operand, its scope)`` when ``v`` is the value of ``fleet.all_reduce``'s
-    'avg' or 'sum' in a step (a call of :data:`_OVER_REPLICAS`, inside the calls
-    around it: its global adjoint's custom VJP), cast (to varying: a division of a
-    replica's value by it) or reshaped, else None."""
-    for _ in range(_DEPTH):
-        eqn = s.producer.get(id(v))
-        if eqn is None:
-            return None
-        if eqn.primitive.name in (*_SAME, "convert_element_type") and len(eqn.invars) == 1:
-            v = eqn.invars[0]
-            continue
-        i = eqn.outvars.index(v)
-        if eqn.params.get("name") in _OVER_REPLICAS:
-            return eqn.params["name"], eqn.invars[i], s
-        got = s.inner(eqn)
-        if got is None:
-            return None
-        s, v = got[0], got[1].outvars[i]
-    return None
-
-
-def _uses_all_reduce(v: Any, s: Scope, depth: int = 0) -> bool:
-    """Whether ``v`` is computed from a value of ``fleet.all_reduce``'s 'avg' or
-    'sum' (:func:`_all_reduced`), in its scope or the calls it makes."""
-    if depth > 50 or _all_reduced(v, s) is not None:
-        return depth <= 50
-    eqn = s.producer.get(id(v))
-    if eqn is None:
-        return False
-    got = s.inner(eqn)
-    if got is not None:
-        return _uses_all_reduce(got[1].outvars[eqn.outvars.index(v)], got[0], depth + 1)
-    return any(_uses_all_reduce(x, s, depth + 1) for x in eqn.invars
-               if not isinstance(x, Literal))
