@@ -12,6 +12,8 @@ import optax
 from flax import linen, nnx
 from flax.training.train_state import TrainState
 
+import fleet
+
 LR = 1e-2
 
 
@@ -64,6 +66,21 @@ def nnx_train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), y))(model)
     optimizer.update(model, grads)
     return loss
+
+
+def train(model, batches, wrap: bool, step=nnx_train_step, tx=None) -> list[float]:
+    """``step`` over the batches, SGD (0.1) unless ``tx``: on one device (``nnx.jit``),
+    or wrapped and stepped by fleet (``wrap``: the model wrapped first, in place of
+    the one given). Returns the (wrapped) model and each step's loss."""
+    tx = optax.sgd(0.1) if tx is None else tx
+    if wrap:
+        model = fleet.distributed_model(model)
+        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, tx, wrt=nnx.Param))
+        call = fleet.distributed_step(step)
+    else:
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        call = nnx.jit(step)
+    return model, [float(call(model, optimizer, *b)) for b in batches]
 
 
 def linen_train_step(state, x, y):

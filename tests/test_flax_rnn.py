@@ -43,13 +43,6 @@ class Tagger(nnx.Module):
         return self.head(self.rnn(x, initial_carry=carry))
 
 
-def step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(
-        lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 def data(steps: int = 3):
     rng = np.random.RandomState(0)
     return [(rng.randn(16, STEPS, FEATURES).astype(np.float32),
@@ -57,15 +50,7 @@ def data(steps: int = 3):
 
 
 def run(batches, carry_per_replica: bool, wrap: bool):
-    model = Tagger(nnx.Rngs(0), carry_per_replica)
-    if wrap:
-        model = fleet.distributed_model(model)
-        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
-        call = fleet.distributed_step(step)
-    else:
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        call = nnx.jit(step)
-    losses = [float(call(model, optimizer, *b)) for b in batches]
+    model, losses = models.train(Tagger(nnx.Rngs(0), carry_per_replica), batches, wrap)
     return models.flat_params(nnx.state(model, nnx.Param)), losses
 
 

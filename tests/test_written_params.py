@@ -69,13 +69,6 @@ class Constant(nnx.Module):
         return self.linear(x) * self.scale[...]
 
 
-def step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(
-        lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 def data(steps: int = 3):
     rng = np.random.RandomState(0)
     return [(rng.randn(16, 8).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32))
@@ -83,16 +76,7 @@ def data(steps: int = 3):
 
 
 def run(make, batches, wrap: bool):
-    model = make()
-    if wrap:
-        model = fleet.distributed_model(model)
-        optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
-        call = fleet.distributed_step(step)
-    else:
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        call = nnx.jit(step)
-    losses = [float(call(model, optimizer, *b)) for b in batches]
-    return model, losses
+    return models.train(make(), batches, wrap)
 
 
 def state_of(model) -> dict:

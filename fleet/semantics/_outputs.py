@@ -239,24 +239,8 @@ def check_written(jaxpr: Any, names: list[str]) -> None:
     that may differ across replicas: fleet keeps replica 0's value, right only
     where every replica computed the same (fleet.semantics._jaxpr_scope.ReplicaConstant;
     inside a loop or a branch it is not followed, and refused)."""
-    found: list = []
-
-    def visit(scope: Scope, inner: Any) -> None:
-        for eqn in inner.eqns:
-            if eqn.params.get("name") == "fleet_written":
-                found.append((eqn, scope))
-                continue
-            sub = scope.inner(eqn)
-            if sub is not None:
-                visit(*sub)
-                continue
-            for other in jaxprs_in_params(eqn.params):
-                visit(Scope(other), getattr(other, "jaxpr", other))
-
-    body = shard_body(jaxpr)
-    visit(Scope(body), getattr(body, "jaxpr", body))
     constant = ReplicaConstant()
-    for name, (eqn, scope) in zip(names, found):
+    for name, (eqn, scope) in zip(names, _named_calls(jaxpr, {"fleet_written"})):
         if not constant(eqn.invars[0], scope):
             raise FleetError(_WRITTEN.format(name=name))
 
@@ -273,15 +257,25 @@ _METRIC = (
 
 
 def _marked_calls(jaxpr: Any, names: set) -> dict:
-    """The calls named in ``names`` in a traced step's body, at any depth: name ->
-    (equation, its scope). Inside a call whose jaxpr is the call's own (a ``jit``)
-    the walk can follow values out; inside another (a ``scan``'s body) it cannot."""
+    """The first call of each name in ``names`` in a traced step's body:
+    name -> (equation, its scope) (:func:`_named_calls`)."""
     found: dict = {}
+    for eqn, scope in _named_calls(jaxpr, names):
+        found.setdefault(eqn.params["name"], (eqn, scope))
+    return found
+
+
+def _named_calls(jaxpr: Any, names: set) -> list:
+    """The calls named in ``names`` in a traced step's body, at any depth, in
+    order: (equation, its scope). Inside a call whose jaxpr is the call's own (a
+    ``jit``) the walk can follow values out; inside another (a ``scan``'s body)
+    it cannot."""
+    found: list = []
 
     def visit(scope: Scope, inner: Any) -> None:
         for eqn in inner.eqns:
             if eqn.params.get("name") in names:
-                found.setdefault(eqn.params["name"], (eqn, scope))
+                found.append((eqn, scope))
                 continue
             sub = scope.inner(eqn)
             if sub is not None:
