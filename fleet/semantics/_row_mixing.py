@@ -49,7 +49,7 @@ from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, reduces_gradient
-from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Row, is_row, own_index
+from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Row, is_row
 
 _ELEMENTWISE = frozenset((
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor",
@@ -211,12 +211,6 @@ class _Rows:
     def elementwise(self, eqn: Any, ins: list) -> Any:
         rows = [t for t in ins if is_row(t)]
         if len({t.axis for t in rows}) > 1:
-            # rows broadcast against rows on another axis: every row paired with every
-            # row, unless one side is an index (an iota of the rows' size: a class index
-            # as long as the replica's rows, say), which the walk cannot tell apart
-            if not any(is_row(t) and own_index(self, v) for v, t in zip(eqn.invars, ins)):
-                self.refuse(eqn, "every row paired with every row (z[:, None] - z[None, :]: "
-                                 "a matrix of row pairs)")
             return UNKNOWN
         if len({t.order for t in rows}) > 1:
             order = next(t.order for t in rows if t.order != 0)
