@@ -181,8 +181,7 @@ def user_line(eqn: Any) -> str | None:
     """``file:line`` of the innermost frame outside jax, flax, optax, fleet and the
     standard library that made a traced equation (``eqn.source_info.traceback``,
     undocumented), or None."""
-    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
-    for frame in getattr(traceback, "frames", None) or ():
+    for frame in _frames(eqn):
         if not frame.file_name.startswith(_library_dirs()):
             return f"{frame.file_name}:{frame.line_num}"
     return None
@@ -191,9 +190,12 @@ def user_line(eqn: Any) -> str | None:
 def made_in(eqn: Any, path_end: str) -> bool:
     """Whether a frame of the traceback that made ``eqn`` (as :func:`user_line`
     reads it) is in a file whose path ends with ``path_end``."""
+    return any(frame.file_name.endswith(path_end) for frame in _frames(eqn))
+
+
+def _frames(eqn: Any) -> tuple:
     traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
-    return any(frame.file_name.endswith(path_end)
-               for frame in getattr(traceback, "frames", None) or ())
+    return getattr(traceback, "frames", None) or ()
 
 
 @functools.lru_cache(maxsize=1)

@@ -51,6 +51,7 @@ def data(steps: int = 3):
 
 def run(batches, carry_per_replica: bool, wrap: bool):
     model, losses = models.train(Tagger(nnx.Rngs(0), carry_per_replica), batches, wrap)
+    assert not wrap or fleet.check_replicas(model) == []
     return models.flat_params(nnx.state(model, nnx.Param)), losses
 
 

@@ -79,6 +79,8 @@ def run(step, batches, world=None):
             nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
         call = fleet.distributed_step(step)
     outs = [jax.tree.map(float, call(model, optimizer, *batch)) for batch in batches]
+    if world is not None:
+        assert fleet.check_replicas(model) == [] and fleet.check_replicas(optimizer) == []
     return models.flat_params(model), outs
 
 

@@ -347,4 +347,3 @@ class Walk:
         if y[1] is None or y[1] == 0:
             return self._fail(f"a {x[1]} scaled by a value of unknown sign")
         return x if y[1] > 0 else ("k", _FLIP[x[1]])
-

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from fleet.semantics._jaxpr_scope import KEEPS_VALUE
+
 PARTIAL, UNKNOWN = "partial", "unknown"
 
 
@@ -185,10 +187,6 @@ def _scatter(walk: Any, eqn: Any, ins: list) -> list:
     return [UNKNOWN]
 
 
-_SAME_VALUE = ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims",
-               "pvary", "pcast", "copy", "copy_p")
-
-
 def own_index(walk: Any, v: Any, k: int | None = None) -> bool:
     """Whether ``v`` (with ``k``: component ``k`` of its last axis, an index
     vector) is each row's own index, ``jnp.arange`` over the rows: an ``iota``
@@ -221,7 +219,7 @@ def own_index(walk: Any, v: Any, k: int | None = None) -> bool:
                 return False
             v = eqn.invars[1]
             continue
-        if name not in _SAME_VALUE or len(eqn.invars) != 1:
+        if name not in KEEPS_VALUE or len(eqn.invars) != 1:
             return False
         v = eqn.invars[0]
     return False

@@ -93,8 +93,8 @@ class GraphCache:
         self.tree_vars, self.treedef = self._tree_view(objs)
         self.fingerprint = Fingerprint.of(objs)
         self.graphdef, state = nnx.split(objs)
-        for i, obj in enumerate(objs):
-            refuse_raw_arrays(nnx.state(obj), f"{nth(positions[i])} ({type(obj).__name__})")
+        for i, obj in enumerate(objs):  # (the split state, by the objects' positions)
+            refuse_raw_arrays(state[i], f"{nth(positions[i])} ({type(obj).__name__})")
         with_path = variables_of(state)
         self.variables = [v for _, v in with_path]
         index = [int(dotted(p[:1])) for p, _ in with_path]
