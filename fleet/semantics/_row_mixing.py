@@ -49,7 +49,7 @@ from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, reduces_gradient
-from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Row, is_row
+from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Index, Row, is_index, is_row
 
 _ELEMENTWISE = frozenset((
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor",
@@ -124,10 +124,10 @@ class _Rows:
                 for v, t in zip(eqn.outvars, outs):
                     if t is not None:
                         self.tags[id(v)] = t
-            elif eqn.primitive.name == "iota":  # (an index over the rows is row-aligned)
+            elif eqn.primitive.name == "iota":  # (an index as long as the rows: Index)
                 dim = eqn.params.get("dimension", 0)
                 if eqn.outvars[0].aval.shape[dim] in self.rows:
-                    self.tags[id(eqn.outvars[0])] = Row(dim)
+                    self.tags[id(eqn.outvars[0])] = Index(dim)
         return [self.tag(v) for v in jaxpr.outvars]
 
     def follow_mixed(self, eqn: Any) -> None:
@@ -146,6 +146,11 @@ class _Rows:
     def eqn(self, eqn: Any, ins: list) -> list:
         """The outputs' tags of one equation with some tagged inputs."""
         name, n_out = eqn.primitive.name, len(eqn.outvars)
+        if any(map(is_index, ins)):
+            ins = _met(ins)
+            if all(t is None or is_index(t) for t in ins) and name not in CALLS and (
+                    name != "scan"):
+                return _index_only(self, eqn, ins)
         if UNKNOWN in ins:
             return [UNKNOWN] * n_out
         call = eqn.params.get("name")
@@ -211,7 +216,8 @@ class _Rows:
     def elementwise(self, eqn: Any, ins: list) -> Any:
         rows = [t for t in ins if is_row(t)]
         if len({t.axis for t in rows}) > 1:
-            return UNKNOWN
+            self.refuse(eqn, "every row paired with every row (z[:, None] - z[None, :]: a "
+                             "matrix of row pairs, as a triplet loss's distances)")
         if len({t.order for t in rows}) > 1:
             order = next(t.order for t in rows if t.order != 0)
             self.refuse(eqn, f"{self.reorders.get(order, 'the rows reordered')}, then "
@@ -242,13 +248,43 @@ class _Rows:
 
 def _unstacked(t: Any) -> Any:
     """A scanned input's tag inside the body: one step of its leading axis."""
+    if is_index(t):
+        return None if t.axis == 0 else Index(t.axis - 1)
     if not is_row(t):
         return t
     return UNKNOWN if t.axis == 0 else Row(t.axis - 1, t.order)
 
 
 def _stacked(t: Any) -> Any:
-    return Row(t.axis + 1, t.order) if is_row(t) else t
+    return t._replace(axis=t.axis + 1) if is_row(t) or is_index(t) else t
+
+
+def _met(ins: list) -> list:
+    """Inputs' tags with each :class:`Index` resolved where the rows are among them:
+    a row's own position on their axis (``jnp.sort(z) * jnp.arange(n)``), a constant
+    on another (a class index as long as the rows: ``y[:, None] == jnp.arange(c)``;
+    a token position embedded and added to each row)."""
+    axes = {t.axis for t in ins if is_row(t)}
+    if not axes and PARTIAL not in ins and UNKNOWN not in ins:
+        return ins
+    return [(Row(t.axis) if t.axis in axes else None) if is_index(t) else t for t in ins]
+
+
+_INDEX_MOVES = frozenset(("broadcast_in_dim", "transpose", "squeeze", "reshape", "gather"))
+
+
+def _index_only(walk: Any, eqn: Any, ins: list) -> list:
+    """The tags of an equation whose tagged inputs are all indices: moved with
+    their axis (a broadcast, an embedding's lookup of positions), kept through
+    elementwise ops along one axis, and a constant after anything else."""
+    n_out, name = len(eqn.outvars), eqn.primitive.name
+    if name in _INDEX_MOVES and (name != "gather" or ins[0] is None):
+        outs = RULES[name](walk, eqn, [Row(t.axis) if is_index(t) else t for t in ins])
+        return [Index(t.axis) if is_row(t) else None for t in outs]
+    axes = {t.axis for t in ins if is_index(t)}
+    if name in _ELEMENTWISE and len(axes) == 1:
+        return [Index(axes.pop())] * n_out
+    return [None] * n_out
 
 
 def _reduces(eqn: Any) -> bool:

@@ -4,12 +4,15 @@ A value's tag says how it holds the replica's batch rows: a :class:`Row` (its
 row axis, and the order of the rows along it: ``0`` is the batch's own),
 :data:`PARTIAL` (reduced over the rows: a sum, a mean, a maximum), or
 :data:`UNKNOWN` (the walk does not follow it); untagged values do not depend
-on the batch. A rule gets the equation and its inputs' tags, returns its
-outputs' tags, and asks the walk (``walk.refuse``, ``walk.reorder``,
-``walk.combine``) where the rows meet other rows. Reordering the rows alone is
-harmless (every row's value is still its own, and a mean over them the same); a
-reordered value that meets the rows in another order pairs different rows,
-which the walk refuses.
+on the batch. An :class:`Index` is an index as long as the replica's rows
+(``jnp.arange(n)``) that has not met the rows yet: a row's own position where
+it meets them on their axis, a class or a token position (as many as the rows,
+by chance) where it meets them on another (``_row_mixing._met``). A rule gets
+the equation and its inputs' tags, returns its outputs' tags, and asks the walk
+(``walk.refuse``, ``walk.reorder``, ``walk.combine``) where the rows meet other
+rows. Reordering the rows alone is harmless (every row's value is still its own,
+and a mean over them the same); a reordered value that meets the rows in another
+order pairs different rows, which the walk refuses.
 """
 
 from __future__ import annotations
@@ -26,8 +29,16 @@ class Row(NamedTuple):
     order: Any = 0  # (0: the batch's own order)
 
 
+class Index(NamedTuple):
+    axis: int
+
+
 def is_row(t: Any) -> bool:
     return isinstance(t, Row)
+
+
+def is_index(t: Any) -> bool:
+    return isinstance(t, Index)
 
 
 def _along(op: str):
@@ -134,7 +145,8 @@ def _gather(walk: Any, eqn: Any, ins: list) -> list:
             return [Row(out_batch[0], idx.order)]
         if idx is None:
             return [walk.reorder(eqn, Row(out_batch[0], ("gather", id(eqn.invars[1]))),
-                                 "rows picked by index (x[idx] over the rows)")]
+                                 "rows picked by index (x[idx] over the rows; x[perm], "
+                                 "perm from jax.random.permutation)")]
         return [UNKNOWN]
     if is_row(t):
         if idx is not None or t.axis in dn.operand_batching_dims or (
