@@ -2,6 +2,8 @@
 
 * :func:`foreign_psums` / :func:`summed_state`: a gradient that JAX summed over
   replicas (state that no wrapped model synced) is found in the traced program;
+  :func:`all_reduced_casts` names the commonest cause with a wrapped model: a
+  differentiated value of ``fleet.all_reduce`` added to a replica's own;
 * :func:`check_on_one_device`: the step traced once as the single-device step
   on the global shapes, so its shape errors are raised with those shapes;
 * :func:`agree_program` / :func:`agree_replicated`: the processes compare what
@@ -21,9 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxprs_in_params
+from jax.extend.core import Literal, jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
+from fleet import _compat
 from fleet._errors import FleetError, nth
 from fleet.comm import _sync
 from fleet.runtime._agree import agree
@@ -31,6 +34,7 @@ from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.semantics import _trace_errors
 from fleet.semantics._gathered import PSUMS, gathered_cotangent
+from fleet.semantics._jaxpr_scope import Scope, uses_all_reduce
 from fleet.step import _rows
 from fleet.step._roles import REPL, TREE
 
@@ -218,6 +222,34 @@ def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) 
             for v in eqn.outvars:  # (fleet's own collectives end a dependence: synced)
                 deps[id(v)] = came_from
     return [names[i] for i in found]
+
+
+ALL_REDUCED_DIFFERENTIATED = (
+    "the step differentiates a value of fleet.all_reduce combined with each replica's own "
+    "values ({where}: a load-balancing loss of all-reduced means added to the replica's "
+    "loss, say). JAX sums that value's gradient over the {n} replicas, on top of the "
+    "global gradient fleet.all_reduce already gives it: N times the single-device "
+    "gradient. Differentiate the replica's own share and all-reduce only what the "
+    "gradient does not pass through: a load-balancing loss as E * jnp.sum(fleet.all_reduce("
+    "frac.mean(0), 'avg') * probs.mean(0)), the routed fraction all-reduced and the "
+    "router's mean probability the replica's own (averaged over the replicas, its value "
+    "and its gradient are the single-device ones)")
+
+
+def all_reduced_casts(jaxpr: Any) -> list[str]:
+    """Where the traced body casts a float value computed from ``fleet.all_reduce``
+    to varying (combines it with a replica's own values): the cast's transpose is
+    JAX's sum over the replicas of a cotangent that the all-reduce's global adjoint
+    (``fleet.comm._collective``) already counts for every replica."""
+    body = next((e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
+                 if e.primitive.name == "shard_map"), None)
+    if body is None:
+        return []
+    scope = Scope(body)
+    return [_compat.user_line(e) or f"a {e.primitive.name} in the step" for e in body.eqns
+            if e.primitive.name in ("pvary", "pcast") and any(
+                not isinstance(v, Literal) and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+                and uses_all_reduce(v, scope) for v in e.invars)]
 
 
 def agree_replicated(fn: Any, kinds: tuple, repl: list, last: Any) -> Any:

@@ -1,0 +1,93 @@
+"""A mixture of experts' load-balancing loss (Switch Transformer style: the
+fraction of rows routed to each expert times the router's mean probability for
+it, both over the global batch).
+
+Converted as the masked-loss fix suggests, both means all-reduced
+(``fleet.all_reduce(probs.mean(0), 'avg')``), the loss adds an all-reduced value
+to the replica's own: JAX sums its gradient over the replicas on top of
+``fleet.all_reduce``'s global adjoint, N times the single-device gradient. It was
+refused, but as "a read outside the wrapped model's call (an L2 penalty...)",
+which the script has none of. It is now refused naming the line and the form
+that trains as on one device: the routed fraction all-reduced, the router's mean
+probability the replica's own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import fleet
+from tests import models
+
+EXPERTS = 4
+
+
+class MoE(nnx.Module):
+    """A router over four linear experts, mixed by its probabilities."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.router = nnx.Linear(10, EXPERTS, rngs=rngs)
+        self.experts = nnx.Linear(10, EXPERTS * 3, rngs=rngs)
+        self.head = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+        probs = jax.nn.softmax(self.router(x))
+        mixed = jnp.einsum("be,bed->bd", probs, self.experts(x).reshape(-1, EXPERTS, 3))
+        return self.head(jax.nn.relu(mixed)), probs
+
+
+def step_of(mean_of_probs):
+    """The step, with the router's mean probability over the batch as given."""
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            pred, probs = m(x)
+            frac = fleet.all_reduce(jax.nn.one_hot(jnp.argmax(probs, -1), EXPERTS).mean(0),
+                                    "avg")
+            aux = EXPERTS * jnp.sum(frac * mean_of_probs(probs))
+            return jnp.mean((pred - y) ** 2) + 0.1 * aux  # (the line the refusal names)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+    return step
+
+
+ALL_REDUCED = step_of(lambda probs: fleet.all_reduce(probs.mean(0), "avg"))
+OWN_SHARE = step_of(lambda probs: probs.mean(0))
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_an_all_reduced_mean_differentiated_in_the_loss_is_refused_naming_the_fix(make_world, n):
+    """On one replica too, as fleet's other sums over the replicas: the script fails
+    where it is written, not first on a cluster."""
+    make_world(n)
+    model = MoE(nnx.Rngs(0))
+    before = models.flat_params(model)
+    with pytest.raises(fleet.FleetError) as info:
+        models.train(model, models.batches("linear", 1, 16), wrap=True, step=ALL_REDUCED)
+    message = str(info.value)
+    print(message)
+    assert message.startswith("the step differentiates a value of fleet.all_reduce combined "
+                              "with each replica's own values")
+    assert f"{__file__}:" in message  # the loss's line
+    assert "N times the single-device gradient" in message
+    assert "fleet.all_reduce(frac.mean(0), 'avg') * probs.mean(0)" in message
+    assert "outside the wrapped model's call" not in message  # (the reason it gave before)
+    assert models.max_diff(models.flat_params(model), before) == 0  # (nothing ran)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_the_replicas_own_share_trains_as_on_one_device(make_world, n):
+    data = models.batches("linear", 3, 16)
+    want, want_losses = models.train(MoE(nnx.Rngs(0)), data, wrap=False, step=OWN_SHARE)
+    make_world(n)
+    got, losses = models.train(MoE(nnx.Rngs(0)), data, wrap=True, step=OWN_SHARE)
+    d = models.max_diff(models.flat_params(got), models.flat_params(want))
+    print(f"{n} devices: parameters {d:.1e} from one device; losses {losses} / {want_losses}")
+    assert d < 1e-6
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert fleet.check_replicas(got) == []
+
