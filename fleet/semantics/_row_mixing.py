@@ -28,7 +28,10 @@ replicas (the loss mixed its rows: a batch mean subtracted, class weights counte
 with ``jnp.bincount``; a standard deviation that is only returned is the outputs'
 check's,
 :mod:`fleet.semantics._outputs`; ``strategy.sync_batch_norm = False`` mixes
-them on purpose, and is not refused). A value fleet reduces over the replicas
+them on purpose, and is not refused), and a decision made from a partial value
+(the replica's loss compared with a limit) applied to values the same on every
+replica where that reaches a gradient's reduction (a step skipped on a loss spike,
+``jnp.where(loss < limit, grads, 0)``). A value fleet reduces over the replicas
 (its buckets, ``fleet.all_reduce``, ``fleet.all_gather``, a ``psum``) is
 global: it has no row axis.
 
@@ -58,9 +61,10 @@ _ELEMENTWISE = frozenset((
     "asinh", "acosh", "atanh", "abs", "sqrt", "rsqrt", "cbrt", "square", "integer_pow",
     "erf", "erfc", "erf_inv", "lgamma", "digamma", "select_n", "clamp", "eq", "ne", "lt",
     "le", "gt", "ge", "and", "or", "not", "xor", "convert_element_type", "copy", "copy_p",
-    "pvary", "pcast", "reduce_precision", "stop_gradient", "nextafter", "imag", "real",
+    "pvary", "pcast", "reduce_precision", "add_any", "stop_gradient", "nextafter", "imag", "real",
     "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
 ))
+_COMPARISONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge"))
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                          "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin"))
 _GLOBAL = frozenset(("psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_to_all"))
@@ -90,6 +94,10 @@ class _Rows:
         #: id(var) -> the equation that combined a partial value with its rows, for
         #: the values computed from it: refused where one reaches a gradient
         self.mixed: dict = {}
+        #: id(var) -> the comparison of a partial value (the replica's loss) whose
+        #: decision it carries onto values the same on every replica (the averaged
+        #: gradients): refused where one reaches a gradient's reduction
+        self.decided: dict = {}
         self.reorders: dict = {}  # a row order -> what made it
         self.producer: dict = {}  # id(var) -> the equation that made it (the rules read it)
 
@@ -119,6 +127,7 @@ class _Rows:
         for eqn in jaxpr.eqns:
             self.follow_mixed(eqn)
             ins = [self.tag(v) for v in eqn.invars]
+            self.follow_decided(eqn, ins)
             if any(t is not None for t in ins):
                 outs = self.eqn(eqn, ins)
                 for v, t in zip(eqn.outvars, outs):
@@ -143,6 +152,25 @@ class _Rows:
         for v in eqn.outvars:
             self.mixed.setdefault(id(v), origin)
 
+    def follow_decided(self, eqn: Any, ins: list) -> None:
+        """A replica's own decision (``loss < limit``) applied to values the same on
+        every replica (``jnp.where(ok, grads, 0)``): refused where it reaches a
+        gradient's reduction over the replicas (the distributed optimizer averages
+        gradients that differ), where one device decides once on the global batch.
+        Met by the rows or by other partial values (a cotangent gated alike, an
+        empty batch's guard), it is the rows' own business and is dropped."""
+        origin = next((self.decided[id(v)] for v in eqn.invars
+                       if not isinstance(v, Literal) and id(v) in self.decided), None)
+        if origin is None:
+            return
+        if _reduces(eqn):
+            self.refuse(*origin)
+        others = [t for v, t in zip(eqn.invars, ins)
+                  if isinstance(v, Literal) or id(v) not in self.decided]
+        if all(t is None for t in others):
+            for v in eqn.outvars:
+                self.decided.setdefault(id(v), origin)
+
     def eqn(self, eqn: Any, ins: list) -> list:
         """The outputs' tags of one equation with some tagged inputs."""
         name, n_out = eqn.primitive.name, len(eqn.outvars)
@@ -151,11 +179,11 @@ class _Rows:
             if all(t is None or is_index(t) for t in ins) and name not in CALLS and (
                     name != "scan"):
                 return _index_only(self, eqn, ins)
-        if UNKNOWN in ins:
-            return [UNKNOWN] * n_out
         call = eqn.params.get("name")
         if call in FLEET_CALLS or name in _GLOBAL:
-            return [None] * n_out  # (reduced over the replicas: global)
+            return [None] * n_out  # (reduced over the replicas: global, whatever came in)
+        if UNKNOWN in ins:
+            return [UNKNOWN] * n_out
         if call == "fleet_mark":
             return ins
         if name in CALLS:
@@ -208,10 +236,11 @@ class _Rows:
         return [*carry, *(_stacked(t) for t in outs[carries:])]
 
     def mixed_out(self, inner: Any, eqn: Any) -> None:
-        """A value mixed inside a call's or a loop's body leaves it mixed."""
+        """A value mixed (or decided) inside a call's or a loop's body leaves it so."""
         for v, w in zip(getattr(inner, "jaxpr", inner).outvars, eqn.outvars):
-            if not isinstance(v, Literal) and id(v) in self.mixed:
-                self.mixed.setdefault(id(w), self.mixed[id(v)])
+            for marks in (self.mixed, self.decided):
+                if not isinstance(v, Literal) and id(v) in marks:
+                    marks.setdefault(id(w), marks[id(v)])
 
     def elementwise(self, eqn: Any, ins: list) -> Any:
         rows = [t for t in ins if is_row(t)]
@@ -224,6 +253,14 @@ class _Rows:
                              "combined with the rows in another order")
         if rows and PARTIAL in ins:
             return self.combine(eqn)
+        if not rows and eqn.primitive.name in _COMPARISONS:
+            origin = (eqn, "a decision made from a value reduced over the replica's rows (its "
+                           "own loss compared with a limit, say) applied to values every "
+                           "replica holds alike (the averaged gradients): decide on the "
+                           "global value, fleet.all_reduce(loss, 'avg') < limit",
+                      list(self.calls))
+            for v in eqn.outvars:
+                self.decided[id(v)] = origin
         return rows[0] if rows else PARTIAL
 
     def combine(self, eqn: Any) -> Any:
