@@ -125,9 +125,9 @@ class _Rows:
                 self.tags[id(v)] = t
         self.producer.update((id(v), e) for e in jaxpr.eqns for v in e.outvars)
         for eqn in jaxpr.eqns:
-            self.follow_mixed(eqn)
+            self.follow(self.mixed, eqn)
             ins = [self.tag(v) for v in eqn.invars]
-            self.follow_decided(eqn, ins)
+            self.follow(self.decided, eqn, ins)
             if any(t is not None for t in ins):
                 outs = self.eqn(eqn, ins)
                 for v, t in zip(eqn.outvars, outs):
@@ -139,37 +139,29 @@ class _Rows:
                     self.tags[id(eqn.outvars[0])] = Index(dim)
         return [self.tag(v) for v in jaxpr.outvars]
 
-    def follow_mixed(self, eqn: Any) -> None:
-        """A value made from a partial one combined with its rows: refused where it
-        reaches a gradient's reduction over the replicas (so the loss mixed its
-        rows), passed on to what is computed from it otherwise."""
-        origin = next((self.mixed[id(v)] for v in eqn.invars
-                       if not isinstance(v, Literal) and id(v) in self.mixed), None)
-        if origin is None:
-            return
-        if _reduces(eqn):
-            self.refuse(*origin)
-        for v in eqn.outvars:
-            self.mixed.setdefault(id(v), origin)
+    def follow(self, marks: dict, eqn: Any, ins: list | None = None) -> None:
+        """A value marked in ``marks`` is refused where it reaches a gradient's
+        reduction over the replicas, and passed on to what is computed from it
+        otherwise.
 
-    def follow_decided(self, eqn: Any, ins: list) -> None:
-        """A replica's own decision (``loss < limit``) applied to values the same on
-        every replica (``jnp.where(ok, grads, 0)``): refused where it reaches a
-        gradient's reduction over the replicas (the distributed optimizer averages
-        gradients that differ), where one device decides once on the global batch.
-        Met by the rows or by other partial values (a cotangent gated alike, an
-        empty batch's guard), it is the rows' own business and is dropped."""
-        origin = next((self.decided[id(v)] for v in eqn.invars
-                       if not isinstance(v, Literal) and id(v) in self.decided), None)
+        ``mixed``: a partial value combined with its rows (so the loss mixed its
+        rows). ``decided`` (``ins``: the equation's tags): a replica's own decision
+        (``loss < limit``) applied to values the same on every replica
+        (``jnp.where(ok, grads, 0)``: the distributed optimizer averages gradients
+        that differ, where one device decides once on the global batch); met by
+        the rows or by other partial values (a cotangent gated alike, an empty
+        batch's guard) it is the rows' own business, and is dropped."""
+        origin = next((marks[id(v)] for v in eqn.invars
+                       if not isinstance(v, Literal) and id(v) in marks), None)
         if origin is None:
             return
         if _reduces(eqn):
             self.refuse(*origin)
-        others = [t for v, t in zip(eqn.invars, ins)
-                  if isinstance(v, Literal) or id(v) not in self.decided]
-        if all(t is None for t in others):
-            for v in eqn.outvars:
-                self.decided.setdefault(id(v), origin)
+        if ins is not None and any(t is not None for v, t in zip(eqn.invars, ins)
+                                   if isinstance(v, Literal) or id(v) not in marks):
+            return
+        for v in eqn.outvars:
+            marks.setdefault(id(v), origin)
 
     def eqn(self, eqn: Any, ins: list) -> list:
         """The outputs' tags of one equation with some tagged inputs."""
@@ -265,7 +257,7 @@ class _Rows:
 
     def combine(self, eqn: Any) -> Any:
         """``eqn`` combines a partial value with the rows it came from: what is made of
-        it is refused where it reaches a gradient (:meth:`follow_mixed`)."""
+        it is refused where it reaches a gradient (:meth:`follow`)."""
         if self.partial_mixing:
             origin = (eqn, "a value reduced over the replica's rows (a sum, mean, maximum "
                            "or count over the batch) combined with the rows themselves",
