@@ -30,8 +30,9 @@ check's,
 :mod:`fleet.semantics._outputs`; ``strategy.sync_batch_norm = False`` mixes
 them on purpose, and is not refused), and a decision made from a partial value
 (the replica's loss compared with a limit) applied to values the same on every
-replica where that reaches a gradient's reduction (a step skipped on a loss spike,
-``jnp.where(loss < limit, grads, 0)``). A value fleet reduces over the replicas
+replica where that reaches a gradient's reduction (a step skipped on a loss
+spike, ``jnp.where(loss < limit, grads, 0)``), or a branch on it
+(``nnx.cond(loss < limit, apply, skip, ...)``). A value fleet reduces over the replicas
 (its buckets, ``fleet.all_reduce``, ``fleet.all_gather``, a ``psum``) is
 global: it has no row axis.
 
@@ -64,7 +65,7 @@ _ELEMENTWISE = frozenset((
     "pvary", "pcast", "reduce_precision", "add_any", "stop_gradient", "nextafter", "imag", "real",
     "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
 ))
-_COMPARISONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge"))
+_DECISIONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "is_finite"))
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                          "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin"))
 _GLOBAL = frozenset(("psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_to_all"))
@@ -155,7 +156,8 @@ class _Rows:
                        if not isinstance(v, Literal) and id(v) in marks), None)
         if origin is None:
             return
-        if _reduces(eqn):
+        if _reduces(eqn) or (marks is self.decided and eqn.primitive.name == "cond"
+                             and id(eqn.invars[0]) in marks):  # (a branch on it)
             self.refuse(*origin)
         if ins is not None and any(t is not None for v, t in zip(eqn.invars, ins)
                                    if isinstance(v, Literal) or id(v) not in marks):
@@ -245,7 +247,7 @@ class _Rows:
                              "combined with the rows in another order")
         if rows and PARTIAL in ins:
             return self.combine(eqn)
-        if not rows and eqn.primitive.name in _COMPARISONS:
+        if not rows and eqn.primitive.name in _DECISIONS:
             origin = (eqn, "a decision made from a value reduced over the replica's rows (its "
                            "own loss compared with a limit, say) applied to values every "
                            "replica holds alike (the averaged gradients): decide on the "
