@@ -226,14 +226,17 @@ def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) 
 
 ALL_REDUCED_DIFFERENTIATED = (
     "the step differentiates a value of fleet.all_reduce combined with each replica's own "
-    "values ({where}: a load-balancing loss of all-reduced means added to the replica's "
-    "loss, say). JAX sums that value's gradient over the {n} replicas, on top of the "
+    "values ({where}). JAX sums that value's gradient over the {n} replicas, on top of the "
     "global gradient fleet.all_reduce already gives it: N times the single-device "
     "gradient. Differentiate the replica's own share and all-reduce only what the "
-    "gradient does not pass through: a load-balancing loss as E * jnp.sum(fleet.all_reduce("
-    "frac.mean(0), 'avg') * probs.mean(0)), the routed fraction all-reduced and the "
-    "router's mean probability the replica's own (averaged over the replicas, its value "
-    "and its gradient are the single-device ones)")
+    "gradient does not pass through: for a load-balancing loss, E * jnp.sum("
+    "fleet.all_reduce(frac.mean(0), 'avg') * probs.mean(0)) (the routed fraction "
+    "all-reduced, the router's mean probability the replica's own: averaged over the "
+    "replicas, its value and its gradient are the single-device ones); for rows "
+    "normalised by their batch's mean and variance, an nnx.BatchNorm(use_scale=False, "
+    "use_bias=False) with strategy.sync_batch_norm = True, which averages the statistics "
+    "over the replicas with their gradient. A loss computed from all-reduced values "
+    "alone (fleet.all_reduce(z1.T @ z2 / n, 'avg') and a function of it) is exact")
 
 
 def all_reduced_casts(jaxpr: Any) -> list[str]:

@@ -140,7 +140,7 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
         # Gradients of replicated state that no wrapped model synced: JAX summed
         # them. A distributed optimizer that got them, with no wrapped model in
         # the step, divides them by N (raw parameters, functional optax style).
-        cast = record.wrapped_syncs and summed and _guards.all_reduced_casts(jaxpr)
+        cast = record.wrapped_syncs and _guards.all_reduced_casts(jaxpr)
         if cast:
             raise FleetError(_guards.ALL_REDUCED_DIFFERENTIATED.format(
                 where=cast[0], n=plan.mesh.devices.size))

@@ -1,4 +1,6 @@
-"""A mixture of experts' load-balancing loss (Switch Transformer style: the
+"""Losses made of statistics all-reduced over the replicas, differentiated.
+
+A mixture of experts' load-balancing loss (Switch Transformer style: the
 fraction of rows routed to each expert times the router's mean probability for
 it, both over the global batch).
 
@@ -10,12 +12,20 @@ refused, but as "a read outside the wrapped model's call (an L2 penalty...)",
 which the script has none of. It is now refused naming the line and the form
 that trains as on one device: the routed fraction all-reduced, the router's mean
 probability the replica's own.
+
+Barlow Twins (two views' embeddings normalised over the batch, their
+cross-correlation pushed to the identity), with the batch's mean and variance
+all-reduced: the same sum, refused as "the step sums over the replicas itself
+... use fleet.all_reduce", which it did. Now refused as above, naming the
+normalisation's line and nnx.BatchNorm with strategy.sync_batch_norm, with which
+(and the cross-correlation all-reduced) it trains as on one device.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
@@ -91,3 +101,70 @@ def test_the_replicas_own_share_trains_as_on_one_device(make_world, n):
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert fleet.check_replicas(got) == []
 
+
+
+class Projector(nnx.Module):
+    """An MLP projector; ``normalise``: an nnx.BatchNorm without scale or bias last."""
+
+    def __init__(self, rngs: nnx.Rngs, normalise: bool):
+        self.hidden = nnx.Linear(10, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 5, rngs=rngs)
+        self.bn = nnx.BatchNorm(5, use_scale=False, use_bias=False, rngs=rngs) if normalise else None
+
+    def __call__(self, x):
+        z = self.out(jax.nn.relu(self.hidden(x)))
+        return z if self.bn is None else self.bn(z)
+
+
+def barlow_twins(normalise):
+    """The step; ``normalise(z)``: the rows over their batch's statistics."""
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            z1, z2 = normalise(m(x)), normalise(m(x[:, ::-1] * 0.9 + 0.1))
+            c = fleet.all_reduce(z1.T @ z2 / x.shape[0], "avg")
+            return jnp.sum((jnp.diag(c) - 1) ** 2) + 0.005 * jnp.sum(
+                (c - jnp.diag(jnp.diag(c))) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+    return step
+
+
+def all_reduced_statistics(z):
+    mean = fleet.all_reduce(z.mean(0), "avg")
+    var = fleet.all_reduce((z ** 2).mean(0), "avg") - mean ** 2
+    return (z - mean) / jnp.sqrt(var + 1e-5)  # (the line the refusal names)
+
+
+def test_rows_normalised_by_all_reduced_statistics_are_refused_naming_batch_norm(make_world):
+    make_world(4)
+    with pytest.raises(fleet.FleetError) as info:
+        models.train(Projector(nnx.Rngs(0), normalise=False), models.batches("linear", 1, 16),
+                     wrap=True, step=barlow_twins(all_reduced_statistics))
+    message = str(info.value)
+    print(message)
+    assert message.startswith("the step differentiates a value of fleet.all_reduce combined "
+                              "with each replica's own values")
+    assert f"{__file__}:" in message
+    assert "nnx.BatchNorm(use_scale=False, use_bias=False) with strategy.sync_batch_norm" in (
+        message)
+    assert "sums over the 4 replicas itself" not in message  # (the reason it gave before)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_barlow_twins_with_a_synced_batch_norm_trains_as_on_one_device(make_world, n):
+    data = models.batches("linear", 3, 16)
+    step = barlow_twins(lambda z: z)
+    want, want_losses = models.train(Projector(nnx.Rngs(0), normalise=True), data, wrap=False,
+                                     step=step, tx=optax.sgd(0.01))
+    strategy = fleet.DistributedStrategy()
+    strategy.sync_batch_norm = True
+    make_world(n, strategy)
+    got, losses = models.train(Projector(nnx.Rngs(0), normalise=True), data, wrap=True,
+                               step=step, tx=optax.sgd(0.01))
+    d = models.max_diff(models.flat_params(got), models.flat_params(want))
+    print(f"{n} devices: parameters {d:.1e} from one device; losses {losses} / {want_losses}")
+    assert d < 1e-6
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert fleet.check_replicas(got) == []
