@@ -314,3 +314,21 @@ def test_a_decision_on_the_all_reduced_loss_trains_as_on_one_device(make_world, 
     assert d < 1e-6
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert fleet.check_replicas(got) == []
+
+
+def test_a_decision_the_step_combines_over_the_replicas_trains_as_on_one_device(make_world):
+    """Skip a step whose loss is not finite, agreed by every replica
+    (``fleet.all_reduce(..., 'min')``: the global loss is finite when every replica's
+    is): the step's own combination, not refused (it was, as a replica's decision)."""
+    data = models.batches("linear", 3, 16)
+    data[1][1][5, 0] = float("nan")  # (one row of the second batch: its step is skipped)
+    step = gated_step(lambda loss: fleet.all_reduce(
+        jnp.isfinite(loss).astype(jnp.float32), "min") > 0.5, "cond")
+    want, want_losses = models.train(Encoder(nnx.Rngs(0, mixup=1)), data, wrap=False, step=step)
+    make_world(4)
+    got, losses = models.train(Encoder(nnx.Rngs(0, mixup=1)), data, wrap=True, step=step)
+    assert jnp.isnan(want_losses[1]) and jnp.isnan(losses[1])
+    d = models.max_diff(models.flat_params(got), models.flat_params(want))
+    print(f"the agreed skip: {d:.1e} from one device")
+    assert d < 1e-6
+    assert fleet.check_replicas(got) == []

@@ -128,7 +128,6 @@ class _Rows:
         for eqn in jaxpr.eqns:
             self.follow(self.mixed, eqn)
             ins = [self.tag(v) for v in eqn.invars]
-            self.follow(self.decided, eqn, ins)
             if any(t is not None for t in ins):
                 outs = self.eqn(eqn, ins)
                 for v, t in zip(eqn.outvars, outs):
@@ -138,6 +137,7 @@ class _Rows:
                 dim = eqn.params.get("dimension", 0)
                 if eqn.outvars[0].aval.shape[dim] in self.rows:
                     self.tags[id(eqn.outvars[0])] = Index(dim)
+            self.follow(self.decided, eqn, ins)  # (after the outputs' tags: see follow)
         return [self.tag(v) for v in jaxpr.outvars]
 
     def follow(self, marks: dict, eqn: Any, ins: list | None = None) -> None:
@@ -151,7 +151,9 @@ class _Rows:
         (``jnp.where(ok, grads, 0)``: the distributed optimizer averages gradients
         that differ, where one device decides once on the global batch); met by
         the rows or by other partial values (a cotangent gated alike, an empty
-        batch's guard) it is the rows' own business, and is dropped."""
+        batch's guard) it is the rows' own business, and is dropped; combined over
+        the replicas by the step itself (``fleet.all_reduce(ok, 'min')``: an output
+        with no tag, global) it is the step's choice, and ends there."""
         origin = next((marks[id(v)] for v in eqn.invars
                        if not isinstance(v, Literal) and id(v) in marks), None)
         if origin is None:
@@ -163,7 +165,8 @@ class _Rows:
                                    if isinstance(v, Literal) or id(v) not in marks):
             return
         for v in eqn.outvars:
-            marks.setdefault(id(v), origin)
+            if ins is None or self.tag(v) is not None:
+                marks.setdefault(id(v), origin)
 
     def eqn(self, eqn: Any, ins: list) -> list:
         """The outputs' tags of one equation with some tagged inputs."""
