@@ -46,7 +46,6 @@ from fleet.comm._buckets import Bucket, BucketConfig, plan_leaves, reduce_bucket
 from fleet.comm._hooks import fleet_bucket, gradient_hook, zero_backward
 from fleet.comm._param_gather import gather_leaves
 from fleet.comm._trace import SyncTrace
-from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 
 
@@ -136,9 +135,10 @@ def psum(leaves: list) -> list:
 
 @jax.jit
 def fleet_written(x: Any) -> Any:
-    """A value a wrapped model's call wrote into one of its parameters (``nnx.SpectralNorm``
-    writes the normalised kernel), typed the same on every replica: replica 0's,
-    exactly (the others add zeros). The probe checks that it was computed from
+    """A value typed varying that every replica computed alike, typed the same on
+    every replica: replica 0's, exactly (the others add zeros). A parameter a wrapped
+    model's call wrote (``nnx.SpectralNorm`` writes the normalised kernel), state set
+    from the parameters under ``no_sync``. The probe checks that it was computed from
     replicated values alone (fleet.step._probe_checks.check_written)."""
     first = jax.lax.axis_index(DATA_AXIS) == 0
     return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), DATA_AXIS)
@@ -243,13 +243,11 @@ def accumulator_key(key: str) -> str:
     return key.replace(".", ":")
 
 
-def accumulate(grads: Any) -> None:
-    """Under ``no_sync``: adds the local gradients (varying) to the accumulator,
-    keyed by parameter path (the distributed optimizer calls it instead of
-    stepping)."""
+def accumulate(grads: dict[str, Any]) -> None:
+    """Under ``no_sync``: adds the local gradients (varying), by their parameters'
+    names in the wrapped model, to the accumulator (the distributed optimizer
+    calls it instead of stepping)."""
     trace = current()
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        key = dotted(path)
-        if not is_varying(g):
-            continue
-        trace.accum.add(key, g)
+    for key, g in grads.items():
+        if is_varying(g):
+            trace.accum.add(key, g)

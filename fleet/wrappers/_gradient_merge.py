@@ -50,7 +50,7 @@ from flax import nnx
 
 from fleet._errors import FleetError
 from fleet.comm import _sync, _synced
-from fleet.runtime._leaves import module_variables
+from fleet.runtime._leaves import dotted, module_variables
 from fleet.runtime._world import world
 
 
@@ -135,9 +135,23 @@ class GradientMerge:
             state = self.pure_fleet_state()
             self.update_fleet_state(state._replace(merge=self.merge.update(state.merge)))
         if trace is not None and trace.accum.no_sync:  # add to the accumulator; nothing steps
-            _sync.accumulate(nnx.to_pure_dict(nnx.state(grads, self.wrt)))
+            _sync.accumulate(_by_parameter(nnx.state(grads, self.wrt)))
             return True
         return False
+
+
+def _by_parameter(grads: Any) -> dict[str, Any]:
+    """The gradients by their parameters' names in the wrapped model, the
+    accumulator's keys: also where the optimizer holds a part of the model
+    (``nnx.Optimizer(agent.online, ...)``), whose paths start below the model's."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    out = {}
+    for path, g in flat:
+        spec = g.get_metadata("fleet_sync", None) if isinstance(g, _synced.SyncedRead) else None
+        out[dotted(path) if spec is None else spec.key] = (
+            g.get_raw_value() if isinstance(g, nnx.Variable) else g)
+    return out
 
 
 # --------------------------------------------------------------------------- the step's side
