@@ -44,9 +44,16 @@ def raw_read_hint(what: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class SyncSpec:
     """What a wrapped NNX model's parameter carries (variable metadata
-    ``fleet_sync``): its name for the accumulator, and its model's buckets."""
+    ``fleet_sync``): its name for the accumulator, and its model's buckets.
 
-    key: str
+    Two specs that differ only in ``key`` compare equal, as two same-shaped
+    parameters' metadata do on one device: JAX compares a variable's metadata
+    when it matches two trees (``optax.incremental_update`` of a target
+    network's state towards the online one's, ``jax.lax.cond`` choosing
+    between them), and ``nnx.update`` keeps a variable's own metadata where
+    the new one compares equal."""
+
+    key: str = dataclasses.field(compare=False)
     buckets: BucketConfig
     #: stage 3 (``sharding_configs.stage = 3``): how the parameter is split
     #: (a fleet.comm._shard_comm.Layout; its value is the replicas' slices)
@@ -189,8 +196,16 @@ def _kept_write(trace: SyncTrace, key: str, variable: Any, written: Any) -> Any:
             "normalised kernel): under sharding_configs.stage = 3 each replica holds a "
             "slice of it, and fleet cannot keep a write of the whole parameter; use stage "
             "2 or lower, or a layer that reads its parameters without writing them")
-    trace.written.append(key)
+    trace.written.append(_WRITTEN.format(name=key))
     return fleet_written(written)
+
+
+_WRITTEN = (
+    "the model's call wrote its parameter {name!r} from values that differ across "
+    "replicas (computed from the batch?): each replica would keep its own value, "
+    "where the single-device step keeps one. Write the parameter from parameters and "
+    "replicated state alone (as nnx.SpectralNorm writes its normalised kernel), or keep "
+    "a statistic of the batch in an nnx.BatchStat, which fleet averages")
 
 
 def _writable(variable: Any, raw: Any) -> bool:

@@ -131,8 +131,10 @@ class SyncTrace:
     #: depth of wrapped-model calls inside a JAX transformation that closes over the
     #: model (jax.grad of the inputs: fleet.comm._synced.bucketed_call)
     foreign: int = 0
-    #: the names of the parameters a wrapped model's call wrote (nnx.SpectralNorm's
-    #: kernel), in the order of their fleet_written calls (fleet.comm._synced)
+    #: the values the step keeps as replica 0's (fleet_written): a parameter a wrapped
+    #: model's call wrote (nnx.SpectralNorm's kernel: fleet.comm._synced), state set
+    #: under no_sync from the parameters (an EMA: fleet.step._program); each one's
+    #: refusal should it be computed from per-replica values, in call order
     written: list = dataclasses.field(default_factory=list)
     #: ids of the wrapped parameters set in this trace (``variable[...] = x``):
     #: fleet.comm._synced.SyncedRead.set_value

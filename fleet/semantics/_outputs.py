@@ -225,24 +225,17 @@ def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> N
             raise FleetError(_COUNTED.format(name=name))
 
 
-_WRITTEN = (
-    "the model's call wrote its parameter {name!r} from values that differ across "
-    "replicas (computed from the batch?): each replica would keep its own value, "
-    "where the single-device step keeps one. Write the parameter from parameters and "
-    "replicated state alone (as nnx.SpectralNorm writes its normalised kernel), or keep "
-    "a statistic of the batch in an nnx.BatchStat, which fleet averages")
-
-
-def check_written(jaxpr: Any, names: list[str]) -> None:
-    """Refuses a parameter that a wrapped model's call wrote (``names``, in the
-    order of the probe's ``fleet_written`` calls: fleet.comm._synced) from values
-    that may differ across replicas: fleet keeps replica 0's value, right only
-    where every replica computed the same (fleet.semantics._jaxpr_scope.ReplicaConstant;
-    inside a loop or a branch it is not followed, and refused)."""
+def check_written(jaxpr: Any, refusals: list[str]) -> None:
+    """Refuses a value the step keeps as replica 0's (a parameter a wrapped
+    model's call wrote, state set under no_sync: ``refusals``, each one's error,
+    in the order of the probe's ``fleet_written`` calls) where it may differ
+    across replicas: replica 0's value is right only where every replica
+    computed the same (fleet.semantics._jaxpr_scope.ReplicaConstant; inside a
+    loop or a branch it is not followed, and refused)."""
     constant = ReplicaConstant()
-    for name, (eqn, scope) in zip(names, _named_calls(jaxpr, {"fleet_written"})):
+    for refusal, (eqn, scope) in zip(refusals, _named_calls(jaxpr, {"fleet_written"})):
         if not constant(eqn.invars[0], scope):
-            raise FleetError(_WRITTEN.format(name=name))
+            raise FleetError(refusal)
 
 
 _METRIC = (

@@ -312,7 +312,9 @@ class Program:
     def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list,
                          trace: Any) -> list:
         """The NNX state the step leaves (``trace``: the body's): batch-norm
-        statistics averaged, anything else varying refused."""
+        statistics averaged, anything else varying refused (under no_sync, where
+        the parameters vary by type, refused by the probe where it came from the
+        batch)."""
         variables = [v for _, v in variables_of(new)]
         leaves = [v.get_raw_value() for v in variables]
         # Under no_sync the wrapped parameters entered as varying; unchanged, they
@@ -323,12 +325,13 @@ class Program:
                    if _sync.is_varying(x) and not self.graph.per_replica[i]]
         for i in buffers:
             if not is_buffer(variables[i]):
+                param = isinstance(variables[i], nnx.Param)
                 hint = (
                     " Under no_sync the gradients are local: update with a "
                     "fleet.distributed_optimizer, which does not step inside no_sync."
-                    if plan.no_sync else
+                    if plan.no_sync and param else
                     " Compute its gradient through a wrapped model (fleet.distributed_model)."
-                    if isinstance(variables[i], nnx.Param) else
+                    if param else
                     " fleet averages only batch-norm statistics (nnx.BatchStat); it cannot "
                     "tell whether this value is a mean over the replica's rows or a sum. "
                     "Combine it yourself in the step, as on one device: "
@@ -336,10 +339,16 @@ class Program:
                     "'sum') for a sum; or keep counts and totals in an nnx.metrics metric, "
                     "which fleet updates with the global batch."
                 )
-                raise FleetError(
-                    f"{self.graph.names[i]} would hold different values on different "
-                    f"replicas after this step (it was set from per-replica values).{hint}"
-                )
+                refusal = (f"{self.graph.names[i]} would hold different values on different "
+                           f"replicas after this step (it was set from per-replica values).{hint}")
+                if not plan.no_sync:
+                    raise FleetError(refusal)
+                # Under no_sync the parameters vary by type alone: state set from them
+                # (an EMA of the weights, a target network's copy) is kept as replica
+                # 0's, and the probe refuses it where it came from the batch.
+                trace.written.append(refusal)
+                leaves[i] = _sync.fleet_written(leaves[i])
+        buffers = [i for i in buffers if is_buffer(variables[i])]
         if buffers:
             for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
                 leaves[i] = x
