@@ -17,7 +17,8 @@ step twice, the one-device reference and the probe).
 This module holds the program's trace: :class:`Program`'s global program, its
 first trace and the per-replica body up to the step's outputs. The body's end
 and the outputs' combination are in ``fleet.step._tail``; the checks and
-decisions made from the probe's jaxpr in ``fleet.step._probe_checks``.
+decisions made from the probe's jaxpr in ``fleet.step._probe_checks``; the state the
+body leaves in ``fleet.step._tail.replicated_state``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 from fleet._errors import FleetError
 from fleet.comm import _sync, _trace
-from fleet.runtime._leaves import dotted, variables_of
+from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
 from fleet.step import _first_trace, _guards, _roles
-from fleet.step._graph import GraphCache, Plan, is_buffer, restructured, tree_layout, tree_rows
+from fleet.step._graph import GraphCache, Plan, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
     check_gradients,
     check_per_example,
@@ -50,9 +51,9 @@ from fleet.step._probe_checks import (
     resolve_scalars,
 )
 from fleet.step._record import PlanRecord
-from fleet.step._tail import COMBINE, combined, leave, probe_record, with_real_tail
+from fleet.step._tail import COMBINE, combined, leave, probe_record, replicated_state, with_real_tail
 from fleet.wrappers._distributed_optimizer import enter_trace
-from fleet.wrappers._gradient_merge import check_one_sum_each, leave_accumulators
+from fleet.wrappers._gradient_merge import check_one_sum_each
 
 
 class Program:
@@ -255,14 +256,16 @@ class Program:
         values = [next(sources[k]) for k in plan.kinds]
         n_pos = len(values) - len(plan.kw_names)
         trace, recorder = self.new_trace(plan, record, state, objs, probe)
+        tree_variables = _roles.tree_variables(values, plan.kinds)
         with _sync.tracing(trace):
             with _metrics.global_updates(trace, objs, rows, record, probe):  # global batch
                 out = keys.leave(self.fn(*values[:n_pos],
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
+            _roles.check_tree_writes(tree_variables, values, plan.kw_names)
             graphdef, new = nnx.split(objs)
             if graphdef != plan.graphdef:
                 raise FleetError(restructured(objs))
-            new_state = self.replicated_state(new, plan, entered, original, trace)
+            new_state = replicated_state(self.graph, new, plan, entered, original, trace)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
         check_returned(trace, out)
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
@@ -308,49 +311,3 @@ class Program:
             return probe_body, _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
         except FleetError as e:
             raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
-
-    def replicated_state(self, new: Any, plan: Plan, entered: dict, original: list,
-                         trace: Any) -> list:
-        """The NNX state the step leaves (``trace``: the body's): batch-norm
-        statistics averaged, anything else varying refused (under no_sync, where
-        the parameters vary by type, refused by the probe where it came from the
-        batch)."""
-        variables = [v for _, v in variables_of(new)]
-        leaves = [v.get_raw_value() for v in variables]
-        # Under no_sync the wrapped parameters entered as varying; unchanged, they
-        # leave as the invariant values they were.
-        leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
-        leave_accumulators(trace, self.graph.accum_keys, leaves)
-        buffers = [i for i, x in enumerate(leaves)
-                   if _sync.is_varying(x) and not self.graph.per_replica[i]]
-        for i in buffers:
-            if not is_buffer(variables[i]):
-                param = isinstance(variables[i], nnx.Param)
-                hint = (
-                    " Under no_sync the gradients are local: update with a "
-                    "fleet.distributed_optimizer, which does not step inside no_sync."
-                    if plan.no_sync and param else
-                    " Compute its gradient through a wrapped model (fleet.distributed_model)."
-                    if param else
-                    " fleet averages only batch-norm statistics (nnx.BatchStat); it cannot "
-                    "tell whether this value is a mean over the replica's rows or a sum. "
-                    "Combine it yourself in the step, as on one device: "
-                    "fleet.all_reduce(value, 'avg') for a mean, fleet.all_reduce(value, "
-                    "'sum') for a sum; or keep counts and totals in an nnx.metrics metric, "
-                    "which fleet updates with the global batch."
-                )
-                refusal = (f"{self.graph.names[i]} would hold different values on different "
-                           f"replicas after this step (it was set from per-replica values).{hint}")
-                if not plan.no_sync:
-                    raise FleetError(refusal)
-                # Under no_sync the parameters vary by type alone: state set from them
-                # (an EMA of the weights, a target network's copy) is kept as replica
-                # 0's, and the probe refuses it where it came from the batch.
-                trace.written.append(refusal)
-                leaves[i] = _sync.fleet_written(leaves[i])
-        buffers = [i for i in buffers if is_buffer(variables[i])]
-        if buffers:
-            for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
-                leaves[i] = x
-        return leaves
-

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fleet._errors import FleetConfigError, FleetError, FleetTypeError
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError, nth
 from fleet.comm import _sync
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
@@ -79,6 +79,45 @@ def kind(x: Any, is_batch: bool | None, n: int, leaves: list | None = None) -> s
     # a pytree of arrays (and scalars) is state; anything else is a static value
     return TREE if leaves and all(map(isinstance, leaves, repeat(_ARRAY_LEAVES))) else STATIC
 
+
+
+def tree_variables(values: Sequence, kinds: Sequence) -> list:
+    """The NNX variables inside the pytree arguments (a bare ``nnx.Variable``, a
+    tuple of optimizers, an ``nnx.State``) as the body enters them: ``(position,
+    path, variable, its value)``, for :func:`check_tree_writes`."""
+    found = []
+    for i, (v, k) in enumerate(zip(values, kinds)):
+        if k == TREE and not is_array(v):
+            found += [(i, p, x, x.get_raw_value()) for p, x in jax.tree_util.tree_flatten_with_path(
+                v, is_leaf=_is_variable)[0] if _is_variable(x)]
+    return found
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def check_tree_writes(entered: list, values: Sequence, kw_names: Sequence) -> None:
+    """Refuses a step that wrote into a variable of a pytree argument
+    (:func:`tree_variables`): fleet updates the NNX objects passed as arguments
+    themselves, and takes a pytree argument's arrays as values, so the write (an
+    optimizer's moments, a counter) would be lost, where ``nnx.jit`` keeps it. A
+    read (a teacher's ``nnx.state``) is fine."""
+    n_pos = len(values) - len(kw_names)
+    for i, path, variable, raw in entered:
+        if variable.get_raw_value() is raw:
+            continue
+        where = nth(i) if i < n_pos else f"argument {kw_names[i - n_pos]!r}"
+        what = (f"{where}, an nnx.{type(variable).__name__}" if not path else
+                f"the nnx.{type(variable).__name__} at [{dotted(path)}] of {where}, a "
+                f"{type(values[i]).__name__}")
+        raise FleetTypeError(
+            f"the step writes into {what}: fleet updates "
+            "the NNX objects passed to the step as arguments (a model, an optimizer), and "
+            "takes other arguments' arrays as values, so the write would be lost. Pass "
+            "each object as its own argument (step(model, actor_optimizer, "
+            "critic_optimizer, batch)), and hold variables and groups of objects in an "
+            "nnx.Module (an attribute of the model), nnx.List or nnx.Dict")
 
 
 class Positions:

@@ -4,7 +4,8 @@ Moved out of ``fleet.step._program``, whose ``Program.body`` runs the step and
 ends here; ``Program.run`` combines what the body returns. The real body's tail
 (:func:`leave`): the outputs summed inside (:func:`summed_inside`, with
 ``check_nan_inf``), their finite flags, the state selected by the chain, the
-outputs stacked or replicated. The probe's tail (:func:`probe_record`): its
+outputs stacked or replicated; the NNX state the step leaves
+(:func:`replicated_state`). The probe's tail (:func:`probe_record`): its
 record of what the step did and the undeclared varying scalars it returns; with
 the real program's tail behind them when the probe's program may be the real
 one (:func:`with_real_tail`, ``fleet.step._first_trace``). Outside the body, the
@@ -20,14 +21,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fleet._errors import FleetError
 from fleet.comm import _sync
-from fleet.runtime._leaves import is_key
+from fleet.runtime._leaves import is_key, variables_of
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite, _sharding
 from fleet.semantics import _outputs, _random_guards
 from fleet.step import _first_trace, _roles
-from fleet.step._graph import GraphCache, Plan
+from fleet.step._graph import GraphCache, Plan, is_buffer
 from fleet.step._record import PlanRecord
+from fleet.wrappers._gradient_merge import leave_accumulators
 
 #: The combination over the replicas of each output returned stacked.
 COMBINE = {"mean": lambda x: x.mean(0), "sum": lambda x: x.sum(0),
@@ -142,3 +145,48 @@ def combined(out_leaves: list, record: PlanRecord, n: int) -> list:
         else COMBINE[r](x) if r in COMBINE else x
         for x, r, s in zip(out_leaves, record.out, record.summed)
     ]
+
+
+def replicated_state(graph: GraphCache, new: Any, plan: Plan, entered: dict,
+                     original: list, trace: Any) -> list:
+    """The NNX state the step leaves (``trace``: the body's): batch-norm
+    statistics averaged, anything else varying refused (under no_sync, where
+    the parameters vary by type, refused by the probe where it came from the
+    batch)."""
+    variables = [v for _, v in variables_of(new)]
+    leaves = [v.get_raw_value() for v in variables]
+    # Under no_sync the wrapped parameters entered as varying; unchanged, they
+    # leave as the invariant values they were.
+    leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
+    leave_accumulators(trace, graph.accum_keys, leaves)
+    buffers = [i for i, x in enumerate(leaves)
+               if _sync.is_varying(x) and not graph.per_replica[i]]
+    for i in [i for i in buffers if not is_buffer(variables[i])]:
+        refusal = _varying_state(graph.names[i], variables[i], plan.no_sync)
+        if not plan.no_sync:
+            raise FleetError(refusal)
+        # Under no_sync the parameters vary by type alone: state set from them
+        # (an EMA of the weights, a target network's copy) is kept as replica
+        # 0's, and the probe refuses it where it came from the batch.
+        trace.written.append(refusal)
+        leaves[i] = _sync.fleet_written(leaves[i])
+    buffers = [i for i in buffers if is_buffer(variables[i])]
+    if buffers:
+        for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
+            leaves[i] = x
+    return leaves
+
+def _varying_state(name: str, variable: Any, no_sync: bool) -> str:
+    """The refusal of state the step leaves different on each replica."""
+    if isinstance(variable, nnx.Param):
+        hint = (" Under no_sync the gradients are local: update with a "
+                "fleet.distributed_optimizer, which does not step inside no_sync." if no_sync
+                else " Compute its gradient through a wrapped model (fleet.distributed_model).")
+    else:
+        hint = (" fleet averages only batch-norm statistics (nnx.BatchStat); it cannot tell "
+                "whether this value is a mean over the replica's rows or a sum. Combine it "
+                "yourself in the step, as on one device: fleet.all_reduce(value, 'avg') for "
+                "a mean, fleet.all_reduce(value, 'sum') for a sum; or keep counts and totals "
+                "in an nnx.metrics metric, which fleet updates with the global batch.")
+    return (f"{name} would hold different values on different replicas after this step "
+            f"(it was set from per-replica values).{hint}")
