@@ -157,3 +157,23 @@ def test_a_state_argument_that_is_only_read_trains_as_on_one_device(make_world):
     print(f"a teacher's state as an argument: |fleet - one device| = {diff:.2e}")
     assert diff < 1e-6
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+def configured(model, config, x, y):
+    name, optimizer = config
+    return models.nnx_train_step(model, optimizer, x, y)
+
+
+def test_an_object_in_a_static_argument_is_refused(make_world):
+    """A tuple with a string and an optimizer holds values that are not arrays, so
+    it is a static value of the step: the optimizer's arrays would be constants of
+    the compiled program (stale once they change), and its update failed with
+    Flax's raw "Cannot mutate OptArray from a different trace level"."""
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    step = fleet.distributed_step(configured)
+    x, y = models.batches("linear", 1, 8)[0]
+    with pytest.raises(fleet.FleetError, match=r"the 2nd argument, a tuple, holds an NNX object "
+                       r"\(DistributedOptimizer at \[1\]\).*static value.*its own argument"):
+        step(model, ("adam", optimizer), x, y)

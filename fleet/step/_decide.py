@@ -44,6 +44,7 @@ def decide(program: Program, merge: MergePosition, batch_argnums: tuple | None,
         _roles.kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
         for i, v in enumerate(values)
     )
+    _roles.check_static_objects(values, kinds, names)
     positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
     objs = tuple(values[i] for i in positions)
     no_sync = _sync.no_sync_active()

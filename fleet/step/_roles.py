@@ -112,12 +112,39 @@ def check_tree_writes(entered: list, values: Sequence, kw_names: Sequence) -> No
                 f"the nnx.{type(variable).__name__} at [{dotted(path)}] of {where}, a "
                 f"{type(values[i]).__name__}")
         raise FleetTypeError(
-            f"the step writes into {what}: fleet updates "
-            "the NNX objects passed to the step as arguments (a model, an optimizer), and "
-            "takes other arguments' arrays as values, so the write would be lost. Pass "
-            "each object as its own argument (step(model, actor_optimizer, "
-            "critic_optimizer, batch)), and hold variables and groups of objects in an "
-            "nnx.Module (an attribute of the model), nnx.List or nnx.Dict")
+            f"the step writes into {what}: fleet updates the NNX objects passed to the step "
+            "as arguments (a model, an optimizer), and takes other arguments' arrays as "
+            f"values, so the write would be lost. {_OBJECTS_FIX}")
+
+
+def check_static_objects(values: Sequence, kinds: Sequence, kw_names: Sequence) -> None:
+    """Refuses a static argument (one that holds values other than arrays) that
+    holds NNX objects or variables: the step would read them as constants of
+    its compiled program, stale once they change, and could not write them."""
+    n_pos = len(values) - len(kw_names)
+    for i, (v, k) in enumerate(zip(values, kinds)):
+        if k != STATIC:
+            continue
+        found = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(
+            v, is_leaf=_is_object)[0] if _is_object(x)]
+        if found:
+            where = nth(i) if i < n_pos else f"argument {kw_names[i - n_pos]!r}"
+            path, obj = found[0]
+            raise FleetTypeError(
+                f"{where}, a {type(v).__name__}, holds an NNX object ({type(obj).__name__} "
+                f"at [{dotted(path)}]) beside values that are not arrays, so it would be a "
+                "static value of the step: its arrays constants of the compiled program, "
+                f"stale once they change, and the step's writes into it lost. {_OBJECTS_FIX}")
+
+
+def _is_object(x: Any) -> bool:
+    return isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+_OBJECTS_FIX = (
+    "Pass each object as its own argument (step(model, actor_optimizer, critic_optimizer, "
+    "batch)), and hold variables and groups of objects in an nnx.Module (an attribute of "
+    "the model), nnx.List or nnx.Dict")
 
 
 class Positions:
