@@ -93,8 +93,8 @@ class SyncedRead:
     def set_value(self, value: Any, *, index: Any = MISSING) -> None:
         spec = self.get_metadata("fleet_sync", None)
         trace = current()
-        if trace is not None:  # (a write in the model's call is kept: bucketed_call)
-            trace.writes.add(id(self))
+        if trace is not None and spec is not None:  # (kept: bucketed_call; by name, as
+            trace.writes.add(spec.key)  # nnx.remat, nnx.jit and nnx.scan write into a copy)
         if spec is None or spec.layout is None or trace is not None:
             return super().set_value(value, index=index)
         whole = value
@@ -170,9 +170,9 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
     layouts = [layout_of(variables[k]) for k in keys]
     synced = sync_leaves(keys, raw, buckets, layouts)
     changed = [(k, variables[k], r, s) for k, r, s in zip(keys, raw, synced) if s is not r]
-    for _, v, _, s in changed:
+    for k, v, _, s in changed:
         v.set_raw_value(s)
-        trace.writes.discard(id(v))
+        trace.writes.discard(k)
     try:
         yield
     finally:
@@ -181,7 +181,7 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
             # The call wrote it (``variable[...] = x``, ``set_value``: nnx.SpectralNorm's
             # normalised kernel): kept, as on one device. A transformation that
             # set the same value back (nnx.scan's state) is restored.
-            if written is not s and id(v) in trace.writes:
+            if written is not s and k in trace.writes:
                 v.set_raw_value(_kept_write(trace, k, v, written))
             else:
                 v.set_raw_value(r)

@@ -136,8 +136,8 @@ class SyncTrace:
     #: under no_sync from the parameters (an EMA: fleet.step._program); each one's
     #: refusal should it be computed from per-replica values, in call order
     written: list = dataclasses.field(default_factory=list)
-    #: ids of the wrapped parameters set in this trace (``variable[...] = x``):
-    #: fleet.comm._synced.SyncedRead.set_value
+    #: names of the wrapped parameters set in this trace (``variable[...] = x``, also
+    #: into a transformation's copy): fleet.comm._synced.SyncedRead.set_value
     writes: set = dataclasses.field(default_factory=set)
     #: the values whose ids tx.grads and shard.grads hold, kept alive for the trace so
     #: that no later value (an output) gets one of their ids

@@ -76,6 +76,7 @@ class Scope:
         self.consts = {id(v): c for v, c in zip(jaxpr.constvars, consts)}
         self.parent = parent  # (the call's invars, the enclosing scope)
         self.subs: dict = {}
+        self.carry: range = range(0)  # a scan body's carry inputs (by position)
 
     def inner(self, eqn: Any) -> tuple | None:
         """The scope of a call's jaxpr, when its inputs and outputs are the call's."""
@@ -89,6 +90,20 @@ class Scope:
                   and len(inner.invars) == len(eqn.invars)
                   and len(inner.outvars) == len(eqn.outvars))
             self.subs[key] = (Scope(sub, (eqn.invars, self)), inner) if ok else None
+        return self.subs[key]
+
+    def scan_body(self, eqn: Any) -> tuple:
+        """The scope of a ``scan``'s body: its inputs are the scan's (constants,
+        carry, stacked inputs), its outputs the scan's (carry, stacked outputs),
+        except that a carry input holds, after the first iteration, the body's
+        own carry output (:attr:`carry`)."""
+        key = id(eqn)
+        if key not in self.subs:
+            sub = eqn.params["jaxpr"]
+            scope = Scope(sub, (eqn.invars, self))
+            first = eqn.params["num_consts"]
+            scope.carry = range(first, first + eqn.params["num_carry"])
+            self.subs[key] = (scope, getattr(sub, "jaxpr", sub))
         return self.subs[key]
 
 
@@ -132,7 +147,9 @@ class ReplicaConstant:
     ``variable[...]`` outside the model's call is such a value (an L2 penalty of
     the read parameters). Anything else is not: the batch, a per-replica value,
     an operation without inputs whose result varies (``axis_index``), and --
-    conservatively -- a loop or a branch (their bodies are not followed)."""
+    conservatively -- a scan's carry, a while loop or a branch (their bodies are
+    not followed; a scan's stacked outputs are, from its stacked inputs and
+    constants)."""
 
     def __init__(self):
         self.memo: dict = {}
@@ -147,15 +164,17 @@ class ReplicaConstant:
         if isinstance(v, Literal) or id(v) in s.consts or not is_varying_var(v):
             return True  # (typed invariant: the same on every replica, check_vma=True)
         if id(v) in s.inputs:
-            if s.parent is None:  # the body's own varying input: the batch, per-replica state
+            # the body's own varying input (the batch, per-replica state), or a scan's
+            # carry (after the first iteration, what the body made of it: not followed)
+            if s.parent is None or s.inputs[id(v)] in s.carry:
                 return False
             invars, outer = s.parent
             return self(invars[s.inputs[id(v)]], outer, depth + 1)
         eqn = s.producer.get(id(v))
         if eqn is None:
             return False
-        got = s.inner(eqn)
-        if got is not None:  # a call: its output, inside
+        got = s.scan_body(eqn) if eqn.primitive.name == "scan" else s.inner(eqn)
+        if got is not None:  # a call or a scan (nnx.scan over layers): its output, inside
             scope, inner = got
             return self(inner.outvars[eqn.outvars.index(v)], scope, depth + 1)
         if any(True for _ in jaxprs_in_params(eqn.params)):
