@@ -134,6 +134,20 @@ def test_a_masked_loss_over_the_replicas_mask_is_refused_naming_the_fix(make_wor
     assert "fleet.all_reduce(mask.sum(), 'avg')" in message
 
 
+@pytest.mark.parametrize("count, how", [
+    (lambda mask: jnp.maximum(jnp.sum(mask), 1.0), "kept from zero"),
+    (lambda mask: jnp.sum(mask) + 1e-8, "plus a constant")])
+def test_a_guarded_count_is_refused_naming_the_masked_mean_fix(make_world, count, how):
+    """The one-device forms with a guard against an empty batch (seq2seq losses
+    write ``jnp.maximum(mask.sum(), 1)``) were refused for "an elementwise max" or
+    "a sum plus a constant", with the generic advice to return sums."""
+    with pytest.raises(fleet.FleetError) as info:
+        run(masked_step(count), data(1), make_world(4))
+    message = str(info.value)
+    assert f"a sum over the rows {how}" in message
+    assert "divide the masked sum by fleet.all_reduce(mask.sum(), 'avg')" in message
+
+
 def test_a_masked_loss_over_the_global_count_is_refused_as_a_summed_loss(make_world):
     """Divided by the global count, each replica's loss is its share of the
     global one: fleet's mean of the gradients would be N times too small."""

@@ -32,6 +32,10 @@ _DEPTH = 400
 _RATIO = ("a sum over the rows divided by another: a mean weighted by a mask? Divide by "
           "fleet.all_reduce(mask.sum(), 'avg'), the replicas' mean count, and the replicas' "
           "mean of the ratio is the single-device one")
+_GUARDED = ("a sum over the rows {how}: if it is the count of a masked mean, divide the "
+            "masked sum by fleet.all_reduce(mask.sum(), 'avg') instead, the replicas' mean "
+            "count (zero only where the whole batch has no row), and the replicas' mean of "
+            "the ratio is the single-device one")
 #: ``fleet.all_reduce``'s 'avg' and 'sum' in a step (fleet.comm._sync): the value of
 #: each, against the reference trace's, from its operand's (:meth:`Walk.kind`'s
 #: results, a constant as ``("c",)``). The mean over N replicas of a sum over each
@@ -313,8 +317,9 @@ class Walk:
             if len(ks) == 1 and other[0] == "c" and (
                     ks[0][1] != SUM or other[1] == 0 or self.summed_loss):
                 return ks[0]
-            return self._fail("a sum plus a constant" if ks and ks[0][1] == SUM
-                              else "a value that grows with the batch, added")
+            return self._fail(
+                _GUARDED.format(how="plus a constant (mask.sum() + eps)")
+                if ks and ks[0][1] == SUM else "a value that grows with the batch, added")
         if name in ("mul", "div"):
             return self._scaled(name, *args)
         if name in ("max", "min"):
@@ -323,6 +328,9 @@ class Walk:
                 return ("c", None)
             if all(r[0] == "c" or r == ("k", want) for r in args):
                 return ("k", want)
+            if name == "max" and sorted(r[0] for r in args) == ["c", "k"] and ("k", SUM) in args:
+                return self._fail(_GUARDED.format(
+                    how="kept from zero (jnp.maximum(mask.sum(), 1))"))
         return self._fail(f"a {name}" if name not in ("max", "min") else
                           f"an elementwise {name}")
 
