@@ -37,10 +37,10 @@ spike, ``jnp.where(loss < limit, grads, 0)``), or a branch on it
 global: it has no row axis.
 
 It follows ``scan`` bodies (``nnx.scan`` over layers, a scan over micro-batches
-made by a reshape the walk does not follow). What it cannot follow (a
-``while_loop``, a branch, a loop over the rows themselves, a reshape that splits
-the rows, an operation it does not know) it leaves unchecked from there on: the
-check refuses only what it sees.
+made by a reshape the walk does not follow; a block picked is refused:
+``fleet.semantics._row_blocks``). What it cannot follow (a ``while_loop``, a
+branch, a loop over the rows themselves, another reshape that splits the rows,
+an operation it does not know) it leaves unchecked from there on.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, reduces_gradient
-from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Index, Row, is_index, is_row
+from fleet.semantics._row_blocks import Blocks, is_blocks, row_blocks
+from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Index, Row, blocks_rule, is_index, is_row
 
 _ELEMENTWISE = frozenset((
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor",
@@ -87,9 +88,12 @@ _MIXED = (
 class _Rows:
     """The walk: each variable's tag (``fleet.semantics._row_rules``)."""
 
-    def __init__(self, rows: frozenset, partial_mixing: bool):
+    def __init__(self, rows: frozenset, partial_mixing: bool, blocks: frozenset = frozenset()):
         self.rows = rows
         self.partial_mixing = partial_mixing  # refuse a partial value met by its rows
+        #: (replica shape, new shape) of the reshapes that split the rows into blocks of
+        #: the global batch's consecutive rows (:func:`row_blocks`; the rules read it)
+        self.blocks = blocks
         self.tags: dict = {}
         self.calls: list = []  # the call equations the walk is inside (their lines)
         #: id(var) -> the equation that combined a partial value with its rows, for
@@ -181,6 +185,8 @@ class _Rows:
             return [None] * n_out  # (reduced over the replicas: global, whatever came in)
         if UNKNOWN in ins:
             return [UNKNOWN] * n_out
+        if any(map(is_blocks, ins)) and name not in CALLS and name != "scan":
+            return blocks_rule(self, eqn, ins)
         if call == "fleet_mark":
             return ins
         if name in CALLS:
@@ -284,13 +290,15 @@ def _unstacked(t: Any) -> Any:
     """A scanned input's tag inside the body: one step of its leading axis."""
     if is_index(t):
         return None if t.axis == 0 else Index(t.axis - 1)
+    if is_blocks(t):  # (a scan over the blocks: not followed)
+        return UNKNOWN if t.axis == 0 else Blocks(t.axis - 1)
     if not is_row(t):
         return t
     return UNKNOWN if t.axis == 0 else Row(t.axis - 1, t.order)
 
 
 def _stacked(t: Any) -> Any:
-    return t._replace(axis=t.axis + 1) if is_row(t) or is_index(t) else t
+    return t._replace(axis=t.axis + 1) if is_row(t) or is_index(t) or is_blocks(t) else t
 
 
 def _met(ins: list) -> list:
@@ -328,12 +336,15 @@ def _reduces(eqn: Any) -> bool:
                for e in getattr(sub, "jaxpr", sub).eqns)
 
 
-def check_rows(body: Any, batch_at: range, rows: frozenset, partial_mixing: bool) -> None:
+def check_rows(body: Any, batch_at: range, rows: frozenset, partial_mixing: bool,
+               reference: Any = None, replicas: int = 1) -> None:
     """Refuses a per-replica ``body`` (the probe's shard_map jaxpr) that combines
     different rows of the batch (see the module docstring); ``batch_at``: the
-    body's inputs that are batch leaves, each of ``rows`` rows."""
+    body's inputs that are batch leaves, each of ``rows`` rows. ``reference``:
+    the single-device step's jaxpr on the global batch, over ``replicas``."""
     inner = getattr(body, "jaxpr", body)
     tags = [Row(0) if i in batch_at and v.aval.ndim and v.aval.shape[0] in rows else None
             for i, v in enumerate(inner.invars)]
     if rows and any(t is not None for t in tags):
-        _Rows(rows, partial_mixing).walk(inner, tags)
+        blocks = row_blocks(reference, replicas) if reference is not None else frozenset()
+        _Rows(rows, partial_mixing, blocks).walk(inner, tags)

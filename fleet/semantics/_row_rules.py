@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from fleet.semantics._jaxpr_scope import KEEPS_VALUE
+from fleet.semantics._row_blocks import Blocks, is_blocks
 
 PARTIAL, UNKNOWN = "partial", "unknown"
 
@@ -82,8 +83,8 @@ def _slice(walk: Any, eqn: Any, ins: list) -> list:
     size, out = eqn.invars[0].aval.shape[t.axis], eqn.outvars[0].aval.shape[t.axis]
     if out != size:
         walk.refuse(eqn, f"some of the rows taken ({out} of {size}: x[:k], jnp.roll; for "
-                         "micro-batches, scan over x.reshape(k, -1, ...) or set "
-                         "strategy.gradient_merge)")
+                         "micro-batches set strategy.gradient_merge, or scan over "
+                         "x.reshape(k, -1, ...) accumulating the gradients)")
     return [t]
 
 
@@ -287,8 +288,33 @@ def _reshape(walk: Any, eqn: Any, ins: list) -> list:
     t = ins[0]
     old, new = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     if is_row(t) and old[:t.axis + 1] != tuple(new[:t.axis + 1]):
+        if (tuple(old), tuple(new)) in walk.blocks:  # (the single-device step's blocks)
+            return [Blocks(t.axis)]
         return [UNKNOWN]  # (the rows split or merged: not followed)
     return [t]
+
+
+_BLOCK_PICKED = ("a block of the rows picked (x.reshape(k, -1, ...)[i]: micro-batches): each "
+                 "replica's block i is of its own rows, the single-device step's of the "
+                 "global batch's; for an update per micro-batch set strategy.gradient_merge "
+                 "(or accumulate the gradients over a scan of the blocks and update once)")
+
+
+def blocks_rule(walk: Any, eqn: Any, ins: list) -> list:
+    """An equation with a :class:`Blocks` input: refused where it picks some of
+    the blocks, else not followed."""
+    t = next(x for x in ins if is_blocks(x))
+    name, shape = eqn.primitive.name, eqn.invars[0].aval.shape
+    picked = False
+    if ins[0] == t and name in ("slice", "dynamic_slice"):
+        picked = eqn.outvars[0].aval.shape[t.axis] != shape[t.axis]
+    elif ins[0] == t and name == "gather":
+        picked = t.axis in eqn.params["dimension_numbers"].start_index_map
+    elif ins[0] == t and name == "split":
+        picked = eqn.params["axis"] == t.axis
+    if picked:
+        walk.refuse(eqn, _BLOCK_PICKED)
+    return [UNKNOWN] * len(eqn.outvars)
 
 
 CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")

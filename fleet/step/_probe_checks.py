@@ -80,17 +80,19 @@ def check_written(plan: Plan, record: PlanRecord, jaxpr: Any) -> None:
         _outputs.check_written(jaxpr, record.written)
 
 
-def check_row_mixing(plan: Plan, jaxpr: Any, args: tuple) -> None:
+def check_row_mixing(plan: Plan, jaxpr: Any, args: tuple, reference: Any) -> None:
     """The probe's operations that combine different rows of the batch, refused
     (fleet.semantics._row_mixing); on one replica its rows are the global batch.
-    ``args``: the body's (state, trees, batch, repl)."""
+    ``args``: the body's (state, trees, batch, repl); ``reference``: the
+    single-device step's jaxpr."""
     if plan.mesh.devices.size == 1:
         return
     state, trees, batch = args[:3]
     start = len(jax.tree.leaves(state)) + len(jax.tree.leaves(trees))
     _row_mixing.check_rows(
         _outputs.shard_body(jaxpr), range(start, start + len(jax.tree.leaves(batch))),
-        replica_rows(plan, batch), partial_mixing=world().strategy.sync_batch_norm is not False)
+        replica_rows(plan, batch), partial_mixing=world().strategy.sync_batch_norm is not False,
+        reference=reference, replicas=plan.mesh.devices.size)
 
 
 def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,
