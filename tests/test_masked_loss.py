@@ -145,7 +145,7 @@ def test_a_guarded_count_is_refused_naming_the_masked_mean_fix(make_world, count
         run(masked_step(count), data(1), make_world(4))
     message = str(info.value)
     assert f"a sum over the rows {how}" in message
-    assert "divide the masked sum by fleet.all_reduce(mask.sum(), 'avg')" in message
+    assert "Divide the masked sum by fleet.all_reduce(mask.sum(), 'avg')" in message
 
 
 def test_a_masked_loss_over_the_global_count_is_refused_as_a_summed_loss(make_world):

@@ -29,20 +29,15 @@ _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
 _DEPTH = 400
-_RATIO = ("a sum over the rows divided by another: a mean weighted by a mask? Divide by "
-          "fleet.all_reduce(mask.sum(), 'avg'), the replicas' mean count, and the replicas' "
-          "mean of the ratio is the single-device one")
-_GUARDED = ("a sum over the rows {how}: if it is the count of a masked mean, divide the "
-            "masked sum by fleet.all_reduce(mask.sum(), 'avg') instead, the replicas' mean "
-            "count (zero only where the whole batch has no row), and the replicas' mean of "
-            "the ratio is the single-device one")
-#: ``fleet.all_reduce``'s 'avg' and 'sum' in a step (fleet.comm._sync): the value of
-#: each, against the reference trace's, from its operand's (:meth:`Walk.kind`'s
-#: results, a constant as ``("c",)``). The mean over N replicas of a sum over each
-#: one's rows is a row count's size (grows with the rows: the mean of a mask's
-#: sums, the divisor that makes a masked sum a mean); their sum is the global
-#: value, as on one device; the sum of N means (or constants) is N times the
-#: reference's. With one replica both are the identity: the mean's column.
+_MEAN_COUNT = ("fleet.all_reduce(mask.sum(), 'avg'), the replicas' mean count, and the "
+               "replicas' mean of the ratio is the single-device one")
+_RATIO = "a sum over the rows divided by another: a mean weighted by a mask? Divide by " + _MEAN_COUNT
+_GUARDED = "a sum over the rows {how}: the count of a masked mean? Divide the masked sum by " + _MEAN_COUNT
+#: ``fleet.all_reduce``'s 'avg' and 'sum' (fleet.comm._sync): each one's value against
+#: the reference's, from its operand's (:meth:`Walk.kind`'s results; a constant as
+#: ``("c",)``). The mean over N replicas of a sum over each one's rows grows with the
+#: rows like a row count (the divisor that makes a masked sum a mean); their sum is
+#: the global value; the sum of N means (or constants) is N times the reference's.
 _OVER_REPLICAS = {
     "fleet_pmean": {("k", SUM): ("up",), ("up",): ("up",), ("k", MEAN): ("c", None),
                     ("c",): ("c", None), ("down",): ("down",)},
@@ -66,8 +61,7 @@ class Walk:
         #: the sum's), where an output's walk refuses it (no combination gives it)
         self.summed_loss = summed_loss
         self.replica_constant = ReplicaConstant()
-        self.memo: dict = {}
-        self.same_memo: dict = {}
+        self.memo, self.same_memo = {}, {}
         self.why = "its computation"
         self.carries: dict = {}  # (id(scan body's carry input), id(its scope)) -> kind
         self.global_calls: tuple = ()  # calls whose results :meth:`same` takes as equal
@@ -329,8 +323,7 @@ class Walk:
             if all(r[0] == "c" or r == ("k", want) for r in args):
                 return ("k", want)
             if name == "max" and sorted(r[0] for r in args) == ["c", "k"] and ("k", SUM) in args:
-                return self._fail(_GUARDED.format(
-                    how="kept from zero (jnp.maximum(mask.sum(), 1))"))
+                return self._fail(_GUARDED.format(how="kept from zero (jnp.maximum(mask.sum(), 1))"))
         return self._fail(f"a {name}" if name not in ("max", "min") else
                           f"an elementwise {name}")
 
