@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal, jaxprs_in_params
 
+from fleet._compat import scan_counts
 from fleet._errors import FleetUnsupportedError
 from fleet.runtime._world import DATA_AXIS
 
@@ -101,8 +102,8 @@ class Scope:
         if key not in self.subs:
             sub = eqn.params["jaxpr"]
             scope = Scope(sub, (eqn.invars, self))
-            first = eqn.params["num_consts"]
-            scope.carry = range(first, first + eqn.params["num_carry"])
+            consts, carries = scan_counts(eqn.params)
+            scope.carry = range(consts, consts + carries)
             self.subs[key] = (scope, getattr(sub, "jaxpr", sub))
         return self.subs[key]
 

@@ -310,7 +310,7 @@ def blocks_rule(walk: Any, eqn: Any, ins: list) -> list:
         picked = eqn.outvars[0].aval.shape[t.axis] != shape[t.axis]
     elif ins[0] == t and name == "gather":
         picked = t.axis in eqn.params["dimension_numbers"].start_index_map
-    elif ins[0] == t and name == "split":
+    elif ins[0] == t and name in ("split", "unstack"):  # (unstack: iterating, jax 0.12)
         picked = eqn.params["axis"] == t.axis
     if picked:
         walk.refuse(eqn, _BLOCK_PICKED)
