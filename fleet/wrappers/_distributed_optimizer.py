@@ -125,7 +125,7 @@ class DistributedOptimizer(GradientMerge, FleetStateHolder, nnx.Optimizer):
 
     def update(self, model, grads, /, **kwargs):
         trace = _sync.current()
-        if self.accumulated(trace, grads):  # no_sync, gradient merge: nothing steps
+        if self.accumulated(trace, model, grads):  # no_sync, gradient merge: nothing steps
             return None
         if self.amp_rules is None or trace is None:
             return self._apply(model, grads, **kwargs)

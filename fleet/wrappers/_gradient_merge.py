@@ -127,29 +127,35 @@ class GradientMerge:
         self.grad_accum = nnx.Dict(entries)
         return True
 
-    def accumulated(self, trace: _sync.SyncTrace | None, grads: Any) -> bool:
+    def accumulated(self, trace: _sync.SyncTrace | None, model: Any, grads: Any) -> bool:
         """An update's start in ``trace``: counted in the merge cycle; under
-        ``no_sync`` (or a merge call before the ``k_steps``-th) the gradients are
-        added to the accumulator. Returns whether they were (nothing steps)."""
+        ``no_sync`` (or a merge call before the ``k_steps``-th) the gradients of
+        ``model``'s parameters are added to the accumulator. Returns whether they
+        were (nothing steps)."""
         if self.merge is not None and trace is not None and trace.accum.count_merge():
             state = self.pure_fleet_state()
             self.update_fleet_state(state._replace(merge=self.merge.update(state.merge)))
         if trace is not None and trace.accum.no_sync:  # add to the accumulator; nothing steps
-            _sync.accumulate(_by_parameter(nnx.state(grads, self.wrt)))
+            _sync.accumulate(_by_parameter(model, nnx.state(grads, self.wrt)))
             return True
         return False
 
 
-def _by_parameter(grads: Any) -> dict[str, Any]:
+def _by_parameter(model: Any, grads: Any) -> dict[str, Any]:
     """The gradients by their parameters' names in the wrapped model, the
     accumulator's keys: also where the optimizer holds a part of the model
-    (``nnx.Optimizer(agent.online, ...)``), whose paths start below the model's."""
+    (``nnx.Optimizer(agent.online, ...)``), whose paths start below the model's.
+    The names are read from ``model``'s own parameters (a gradient's copy of the
+    metadata may come from a cached trace of a same-shaped part)."""
+    params = module_variables(model)
     flat = jax.tree_util.tree_flatten_with_path(
         grads, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     out = {}
     for path, g in flat:
-        spec = g.get_metadata("fleet_sync", None) if isinstance(g, _synced.SyncedRead) else None
-        out[dotted(path) if spec is None else spec.key] = (
+        key = dotted(path)
+        spec = (params[key].get_metadata("fleet_sync", None)
+                if isinstance(params.get(key), _synced.SyncedRead) else None)
+        out[key if spec is None else spec.key] = (
             g.get_raw_value() if isinstance(g, nnx.Variable) else g)
     return out
 
