@@ -303,15 +303,15 @@ _BLOCK_PICKED = ("a block of the rows picked (x.reshape(k, -1, ...)[i]: micro-ba
 def blocks_rule(walk: Any, eqn: Any, ins: list) -> list:
     """An equation with a :class:`Blocks` input: refused where it picks some of
     the blocks, else not followed."""
-    t = next(x for x in ins if is_blocks(x))
-    name, shape = eqn.primitive.name, eqn.invars[0].aval.shape
-    picked = False
-    if ins[0] == t and name in ("slice", "dynamic_slice"):
-        picked = eqn.outvars[0].aval.shape[t.axis] != shape[t.axis]
-    elif ins[0] == t and name == "gather":
-        picked = t.axis in eqn.params["dimension_numbers"].start_index_map
-    elif ins[0] == t and name in ("split", "unstack"):  # (unstack: iterating, jax 0.12)
-        picked = eqn.params["axis"] == t.axis
+    t, name, p = ins[0], eqn.primitive.name, eqn.params
+    if not is_blocks(t):  # (the blocks are not what is picked from)
+        picked = False
+    elif name in ("slice", "dynamic_slice"):
+        picked = eqn.outvars[0].aval.shape[t.axis] != eqn.invars[0].aval.shape[t.axis]
+    elif name == "gather":
+        picked = t.axis in p["dimension_numbers"].start_index_map
+    else:  # (unstack: iterating over them, jax 0.12)
+        picked = name in ("split", "unstack") and p["axis"] == t.axis
     if picked:
         walk.refuse(eqn, _BLOCK_PICKED)
     return [UNKNOWN] * len(eqn.outvars)

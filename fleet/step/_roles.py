@@ -80,21 +80,24 @@ def kind(x: Any, is_batch: bool | None, n: int, leaves: list | None = None) -> s
     return TREE if leaves and all(map(isinstance, leaves, repeat(_ARRAY_LEAVES))) else STATIC
 
 
-
 def tree_variables(values: Sequence, kinds: Sequence) -> list:
     """The NNX variables inside the pytree arguments (a bare ``nnx.Variable``, a
     tuple of optimizers, an ``nnx.State``) as the body enters them: ``(position,
     path, variable, its value)``, for :func:`check_tree_writes`."""
-    found = []
-    for i, (v, k) in enumerate(zip(values, kinds)):
-        if k == TREE and not is_array(v):
-            found += [(i, p, x, x.get_raw_value()) for p, x in jax.tree_util.tree_flatten_with_path(
-                v, is_leaf=_is_variable)[0] if _is_variable(x)]
-    return found
+    return [(i, p, x, x.get_raw_value()) for i, (v, k) in enumerate(zip(values, kinds))
+            if k == TREE and not is_array(v) for p, x in _held(v, nnx.Variable)]
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+def _held(tree: Any, types: Any) -> list:
+    """``(path, node)`` of the nodes of ``tree`` of ``types``, not looked into."""
+    return [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, types))[0] if isinstance(x, types)]
+
+
+def _argument(i: int, values: Sequence, kw_names: Sequence) -> str:
+    """A step argument by position, or by keyword after the positional ones."""
+    n_pos = len(values) - len(kw_names)
+    return nth(i) if i < n_pos else f"argument {kw_names[i - n_pos]!r}"
 
 
 def check_tree_writes(entered: list, values: Sequence, kw_names: Sequence) -> None:
@@ -103,11 +106,10 @@ def check_tree_writes(entered: list, values: Sequence, kw_names: Sequence) -> No
     themselves, and takes a pytree argument's arrays as values, so the write (an
     optimizer's moments, a counter) would be lost, where ``nnx.jit`` keeps it. A
     read (a teacher's ``nnx.state``) is fine."""
-    n_pos = len(values) - len(kw_names)
     for i, path, variable, raw in entered:
         if variable.get_raw_value() is raw:
             continue
-        where = nth(i) if i < n_pos else f"argument {kw_names[i - n_pos]!r}"
+        where = _argument(i, values, kw_names)
         what = (f"{where}, an nnx.{type(variable).__name__}" if not path else
                 f"the nnx.{type(variable).__name__} at [{dotted(path)}] of {where}, a "
                 f"{type(values[i]).__name__}")
@@ -121,24 +123,16 @@ def check_static_objects(values: Sequence, kinds: Sequence, kw_names: Sequence) 
     """Refuses a static argument (one that holds values other than arrays) that
     holds NNX objects or variables: the step would read them as constants of
     its compiled program, stale once they change, and could not write them."""
-    n_pos = len(values) - len(kw_names)
     for i, (v, k) in enumerate(zip(values, kinds)):
-        if k != STATIC:
-            continue
-        found = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(
-            v, is_leaf=_is_object)[0] if _is_object(x)]
+        found = _held(v, (nnx.Pytree, nnx.Variable)) if k == STATIC else []
         if found:
-            where = nth(i) if i < n_pos else f"argument {kw_names[i - n_pos]!r}"
             path, obj = found[0]
             raise FleetTypeError(
-                f"{where}, a {type(v).__name__}, holds an NNX object ({type(obj).__name__} "
-                f"at [{dotted(path)}]) beside values that are not arrays, so it would be a "
-                "static value of the step: its arrays constants of the compiled program, "
-                f"stale once they change, and the step's writes into it lost. {_OBJECTS_FIX}")
-
-
-def _is_object(x: Any) -> bool:
-    return isinstance(x, (nnx.Pytree, nnx.Variable))
+                f"{_argument(i, values, kw_names)}, a {type(v).__name__}, holds an NNX object "
+                f"({type(obj).__name__} at [{dotted(path)}]) beside values that are not "
+                "arrays, so it would be a static value of the step: its arrays constants of "
+                "the compiled program, stale once they change, and the step's writes into it "
+                f"lost. {_OBJECTS_FIX}")
 
 
 _OBJECTS_FIX = (

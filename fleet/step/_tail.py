@@ -159,9 +159,10 @@ def replicated_state(graph: GraphCache, new: Any, plan: Plan, entered: dict,
     # leave as the invariant values they were.
     leaves = [original[entered[id(x)]] if id(x) in entered else x for x in leaves]
     leave_accumulators(trace, graph.accum_keys, leaves)
-    buffers = [i for i, x in enumerate(leaves)
+    varying = [i for i, x in enumerate(leaves)
                if _sync.is_varying(x) and not graph.per_replica[i]]
-    for i in [i for i in buffers if not is_buffer(variables[i])]:
+    buffers = [i for i in varying if is_buffer(variables[i])]
+    for i in [i for i in varying if i not in buffers]:
         refusal = _varying_state(graph.names[i], variables[i], plan.no_sync)
         if not plan.no_sync:
             raise FleetError(refusal)
@@ -170,11 +171,11 @@ def replicated_state(graph: GraphCache, new: Any, plan: Plan, entered: dict,
         # 0's, and the probe refuses it where it came from the batch.
         trace.written.append(refusal)
         leaves[i] = _sync.fleet_written(leaves[i])
-    buffers = [i for i in buffers if is_buffer(variables[i])]
     if buffers:
         for i, x in zip(buffers, _sync.mean_over_replicas([leaves[i] for i in buffers])):
             leaves[i] = x
     return leaves
+
 
 def _varying_state(name: str, variable: Any, no_sync: bool) -> str:
     """The refusal of state the step leaves different on each replica."""
