@@ -48,6 +48,13 @@ def reduces_gradient(eqn: Any) -> bool:
     return eqn.params.get("name") in GRADIENT_BUCKETS or eqn.primitive.name in PSUMS
 
 
+def holds_reduction(eqn: Any) -> bool:
+    """Whether an equation reduces over the replicas (:func:`reduces_gradient`), or
+    holds one that does (a loop, a call)."""
+    return reduces_gradient(eqn) or any(holds_reduction(e) for sub in jaxprs_in_params(eqn.params)
+                                        for e in getattr(sub, "jaxpr", sub).eqns)
+
+
 def refuse_custom_vjp3() -> None:
     """Raises under ``jax_custom_vjp3``: its traces hide fleet's sync (:func:`is_sync`)."""
     if getattr(jax.config, "jax_custom_vjp3", False):

@@ -47,13 +47,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.core import Literal, jaxprs_in_params
+from jax.extend.core import Literal
 
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
-from fleet.semantics._jaxpr_scope import CALLS, reduces_gradient
-from fleet.semantics._row_blocks import Blocks, is_blocks, row_blocks
+from fleet.semantics._jaxpr_scope import CALLS, holds_reduction
+from fleet.semantics._row_blocks import Blocks, BlockScans, is_blocks, row_blocks
 from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Index, Row, blocks_rule, is_index, is_row
 
 _ELEMENTWISE = frozenset((
@@ -103,6 +103,7 @@ class _Rows:
         #: decision it carries onto values the same on every replica (the averaged
         #: gradients): refused where one reaches a gradient's reduction
         self.decided: dict = {}
+        self.block_scans = BlockScans()  # scans over blocks of the rows, and what they carry
         self.reorders: dict = {}  # a row order -> what made it
         self.producer: dict = {}  # id(var) -> the equation that made it (the rules read it)
 
@@ -131,6 +132,7 @@ class _Rows:
         self.producer.update((id(v), e) for e in jaxpr.eqns for v in e.outvars)
         for eqn in jaxpr.eqns:
             self.follow(self.mixed, eqn)
+            self.block_scans.follow(eqn)
             ins = [self.tag(v) for v in eqn.invars]
             if any(t is not None for t in ins):
                 outs = self.eqn(eqn, ins)
@@ -162,7 +164,7 @@ class _Rows:
                        if not isinstance(v, Literal) and id(v) in marks), None)
         if origin is None:
             return
-        if _reduces(eqn) or (marks is self.decided and eqn.primitive.name == "cond"
+        if holds_reduction(eqn) or (marks is self.decided and eqn.primitive.name == "cond"
                              and id(eqn.invars[0]) in marks):  # (a branch on it)
             self.refuse(*origin)
         if ins is not None and any(t is not None for v, t in zip(eqn.invars, ins)
@@ -221,6 +223,7 @@ class _Rows:
         body = eqn.params["jaxpr"]
         xs = [_unstacked(t) for t in ins[consts + carries:]]
         carry = list(ins[consts:consts + carries])
+        self.block_scans.enter(eqn, ins, consts + carries, list(self.calls))
         held = False
         self.calls.append(eqn)
         try:
@@ -233,6 +236,8 @@ class _Rows:
                 carry = settled
         finally:
             self.calls.pop()
+        if (refusal := self.block_scans.carried(body, range(consts, consts + carries))):
+            self.refuse(*refusal)
         self.mixed_out(body, eqn)
         if not held:  # (the carries' tags did not hold)
             return [UNKNOWN] * len(eqn.outvars)
@@ -327,13 +332,6 @@ def _index_only(walk: Any, eqn: Any, ins: list) -> list:
     if name in _ELEMENTWISE and len(axes) == 1:
         return [Index(axes.pop())] * n_out
     return [None] * n_out
-
-
-def _reduces(eqn: Any) -> bool:
-    """Whether an equation reduces over the replicas (fleet's buckets, a psum), or
-    holds one that does (a loop, a call)."""
-    return reduces_gradient(eqn) or any(_reduces(e) for sub in jaxprs_in_params(eqn.params)
-               for e in getattr(sub, "jaxpr", sub).eqns)
 
 
 def check_rows(body: Any, batch_at: range, rows: frozenset, partial_mixing: bool,

@@ -296,8 +296,11 @@ def _reshape(walk: Any, eqn: Any, ins: list) -> list:
 
 _BLOCK_PICKED = ("a block of the rows picked (x.reshape(k, -1, ...)[i]: micro-batches): each "
                  "replica's block i is of its own rows, the single-device step's of the "
-                 "global batch's; for an update per micro-batch set strategy.gradient_merge "
-                 "(or accumulate the gradients over a scan of the blocks and update once)")
+                 "global batch's; for an update per micro-batch take every k-th row, "
+                 "x.reshape(-1, k, ...).swapaxes(0, 1), whose block i is the same rows on one "
+                 "device and on the replicas together; to accumulate them set "
+                 "strategy.gradient_merge (or sum the gradients over a scan of the blocks "
+                 "and update once)")
 
 
 def blocks_rule(walk: Any, eqn: Any, ins: list) -> list:
