@@ -10,7 +10,9 @@ away from one device (4 CPU devices, 3 steps: 0.17 in the parameters with an
 0.16 with a decayed sum under Adam). Each is now refused at the first call,
 naming the scan and what to write instead: every k-th row
 (``x.reshape(-1, k, ...).swapaxes(0, 1)``), whose block i is the same rows on
-one device and on the replicas together, which trains as on one device.
+one device and on the replicas together, which trains as on one device. A
+scan's stacked per-block losses averaged (``losses.mean()``) are the step's loss,
+as on one device (refused before as "a value stacked by a scan").
 """
 
 from __future__ import annotations
@@ -87,6 +89,28 @@ def _summed(decay):
     return step
 
 
+def _losses_averaged(split, carried=False):
+    """The blocks' gradients summed over a scan, one update, and the step's loss
+    the mean of the scan's stacked per-block losses (``carried``: each block's
+    loss added to a running total first, a value read from the carry)."""
+    def step(model, optimizer, x, y):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def each(carry, xy):
+            acc, total = carry
+            loss, grads = jax.value_and_grad(
+                lambda p: _loss(nnx.merge(graphdef, p, rest), *xy))(params)
+            total = total + loss if carried else total
+            return (jax.tree.map(lambda a, g: a + g / 2, acc, grads), total), (
+                total if carried else loss)
+
+        start = (jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(x, shape=()))
+        (grads, _), losses = jax.lax.scan(each, start, split(x, y))
+        optimizer.update(model, grads)
+        return losses.mean()
+    return step
+
+
 def _python_loop_updates(model, optimizer, x, y):
     for xs, ys in zip(*_strided(x, y)):
         optimizer.update(model, nnx.grad(_loss)(model, xs, ys))
@@ -104,6 +128,8 @@ EXACT = {
     "every other row, a jax.lax.scan of optax updates": _lax_scan_updates(_strided),
     "every other row, a Python loop of optimizer updates": _python_loop_updates,
     "the blocks' gradients summed, one update": _summed(1),
+    "the blocks' losses stacked and averaged": _losses_averaged(_blocks),
+    "every other row's losses stacked and averaged": _losses_averaged(_strided),
 }
 
 
@@ -114,6 +140,17 @@ def test_a_scan_over_blocks_that_carries_what_it_reduced_is_refused(make_world, 
                                                r"k, ...\).swapaxes\(0, 1\).*test_block_scans.py"):
         models.train(Encoder(nnx.Rngs(0)), models.batches("linear", 1, 16), wrap=True,
                      step=CARRIED[name])
+
+
+def test_a_stacked_loss_read_from_the_carry_is_refused(make_world):
+    """Each block's running total, stacked and averaged: the blocks' losses
+    weighted by their place, which differs on a replica (its blocks are of its own
+    rows); refused for what it is, where the plain average above is exact."""
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"a value stacked by a scan, computed from its "
+                                               r"carry"):
+        models.train(Encoder(nnx.Rngs(0)), models.batches("linear", 1, 16), wrap=True,
+                     step=_losses_averaged(_blocks, carried=True))
 
 
 @pytest.mark.parametrize("name", list(EXACT))

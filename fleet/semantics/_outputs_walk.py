@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-from fleet._compat import scan_counts
 from fleet.semantics._jaxpr_scope import (
     CALLS,
     KEEPS_VALUE,
@@ -21,6 +20,7 @@ from fleet.semantics._jaxpr_scope import (
     is_varying_var,
     uses_all_reduce,
 )
+from fleet.semantics._outputs_scan import NOT_STACKED, same_carry, scan_kind, stacked_kind
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
@@ -63,10 +63,11 @@ class Walk:
         self.replica_constant = ReplicaConstant()
         self.memo, self.same_memo = {}, {}
         self.why = "its computation"
-        self.carries: dict = {}  # (id(scan body's carry input), id(its scope)) -> kind
+        #: (id(scan body's carry input), id(its scope)) -> its kind, or why it is refused
+        self.carries: dict = {}
         self.global_calls: tuple = ()  # calls whose results :meth:`same` takes as equal
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
         self.why = why
         return None
 
@@ -136,7 +137,7 @@ class Walk:
         if ea.outvars.index(a) != eb.outvars.index(b):
             return False
         if self.global_calls and ea.primitive.name == "scan":
-            return self._same_carry(ea, sa, eb, sb, ea.outvars.index(a), depth)
+            return same_carry(self, ea, sa, eb, sb, ea.outvars.index(a), depth)
         if self.global_calls and ea.primitive.name in ("while", "cond"):
             return True  # (not compared, so never refused on its account)
         if self.global_calls and (
@@ -147,27 +148,12 @@ class Walk:
             return True  # a reduction over the replicas: the global value in both traces
         return all(self.same(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars))
 
-    def _same_carry(self, ea, sa, eb, sb, i, depth) -> bool:
-        """Whether a ``scan``'s output ``i`` is computed alike in both traces: for a
-        carry, the same number of iterations and the same update from the same
-        initial value (a count of rows added each iteration differs; an RNG count
-        or a step counter does not). A stacked output is taken as the same."""
-        shape = [(e.params["length"], *scan_counts(e.params)) for e in (ea, eb)]
-        if i >= shape[0][2]:
-            return True
-        if shape[0] != shape[1]:
-            return False
-        scopes = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
-        inner = [getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]) for e in (ea, eb)]
-        return self.same(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1],
-                         depth + 1)
-
     def kind(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> tuple | None:
         if depth > _DEPTH:
-            return self._fail("too deep to follow")
+            return self.fail("too deep to follow")
         if (id(a), id(sa)) in self.carries:  # a scan's carry, as the loop leaves it so far
             got = self.carries[(id(a), id(sa))]
-            return got if got is not None else self._fail("a scan carry read by another")
+            return self.fail(got) if isinstance(got, str) else got
         va, vb = self.value(a, sa), self.value(b, sb)
         if va is not None and vb is not None:
             if va == vb:
@@ -176,9 +162,9 @@ class Walk:
                 return ("up",)
             if vb and math.isclose(va / vb, self.scale, rel_tol=1e-6):
                 return ("down",)
-            return self._fail("a constant that depends on the batch size")
+            return self.fail("a constant that depends on the batch size")
         if isinstance(a, Literal) or isinstance(b, Literal):
-            return self._fail("a constant that depends on the batch size")
+            return self.fail("a constant that depends on the batch size")
         reduced = [all_reduced(a, sa), all_reduced(b, sb)]
         if reduced != [None, None]:
             return self._over_replicas(*reduced, depth)
@@ -186,7 +172,7 @@ class Walk:
             if not is_varying_var(b) and self.same(a, sa, b, sb):
                 return ("c", None)
             if is_varying_var(b) or not uses_all_reduce(a, sa):
-                return self._fail("a value computed from the batch's shape")
+                return self.fail("a value computed from the batch's shape")
             # (a global value computed from fleet.all_reduce's: followed op by op)
         if self.replica_constant(a, sa) and (self.summed_loss or (
                 self.replica_constant(b, sb) and self.same(a, sa, b, sb))):
@@ -196,28 +182,28 @@ class Walk:
             return ("c", None)
         if id(a) in sa.inputs or id(b) in sb.inputs:
             if id(a) not in sa.inputs or id(b) not in sb.inputs or sa.parent is None:
-                return self._fail("a value the step gets, not one it reduces")
+                return self.fail("a value the step gets, not one it reduces")
             if sb.parent is None:
-                return self._fail("the two traces differ")
+                return self.fail("the two traces differ")
             return self.kind(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
                              sb.parent[0][sb.inputs[id(b)]], sb.parent[1], depth + 1)
         ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
         if (ea is None or eb is None or ea.primitive != eb.primitive
                 or len(ea.invars) != len(eb.invars) or ea.outvars.index(a) != eb.outvars.index(b)):
-            return self._fail("the step computes it differently for other batch sizes")
+            return self.fail("the step computes it differently for other batch sizes")
         name = ea.primitive.name
         if name == "scan":
-            return self._scan(ea, sa, eb, sb, ea.outvars.index(a), depth)
+            return scan_kind(self, ea, sa, eb, sb, ea.outvars.index(a), depth)
         if name in CALLS:
             ga, gb = sa.inner(ea), sb.inner(eb)
             if ga is None or gb is None:
-                return self._fail(f"a {name} fleet cannot look into")
+                return self.fail(f"a {name} fleet cannot look into")
             i = ea.outvars.index(a)
             return self.kind(ga[1].outvars[i], ga[0], gb[1].outvars[i], gb[0], depth + 1)
         if name in _REDUCTIONS:
             return self._reduction(name, ea, sa, eb, sb, depth)
         if name not in _OPS:
-            return self._fail(f"a {name}")
+            return self.fail(f"a {name}")
         args = [self.kind(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars)]
         if any(r is None for r in args):
             return None
@@ -227,7 +213,7 @@ class Walk:
         """The value of ``fleet.all_reduce(x, 'avg' or 'sum')`` in both traces
         (``(call, x, its scope)`` each), from ``x``'s kind: :data:`_OVER_REPLICAS`."""
         if ra is None or rb is None or ra[0] != rb[0]:
-            return self._fail("the step computes it differently for other batch sizes")
+            return self.fail("the step computes it differently for other batch sizes")
         inner = self.kind(ra[1], ra[2], rb[1], rb[2], depth + 1)
         if inner is None:
             return None
@@ -235,32 +221,9 @@ class Walk:
         got = _OVER_REPLICAS[call].get(inner[:1] if inner[0] == "c" else inner)
         if got is None:
             op = "mean" if ra[0] == "fleet_pmean" else "sum"
-            return self._fail(f"fleet.all_reduce's {op} over the replicas of a "
+            return self.fail(f"fleet.all_reduce's {op} over the replicas of a "
                               f"{inner[1] if inner[0] == 'k' else 'count of rows'}")
         return ("c", inner[1]) if got == ("c", None) and inner[0] == "c" else got
-
-    def _scan(self, ea, sa, eb, sb, i, depth):
-        """A ``scan``'s carry ``i`` (accumulation over micro-batches): the kind
-        the loop leaves it, from its initial value's and one iteration's, to a
-        fixed point (``0.0`` plus a mean each iteration is a mean)."""
-        (consts, carries), (_, other) = scan_counts(ea.params), scan_counts(eb.params)
-        if i >= carries or other != carries:
-            return self._fail("a value stacked by a scan")
-        scopes = [Scope(e.params["jaxpr"], (e.invars, s)) for e, s in ((ea, sa), (eb, sb))]
-        inner = [getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]) for e in (ea, eb)]
-        got = self.kind(ea.invars[consts + i], sa, eb.invars[consts + i], sb, depth + 1)
-        for _ in range(3):
-            if got is None:
-                return None
-            for j in range(carries):  # this carry as the loop left it; another: refused
-                self.carries[(id(inner[0].invars[consts + j]), id(scopes[0]))] = (
-                    got if j == i else None)
-            again = self.kind(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1],
-                              depth + 1)
-            if again == got:
-                return got
-            got = again
-        return self._fail("a scan carry that does not settle")
 
     def _reduction(self, name, ea, sa, eb, sb, depth):
         xa, xb = ea.invars[0], eb.invars[0]
@@ -268,10 +231,12 @@ class Walk:
         grown = [d for d, (m, n) in enumerate(zip(xa.aval.shape, xb.aval.shape)) if m != n]
         if grown:
             if grown != [0] or 0 not in axes or xb.aval.shape[0] != self.scale * xa.aval.shape[0]:
-                return self._fail(f"a {name} over an axis other than the batch rows, or over "
+                return self.fail(f"a {name} over an axis other than the batch rows, or over "
                                   "several axes that grow with the batch")
             return ("k", _REDUCTIONS[name])
-        inner = self.kind(xa, sa, xb, sb, depth + 1)
+        inner = stacked_kind(self, xa, sa, xb, sb, depth)
+        if inner is NOT_STACKED:
+            inner = self.kind(xa, sa, xb, sb, depth + 1)
         if inner is None:
             return None
         if inner[0] == "c":
@@ -279,7 +244,7 @@ class Walk:
         if inner[0] == "k" and (inner[1] == _REDUCTIONS[name]
                                 or name == "reduce_sum" and inner[1] == MEAN):
             return inner
-        return self._fail(f"a {name} of a {inner[0] == 'k' and inner[1] or 'count'}")
+        return self.fail(f"a {name} of a {inner[0] == 'k' and inner[1] or 'count'}")
 
     def _op(self, name, eqn, args):
         if name in _SAME:
@@ -288,7 +253,7 @@ class Walk:
             r = args[0]
             if r[0] == "k" and r[1] in (MEAN, SUM) and not np.issubdtype(
                     eqn.params["new_dtype"], np.inexact):
-                return self._fail("a mean or sum rounded to an integer")
+                return self.fail("a mean or sum rounded to an integer")
             return r
         if name == "neg":
             r = args[0]
@@ -304,14 +269,14 @@ class Walk:
             if len(ks) == 2:
                 if x[1] == y[1] and x[1] in (MEAN, SUM):
                     return x
-                return self._fail(f"a {x[1]} {name} a {y[1]}")
+                return self.fail(f"a {x[1]} {name} a {y[1]}")
             other = y if x[0] == "k" else x
             if name == "sub" and x[0] == "c":  # c - k: the flipped kind, above
                 ks = [y]
             if len(ks) == 1 and other[0] == "c" and (
                     ks[0][1] != SUM or other[1] == 0 or self.summed_loss):
                 return ks[0]
-            return self._fail(
+            return self.fail(
                 _GUARDED.format(how="plus a constant (mask.sum() + eps)")
                 if ks and ks[0][1] == SUM else "a value that grows with the batch, added")
         if name in ("mul", "div"):
@@ -323,8 +288,8 @@ class Walk:
             if all(r[0] == "c" or r == ("k", want) for r in args):
                 return ("k", want)
             if name == "max" and sorted(r[0] for r in args) == ["c", "k"] and ("k", SUM) in args:
-                return self._fail(_GUARDED.format(how="kept from zero (jnp.maximum(mask.sum(), 1))"))
-        return self._fail(f"a {name}" if name not in ("max", "min") else
+                return self.fail(_GUARDED.format(how="kept from zero (jnp.maximum(mask.sum(), 1))"))
+        return self.fail(f"a {name}" if name not in ("max", "min") else
                           f"an elementwise {name}")
 
     def _scaled(self, name, x, y):
@@ -334,17 +299,17 @@ class Walk:
         if name == "mul" and y[0] == "k":
             x, y = y, x
         if x[0] != "k" or y[0] == "k":
-            return self._fail(_RATIO if name == "div" and x == y == ("k", SUM) else
+            return self.fail(_RATIO if name == "div" and x == y == ("k", SUM) else
                               f"a {name} of two values from the batch" if y[0] == "k"
                               else "a division by a value from the batch")
         grows = ("up",) if name == "div" else ("down",)
         if y == grows:  # divided by the rows' count: a sum becomes a mean
-            return ("k", MEAN) if x[1] == SUM else self._fail(
+            return ("k", MEAN) if x[1] == SUM else self.fail(
                 f"a {x[1]} divided by a count of rows")
         if y[0] != "c":
-            return self._fail("a value scaled by a count of rows")
+            return self.fail("a value scaled by a count of rows")
         if x[1] in (MEAN, SUM):
             return x
         if y[1] is None or y[1] == 0:
-            return self._fail(f"a {x[1]} scaled by a value of unknown sign")
+            return self.fail(f"a {x[1]} scaled by a value of unknown sign")
         return x if y[1] > 0 else ("k", _FLIP[x[1]])
