@@ -32,7 +32,7 @@ from fleet.semantics import (
     _row_mixing,
     _summed_loss,
 )
-from fleet.step import _guards, _roles
+from fleet.step import _guards, _roles, _summed_grads
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._record import PlanRecord
 from fleet.step._tail import summed_inside
@@ -153,6 +153,12 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
             raise FleetError(_guards.implicit_sum(
                 plan.mesh.devices.size, summed, bool(record.wrapped_syncs),
                 unsynced))
+        used, returned = _summed_grads.summed_uses(jaxpr)
+        if used:
+            raise FleetError(_summed_grads.SUMMED_USED.format(n=plan.mesh.devices.size,
+                                                              where=", ".join(used)))
+        if returned:
+            raise FleetError(_summed_grads.RETURNED.format(n=plan.mesh.devices.size))
         record.auto_sum = True
         if strategy.amp:
             raise FleetError(
@@ -181,8 +187,4 @@ def check_returned(trace: Any, out: Any) -> None:
     if trace.shard.grads and any(id(x) in trace.shard.grads for x in jax.tree.leaves(out)):
         raise FleetError(SHARD_GRADS_READ.format(what="the step returns them"))
     if trace.tx.auto_sum and any(id(x) in trace.tx.grads for x in jax.tree.leaves(out)):
-        raise FleetError(
-            "the step returns gradients of raw parameters, which JAX summed over the "
-            f"{trace.num_replicas} replicas; wrap the model (fleet.distributed_model) to "
-            "get averaged gradients back from a step"
-        )
+        raise FleetError(_summed_grads.RETURNED.format(n=trace.num_replicas))

@@ -14,6 +14,8 @@ is split over the replicas (:mod:`fleet.sections._sharding`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -53,12 +55,20 @@ def _prepare(grads):
             flat = jax.tree_util.tree_flatten_with_path(grads)[0]
             trace.finite.record([f"gradient {dotted(p)!r}" for p, _ in flat],
                                 [g for _, g in flat])
-        if trace.tx.auto_sum:  # raw parameters: JAX summed their gradients over replicas
-            n = trace.num_replicas
-            grads = jax.tree.map(
-                lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
-                else g / n, grads)
+            # (raw parameters: JAX may have summed their gradients over the replicas)
+            grads = fleet_tx_grads(grads, trace.num_replicas if trace.tx.auto_sum else 1)
     return grads
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def fleet_tx_grads(grads, n: int):
+    """Raw parameters' gradients handed to a distributed optimizer: divided by
+    ``n``, the replicas JAX summed them over (1 in the probe, which finds out), as
+    one call the probe recognises: every other use of such a sum in the step is
+    refused (fleet.step._guards.summed_uses)."""
+    return jax.tree.map(
+        lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
+        else g / n, grads)
 
 
 def _refuse_per_replica_extra(extra: dict, params) -> None:
