@@ -177,3 +177,25 @@ def test_rows_as_many_as_a_parameter_axis_are_not_per_example(make_world, stage,
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(params(model), params(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def microbatch_dpsgd_step(model, optimizer, x, y):
+    """DP-SGD over microbatches of two rows (TF-Privacy's num_microbatches): a
+    gradient per group of ``x.reshape(-1, 2, ...)``."""
+    xs, ys = x.reshape(-1, 2, x.shape[1]), y.reshape(-1, 2, y.shape[1])
+    grads = nnx.vmap(nnx.grad(lambda m, xb, yb: jnp.mean((m(xb) - yb) ** 2)),
+                     in_axes=(None, 0, 0))(model, xs, ys)
+    optimizer.update(model, grads)
+
+
+def test_gradients_per_microbatch_are_refused(make_world):
+    """A gradient per group of rows is batched over the replica's groups (here 2 of
+    its 4 rows' pairs, where one device has 8): 0.038 from one device after 4
+    steps before the groups were counted as rows."""
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, dpsgd(0.0), wrt=nnx.Param))
+    x, y = models.batches("linear", 1, 16)[0]
+    with pytest.raises(fleet.FleetError, match=r"takes gradients per example .*rows in 2 "
+                                               r"groups \(x.reshape\(-1, k, ...\)"):
+        fleet.distributed_step(microbatch_dpsgd_step)(model, optimizer, x, y)

@@ -27,6 +27,12 @@ stacked and read under ``vmap``, are batched as their reads are: the bucket has
 the read's shape. Under ZeRO the rows do not say so: an ensemble whose
 stacked axis is as long as the replica's batch rows would be refused.)
 
+Gradients per group of rows are refused alike (DP-SGD's microbatches:
+``jax.vmap`` of a gradient over ``x.reshape(-1, k, ...)``, 0.038 from one device
+in the parameters after 4 steps before this check): a batched axis as long as
+the groups a reshape of the rows makes (:func:`_groups`) is one of the replica's
+rows' too.
+
 Not covered: per-example gradients taken in a loop over the rows
 (``jax.lax.map``), whose reductions run once per row at the parameters' shape.
 """
@@ -60,9 +66,10 @@ def check_per_example(jaxpr: Any, rows: frozenset, named: Sequence[tuple[str, tu
         return
     reads: set = set()
     reductions: list = []
-    _collect(getattr(jaxpr, "jaxpr", jaxpr), reads, reductions)
+    groups: set = set()
+    _collect(getattr(jaxpr, "jaxpr", jaxpr), reads, reductions, rows, groups)
     found = [(zero, shapes, base, size) for zero, shapes in reductions if shapes not in reads
-             for base, size in _unbatched(shapes, rows)
+             for base, size in _unbatched(shapes, rows | groups)
              if (all(len(s) == 2 for s in base) if zero else base in reads)]
     if not found:
         return
@@ -76,18 +83,23 @@ def check_per_example(jaxpr: Any, rows: frozenset, named: Sequence[tuple[str, tu
             f"the gradient of shape {base[0]}" if not known else
             f"the gradient of {'; '.join(known[:2])}{'; ...' if len(known) > 2 else ''}"
             f" (shape {base[0]})")
-    raise FleetError(_PER_EXAMPLE.format(what=what, shape=shapes[0], rows=f"{size} rows"))
+    raise FleetError(_PER_EXAMPLE.format(what=what, shape=shapes[0], rows=(
+        f"{size} rows" if size in rows else
+        f"rows in {size} groups (x.reshape(-1, k, ...): DP-SGD's microbatches)")))
 
 
-def _collect(jaxpr: Any, reads: set, reductions: list) -> None:
+def _collect(jaxpr: Any, reads: set, reductions: list, rows: frozenset, groups: set) -> None:
     """The shapes ``jaxpr`` reads replicated values at (a sync's inputs and
     outputs, a cast to varying's invariant input: tuples) and reduces gradients
     at (a bucket's operands as one tuple, each operand of JAX's own psum as its
     own), each with whether it is ZeRO's reduce-scatter, whose operands are
     ``(degree, chunk)`` rows (``fleet.comm._shard_comm.ReduceScatter``): 2-D,
-    unless batched."""
+    unless batched; and into ``groups``, how many groups of the replica's ``rows``
+    a reshape makes (``x.reshape(-1, k, ...)``: ``rows / k``)."""
     for eqn in jaxpr.eqns:
         name = eqn.params.get("name")
+        if eqn.primitive.name == "reshape":
+            groups.update(_groups(eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape, rows))
         if is_sync(eqn):  # (stage 3's sync reads slices and gives whole parameters)
             reads.update((_shapes(eqn.invars), _shapes(eqn.outvars)))
             continue
@@ -103,7 +115,15 @@ def _collect(jaxpr: Any, reads: set, reductions: list) -> None:
         elif prim in PSUMS:
             reductions.extend((False, _shapes([v])) for v in eqn.invars)
         for sub in jaxprs_in_params(eqn.params):
-            _collect(getattr(sub, "jaxpr", sub), reads, reductions)
+            _collect(getattr(sub, "jaxpr", sub), reads, reductions, rows, groups)
+
+
+def _groups(old: tuple, new: tuple, rows: frozenset) -> set:
+    """The leading lengths ``a`` where a reshape splits an axis of the rows in two,
+    ``(..., rows, ...) -> (..., a, b, ...)`` with both more than one."""
+    return {new[i] for i in range(min(len(old), len(new) - 1))
+            if old[:i] == tuple(new[:i]) and old[i] in rows and new[i] > 1 and new[i + 1] > 1
+            and new[i] * new[i + 1] == old[i]}
 
 
 def _shapes(invars: Iterable) -> tuple:
