@@ -206,3 +206,21 @@ def test_state_set_from_the_batch_under_gradient_merge_is_refused(make_world):
                        r"fleet.all_reduce\(value, 'avg'\)") as raised:
         step(model, optimizer, x, y)
     assert "no_sync" not in str(raised.value)
+
+
+def test_a_learning_rate_set_from_the_replicas_loss_is_named(make_world):
+    """The learning rate (optax.inject_hyperparams) set from the replica's own loss:
+    the error names the learning rate, not a parameter whose update it scaled."""
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.opt_state.hyperparams["learning_rate"][...] = 0.1 * jnp.minimum(1.0, loss)
+        optimizer.update(model, grads)
+        return loss
+
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(
+        model, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match=r"'opt_state.hyperparams.learning_rate' would "
+                                               r"hold different values on different replicas"):
+        fleet.distributed_step(step)(model, optimizer, *models.batches("linear", 1, 16)[0])

@@ -162,7 +162,10 @@ def replicated_state(graph: GraphCache, new: Any, plan: Plan, entered: dict,
     varying = [i for i, x in enumerate(leaves)
                if _sync.is_varying(x) and not graph.per_replica[i]]
     buffers = [i for i in varying if is_buffer(variables[i])]
-    for i in [i for i in varying if i not in buffers]:
+    # (other state first: parameters may vary because of it, as updates scaled by a
+    # learning rate set from the replica's loss)
+    for i in sorted((i for i in varying if i not in buffers),
+                    key=lambda i: isinstance(variables[i], nnx.Param)):
         refusal = _varying_state(graph.names[i], variables[i], plan.no_sync)
         if not plan.no_sync:
             raise FleetError(refusal)
