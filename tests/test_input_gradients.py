@@ -154,3 +154,54 @@ def test_fgsm_under_stage_3_trains_as_on_one_device(make_world):
     want = train(fgsm, data, one_device)
     make_world(4, merge_or_stage_3("stage 3"))
     assert models.max_diff(train(fgsm, data, distributed), want) < 1e-6
+
+
+def saliency(model, optimizer, x, y):
+    """A step that trains and returns the input gradient of its mean loss."""
+    loss, (grads, gx) = nnx.value_and_grad(lambda m, xx: mse(m, xx, y), argnums=(0, 1))(model, x)
+    optimizer.update(model, grads)
+    return loss, gx
+
+
+def hidden_gradient(model, optimizer, x, y):
+    """The gradient of the mean loss with respect to an intermediate (the hidden
+    activation), returned per example."""
+    h = jnp.tanh(model.l1(x))
+    gh = jax.grad(lambda hh: jnp.mean((model.l2(hh) - y) ** 2))(h)
+    optimizer.update(model, nnx.grad(lambda m: mse(m, x, y))(model))
+    return gh
+
+
+def per_row_saliency(model, optimizer, x, y):
+    """Each row's own input gradient (no mean's 1 / rows)."""
+    loss, grads = nnx.value_and_grad(lambda m: mse(m, x, y))(model)
+    optimizer.update(model, grads)
+    return loss, jax.vmap(jax.grad(lambda row, t: jnp.sum((model(row[None]) - t) ** 2)))(x, y)
+
+
+@pytest.mark.parametrize("step", [saliency, hidden_gradient], ids=["saliency", "hidden"])
+def test_a_returned_gradient_of_the_mean_loss_per_example_is_refused(make_world, step):
+    """Each row's gradient of a mean over the replica's rows is N times the single
+    device's (exactly 4 times on 4 devices before this was refused)."""
+    make_world(4)
+    model = fleet.distributed_model(Critic(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match=r"is per example .* computed from a constant of "
+                                               r"the batch size \(.*test_input_gradients.py:\d+"
+                                               r"\).*jax.vmap\(jax.grad"):
+        fleet.distributed_step(step)(model, optimizer, *models.batches("linear", 1, 16)[0])
+
+
+def test_each_rows_own_input_gradient_returned_equals_one_device(make_world):
+    data = models.batches("linear", 2, 16)
+    model = Critic(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+    want = [nnx.jit(per_row_saliency)(model, optimizer, x, y) for x, y in data]
+    make_world(4)
+    model = fleet.distributed_model(Critic(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param))
+    step = fleet.distributed_step(per_row_saliency)
+    got = [step(model, optimizer, x, y) for x, y in data]
+    d = max(float(jnp.abs(g - w).max()) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    print(f"per-row input gradients: {d:.1e} from one device")
+    assert d < 1e-6

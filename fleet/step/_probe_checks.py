@@ -30,6 +30,7 @@ from fleet.semantics import (
     _per_example,
     _random_guards,
     _row_mixing,
+    _row_scale,
     _summed_loss,
 )
 from fleet.step import _guards, _roles, _summed_grads
@@ -114,6 +115,9 @@ def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
     if replicas > 1:  # (on one replica its rows are the global batch's)
         _outputs.check_counted(jaxpr, reference, len(at),
                                [graph.names[i] for i in record.counted])
+        _row_scale.check_row_scaled(
+            jaxpr, reference, len(at) + len(record.counted),
+            [n for n, r in zip(record.names, record.out) if r == "gather"], replicas)
     record.summed = summed_inside(plan, record.dtypes, record.out)
 
 

@@ -83,7 +83,8 @@ def probe_record(record: PlanRecord, graph: GraphCache, trace: Any, new_state: l
                  names: list, leaves: list, reduces: list, treedef: Any) -> list:
     """The probe's record of what the step did, and what its body returns: the
     undeclared varying scalars (for fleet.semantics._outputs), then the state that is
-    neither parameters nor optimizer state (for fleet.semantics._outputs.check_counted).
+    neither parameters nor optimizer state (for fleet.semantics._outputs.check_counted),
+    then the per-example outputs (for fleet.semantics._row_scale).
     The values left typed the same on every replica pass through
     fleet.semantics._random_guards.fleet_mark."""
     marked = [(n, x) for n, x in zip(graph.names, new_state)] + [
@@ -108,7 +109,7 @@ def probe_record(record: PlanRecord, graph: GraphCache, trace: Any, new_state: l
         and not is_key(x) and not _sync.is_varying(x)]
     return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
         jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]
-        for i in record.counted]
+        for i in record.counted] + [x for x, r in zip(leaves, reduces) if r == "gather"]
 
 
 def with_real_tail(plan: Plan, probed: list, tail: Callable, leaves: list, reduces: list,
