@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import linen, nnx
+from flax.nnx import bridge
 
 import fleet
 from fleet.runtime import _world
@@ -199,3 +200,26 @@ def test_joining_a_job_after_computing_says_to_move_fleet_init(monkeypatch):
         assert not jax.distributed.is_initialized()
     finally:
         _world._WORLD = None
+
+
+def test_a_linen_module_converted_by_the_bridge_is_refused_naming_the_linen_path(make_world):
+    """nnx.bridge.ToNNX (Flax's bridge guide) failed inside fleet's wrapping with the
+    bridge's own errors ("Cannot infer collection name from value: None", "Type
+    SyncedParam is not registered"), blamed on the step; it is refused at the
+    wrapping, naming the module and the Linen path, which trains as on one device
+    (tests/test_contract.py)."""
+
+    class Outer(nnx.Module):
+        def __init__(self, rngs):
+            self.net = bridge.ToNNX(linen.Dense(1), rngs=rngs)
+
+    make_world(2)
+    dense = bridge.ToNNX(linen.Dense(1), rngs=nnx.Rngs(0))
+    bridge.lazy_init(dense, np.ones((2, 3), np.float32))
+    with pytest.raises(fleet.FleetTypeError, match=r"converted by flax.nnx.bridge.ToNNX \(Dense\)"
+                                                   r".*fleet.distributed_model\(linen_module\)"):
+        fleet.distributed_model(dense)
+    outer = Outer(nnx.Rngs(0))
+    bridge.lazy_init(outer.net, np.ones((2, 3), np.float32))
+    with pytest.raises(fleet.FleetTypeError, match=r"ToNNX at net \(Dense\)"):
+        fleet.distributed_model(outer)

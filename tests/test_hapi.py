@@ -539,8 +539,8 @@ def test_summary_counts_parameters(make_world, capsys, spec):
 def test_errors_say_what_was_given_and_what_to_do(make_world, train_set):
     make_world(2)
     ds = TensorDataset(list(train_set))
-    with pytest.raises(fleet.FleetTypeError, match=r"Linen module Dense; convert it with "
-                                                   r"flax.nnx.bridge.ToNNX"):
+    with pytest.raises(fleet.FleetTypeError, match=r"Linen module Dense; train Linen with "
+                                                   r"the four-step API"):
         Model(linen.Dense(3))
     with pytest.raises(fleet.FleetTypeError, match=r"NNX module \(nnx.Module\), got int"):
         Model(3)

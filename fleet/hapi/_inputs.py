@@ -45,8 +45,10 @@ def check_network(network: Any) -> None:
     if isinstance(network, linen.Module):
         raise FleetTypeError(
             f"fleet.Model takes a Flax NNX module, got the Linen module "
-            f"{type(network).__name__}; convert it with flax.nnx.bridge.ToNNX, or train "
-            "Linen with the four-step API (fleet.distributed_model / distributed_step)"
+            f"{type(network).__name__}; train Linen with the four-step API "
+            "(fleet.distributed_model(module) and its apply in a TrainState, "
+            "fleet.distributed_step), or write the network as an NNX module (fleet cannot "
+            "wrap a Linen module converted by flax.nnx.bridge.ToNNX yet)"
         )
     if not isinstance(network, nnx.Module):
         raise FleetTypeError(

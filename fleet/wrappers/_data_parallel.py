@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen, nnx
+from flax.nnx import bridge
 
 from fleet import _compat
 from fleet._errors import FleetConfigError, FleetError, FleetTypeError, FleetUnsupportedError
@@ -106,6 +107,7 @@ class DataParallel(nnx.Module):
                 "this model is already a fleet.DataParallel; wrap the original model once"
             )
         if isinstance(layers, nnx.Module):
+            _refuse_bridged(layers)
             base = type(layers)
             sub = _SUBCLASSES.get(base)
             if sub is None:
@@ -322,6 +324,20 @@ class LinenDataParallel(DataParallel):
         if missing or unexpected:
             raise FleetError(f"state_dict does not fit: missing {missing}, unexpected {unexpected}")
         return replicate(jax.tree_util.tree_unflatten(treedef, [state_dict[k] for k in keys]))
+
+
+def _refuse_bridged(layers: nnx.Module) -> None:
+    """Refuses a model holding an ``nnx.bridge.ToNNX`` module: the bridge knows no
+    ``SyncedParam`` and takes the wrapper's attributes for Linen variables."""
+    for path, node in nnx.iter_graph(layers):
+        if isinstance(node, bridge.ToNNX):
+            where = f" at {dotted(path)}" if path else ""
+            raise FleetTypeError(
+                f"the model holds a Linen module converted by flax.nnx.bridge.ToNNX{where} "
+                f"({type(node.to_nnx__module).__name__}): fleet cannot wrap such a module "
+                "yet. Wrap the Linen module itself, model = fleet.distributed_model("
+                "linen_module), and train it with its apply (a TrainState, "
+                "fleet.distributed_step), or write the layer as an NNX module")
 
 
 def distributed_model(model: Any) -> DataParallel:
