@@ -5,11 +5,12 @@ split into one per example.
 fleet gives each replica its rows of the single-device draw where the draw's
 leading axis is the batch rows (``fleet.semantics._random``). A dropout of a
 transposed activation (``x.T``, features first), noise drawn time-major
-(``(T, B, D)``), or per-example keys (``jax.random.split(key, x.shape[0])``,
-``rngs.fork(split=...)``) drew the same bits on every replica and trained
-silently away from one device (4 CPU devices, 3 SGD steps: 0.32 in the
-parameters for the dropout of ``x.T``, 0.017 for time-major noise, 0.051 and
-0.039 for split and forked keys). Each is now refused at the first call, naming
+(``(T, B, D)``), a draw of twice the rows (``(2 * x.shape[0], d)``), or
+per-example keys (``jax.random.split(key, x.shape[0])``, ``rngs.fork(split=...)``)
+drew the same bits on every replica and trained silently away from one device
+(4 CPU devices, 3 SGD steps: 0.32 in the parameters for the dropout of ``x.T``,
+0.017 for time-major noise, 0.046 for twice the rows, 0.051 and 0.039 for split
+and forked keys). Each is now refused at the first call, naming
 the line; the same draws with the batch first train as on one device.
 """
 
@@ -39,6 +40,8 @@ class Noisy(nnx.Module):
             x = x + 0.3 * jax.random.normal(self.rngs.noise(), (2, *x.shape)).mean(0)
             x = x + 0.3 * jax.random.normal(self.rngs.noise(), (2, x.shape[0], 10))[1]
             x = x + 0.3 * jax.random.normal(self.rngs.noise(), (10, x.shape[0])).T
+        elif self.form == "twice the rows":
+            x = x + 0.3 * jax.random.normal(self.rngs.noise(), (2 * x.shape[0], 10))[::2]
         elif self.form == "split keys":
             keys = jax.random.split(self.rngs.noise(), x.shape[0])
             x = x + 0.3 * jax.vmap(lambda k: jax.random.normal(k, (10,)))(keys)
@@ -54,9 +57,11 @@ def make(form: str) -> Noisy:
 # form: the error
 REFUSED = {
     "dropout of x.T": r"draws jax.random.bernoulli of shape \(10, 16\) .*test_random_axes.py"
-                      r":\d+\), whose axis 1 is the batch",
-    "time-major noise": r"draws jax.random.normal of shape \(2, 16, 10\) .*whose axis 1 is "
-                        r"the batch",
+                      r":\d+\), whose axis 1 grows with the batch",
+    "time-major noise": r"draws jax.random.normal of shape \(2, 16, 10\) .*whose axis 1 "
+                        r"grows with the batch",
+    "twice the rows": r"draws jax.random.normal of shape \(32, 10\) .*whose axis 0 grows "
+                      r"with the batch, not as the leading axis of the batch rows",
     "split keys": r"splits a key into one per example \(16 keys at .*test_random_axes.py",
 }
 

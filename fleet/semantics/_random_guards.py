@@ -78,7 +78,7 @@ def check_draws(jaxpr: Any, rows: frozenset, one_device: Any = None,
         if not jax.config.jax_threefry_partitionable:
             raise FleetError(_NOT_PARTITIONABLE.format(what=what))
     if one_device is not None:  # (the global batch's rows are not the replica's)
-        check_batch_axes(jaxpr, one_device)
+        check_batch_axes(jaxpr, one_device, rows)
         for eqn, top in _draws(one_device):
             shape = eqn.params["shape"]
             if shape and shape[0] in rows and shape[0] not in global_rows:
@@ -100,9 +100,10 @@ def _draws(jaxpr: Any, top: Any = None,
 
 
 _BATCH_AXIS = (
-    "the step draws {what}, whose axis {axis} is the batch (its leading axis is not): fleet "
-    "gives each replica its rows of the single-device draw only for a draw whose leading "
-    "axis is the batch rows, and this one would draw the same bits on every replica. Draw "
+    "the step draws {what}, whose axis {axis} grows with the batch, not as the leading "
+    "axis of the batch rows: fleet gives each replica its rows of the single-device draw "
+    "only for a draw whose leading axis is the batch rows (x.shape[0]), and this one would "
+    "draw the same bits on every replica. Draw "
     "with the batch first: apply the dropout or noise before moving the batch axis (or "
     "draw shape (batch, ...) and transpose it)")
 _SPLIT_PER_EXAMPLE = (
@@ -114,11 +115,12 @@ _SPLIT_PER_EXAMPLE = (
     "gives each replica exactly")
 
 
-def check_batch_axes(jaxpr: Any, one_device: Any) -> None:
-    """Refuses a draw whose batch axis is not its leading one, and a key split per
-    example: the replica's draws and splits (``jaxpr``) paired in order with the
-    single-device step's (``one_device``), an axis shorter in the replica's being
-    the batch's. Unpaired (the traces' draws differ in number or kind): unchecked."""
+def check_batch_axes(jaxpr: Any, one_device: Any, rows: frozenset) -> None:
+    """Refuses a draw whose batch axis is not its leading one or is not the
+    replica's ``rows`` (``(2 * x.shape[0], d)``), and a key split per example: the
+    replica's draws and splits (``jaxpr``) paired in order with the single-device
+    step's (``one_device``), an axis shorter in the replica's being the batch's.
+    Unpaired (the traces' draws differ in number or kind): unchecked."""
     names = ("random_bits", "random_split")
     local, glob = list(_draws(jaxpr, names=names)), list(_draws(one_device, names=names))
     if len(local) != len(glob):
@@ -132,7 +134,7 @@ def check_batch_axes(jaxpr: Any, one_device: Any) -> None:
             where = _compat.user_line(top)
             raise FleetError(_SPLIT_PER_EXAMPLE.format(
                 what=f"{gs[0]} keys" + (f" at {where}" if where else "")))
-        if batch and batch != [0]:
+        if batch and (batch != [0] or ls[0] not in rows):
             raise FleetError(_BATCH_AXIS.format(what=_describe(top, gs), axis=batch[-1]))
 
 

@@ -31,10 +31,12 @@ _LOOPS = ("scan", "while", "cond")
 
 def summed_uses(jaxpr: Any) -> tuple[list[str], bool]:
     """Where the step uses a gradient JAX summed over the replicas (raw parameters':
-    :func:`foreign_psums`) other than handing it to a distributed optimizer, which
-    divides it by N first (``fleet_tx_grads``): the user's lines (else the first
-    primitive's name), and whether the step returns one (:data:`RETURNED`). A call
-    (``jit``, ``shard_map``) is followed in; a loop or a branch is not."""
+    the psums ``fleet.step._guards.foreign_psums`` counts) other than handing it to a
+    distributed optimizer, which divides it by N first (``fleet_tx_grads``): the
+    user's lines (else the first primitive's name), and whether the step returns
+    one (:data:`RETURNED`). A call (``jit``, ``shard_map``) is followed in; a loop
+    or a branch that reads one is a use, and one summed inside a loop or a branch
+    is not followed."""
     found: list[str] = []
     unnamed: list[str] = []
 
