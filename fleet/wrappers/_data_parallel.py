@@ -327,17 +327,15 @@ class LinenDataParallel(DataParallel):
 
 
 def _refuse_bridged(layers: nnx.Module) -> None:
-    """Refuses a model holding an ``nnx.bridge.ToNNX`` module: the bridge knows no
-    ``SyncedParam`` and takes the wrapper's attributes for Linen variables."""
+    """Refuses an ``nnx.bridge.ToNNX`` module inside: the bridge knows no ``SyncedParam``."""
     for path, node in nnx.iter_graph(layers):
         if isinstance(node, bridge.ToNNX):
-            where = f" at {dotted(path)}" if path else ""
             raise FleetTypeError(
-                f"the model holds a Linen module converted by flax.nnx.bridge.ToNNX{where} "
-                f"({type(node.to_nnx__module).__name__}): fleet cannot wrap such a module "
-                "yet. Wrap the Linen module itself, model = fleet.distributed_model("
-                "linen_module), and train it with its apply (a TrainState, "
-                "fleet.distributed_step), or write the layer as an NNX module")
+                "the model holds a Linen module converted by flax.nnx.bridge.ToNNX"
+                f"{f' at {dotted(path)}' if path else ''} ({type(node.to_nnx__module).__name__}): "
+                "fleet cannot wrap such a module yet. Wrap the Linen module itself, model = "
+                "fleet.distributed_model(linen_module), and train it with its apply (a "
+                "TrainState, fleet.distributed_step), or write the layer as an NNX module")
 
 
 def distributed_model(model: Any) -> DataParallel:
