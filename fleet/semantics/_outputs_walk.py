@@ -229,8 +229,9 @@ class Walk:
         xa, xb = ea.invars[0], eb.invars[0]
         axes = set(ea.params.get("axes", ()))
         grown = [d for d, (m, n) in enumerate(zip(xa.aval.shape, xb.aval.shape)) if m != n]
-        if grown:
-            if grown != [0] or 0 not in axes or xb.aval.shape[0] != self.scale * xa.aval.shape[0]:
+        if grown:  # the rows' axis: the leading one, or another (an ensemble's (E, B) losses)
+            if len(grown) > 1 or grown[0] not in axes or (
+                    xb.aval.shape[grown[0]] != self.scale * xa.aval.shape[grown[0]]):
                 return self.fail(f"a {name} over an axis other than the batch rows, or over "
                                   "several axes that grow with the batch")
             return ("k", _REDUCTIONS[name])

@@ -200,19 +200,44 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
             elif x.shape[0] in rows:
                 reduce = "gather"
             else:
-                raise FleetError(
-                    f"output {name} (shape {x.shape} per replica) differs across replicas "
-                    "and is neither a scalar nor per example (leading axis = the "
-                    f"replica's {sorted(rows)} batch rows), so fleet cannot combine it on "
-                    "its own. Declare it: fleet.distributed_step(fn, out_reduce=...) "
-                    "with 'mean', 'sum', 'max', 'min' or 'gather' at its position"
-                )
-        elif reduce == "gather" and x.ndim == 0:
-            raise FleetConfigError(f"out_reduce asks to gather output {name}, a scalar; "
-                                   "use 'mean', 'sum', 'max' or 'min'")
+                raise FleetError(_not_per_example(name, x.shape, rows))
+        elif reduce == "gather" and (x.ndim == 0 or x.shape[0] not in rows):
+            raise FleetConfigError(
+                f"out_reduce asks to gather output {name}, of shape {x.shape} for "
+                f"{_rows(rows)}: 'gather' concatenates the replicas' leading axes, in "
+                "batch order, so that axis must be the batch rows. " + (
+                    "Use 'mean', 'sum', 'max' or 'min' for a scalar" if x.ndim == 0
+                    else _rows_first(x.shape, rows) + "Or use 'mean', 'sum', 'max' or "
+                    "'min', each element combined over the replicas"))
         leaves.append(x)
         reduces.append(reduce)
     return leaves, reduces, treedef
+
+
+def _rows(rows: frozenset) -> str:
+    return " or ".join(map(str, sorted(rows))) + " batch rows"
+
+
+def _rows_first(shape: tuple, rows: frozenset) -> str:
+    """What to write for an output whose batch rows are an axis other than its
+    leading one (an empty string where none is)."""
+    axis = next((d for d, n in enumerate(shape) if n in rows), None)
+    if axis is None:
+        return ""
+    return (f"Its batch rows are its axis {axis} (an ensemble's (members, rows, ...) "
+            f"outputs?): return jnp.moveaxis(out, {axis}, 0), which fleet gathers in "
+            "batch order as on one device, and move the axis back after the step. ")
+
+
+def _not_per_example(name: str, shape: tuple, rows: frozenset) -> str:
+    hint = _rows_first(shape, rows)
+    return (f"output {name} (shape {shape} for {_rows(rows)}) differs across replicas "
+            "and is neither a scalar nor per example (its leading axis is not the batch "
+            "rows), so fleet cannot combine it on its own. " + hint + ("Or d" if hint else "D")
+            + "eclare how each of its elements combines over the replicas: "
+            "fleet.distributed_step(fn, out_reduce=...) with 'mean', 'sum', 'max' or "
+            "'min' at its position")
+
 
 def _declared_reduces(out: Any, out_reduce: Any) -> list:
     spec = out_reduce
