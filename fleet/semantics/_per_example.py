@@ -33,8 +33,15 @@ in the parameters after 4 steps before this check): a batched axis as long as
 the groups a reshape of the rows makes (:func:`_groups`) is one of the replica's
 rows' too.
 
-Not covered: per-example gradients taken in a loop over the rows
-(``jax.lax.map``), whose reductions run once per row at the parameters' shape.
+Per-example gradients taken in a loop over the rows (``jax.lax.map``, a
+``scan`` over ``(x, y)``) reduce at the parameters' shape, once per row: the
+loop shows them (:func:`_row_loops`), a ``scan`` that stacks a reduced gradient
+and runs once per row of the replica where the single-device step's runs once
+per row of the global batch (``dpsgd`` so: 0.019 from one device in the
+parameters after 3 steps before this check). A forward pass looped over the
+rows, differentiated outside the loop, accumulates the gradient in the loop's
+carry (exact, accepted); a scan over ``k`` micro-batches runs ``k`` times in
+both and stays accepted.
 """
 
 from __future__ import annotations
@@ -57,13 +64,30 @@ _PER_EXAMPLE = (
     "from one device. fleet does not make per-example gradients exact: differentiate the "
     "loss over the whole batch (its mean over the rows), or train this step on one device")
 
+_PER_EXAMPLE_LOOP = (
+    "the step takes gradients per example in a loop over the batch rows (jax.lax.map or "
+    "a scan over the rows: it runs once per row, {rows} on this replica, and reduces a "
+    "gradient inside). fleet reduces a parameter's gradient over the replicas as a whole; "
+    "inside the loop that reduction averages example i of every replica, so each "
+    "per-example gradient, and a clip, a norm or noise taken of it (optax.contrib.dpsgd), "
+    "would differ from one device. fleet does not make per-example gradients exact: "
+    "differentiate the loss over the whole batch (its mean over the rows), or train this "
+    "step on one device")
 
-def check_per_example(jaxpr: Any, rows: frozenset, named: Sequence[tuple[str, tuple]]) -> None:
+
+def check_per_example(jaxpr: Any, rows: frozenset, named: Sequence[tuple[str, tuple]],
+                      reference: Any = None, replicas: int = 1) -> None:
     """Refuses a probe whose gradient reductions are batched over the replica's
-    batch ``rows`` (see the module docstring). ``named``: (name, shape) of the
-    step's state and pytree leaves, to name a parameter by its shape."""
+    batch ``rows``, or run in a loop over them (see the module docstring).
+    ``named``: (name, shape) of the step's state and pytree leaves, to name a
+    parameter by its shape; ``reference``: the single-device step's trace, of
+    ``replicas`` times the rows."""
     if not rows:
         return
+    looped = _row_loops(jaxpr, rows)
+    if looped and reference is not None and _row_loops(
+            reference, frozenset(r * replicas for r in rows)):
+        raise FleetError(_PER_EXAMPLE_LOOP.format(rows=looped[0]))
     reads: set = set()
     reductions: list = []
     groups: set = set()
@@ -86,6 +110,38 @@ def check_per_example(jaxpr: Any, rows: frozenset, named: Sequence[tuple[str, tu
     raise FleetError(_PER_EXAMPLE.format(what=what, shape=shapes[0], rows=(
         f"{size} rows" if size in rows else
         f"rows in {size} groups (x.reshape(-1, k, ...): DP-SGD's microbatches)")))
+
+
+def _row_loops(jaxpr: Any, rows: frozenset) -> list[int]:
+    """The lengths, one of ``rows``, of the loops (``scan``) of ``jaxpr`` that
+    stack a gradient reduced over the replicas in their body (one per row: its
+    per-row outputs, not its carry, where a loop's transpose accumulates a read
+    parameter's gradient)."""
+    found = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        subs = [getattr(sub, "jaxpr", sub) for sub in jaxprs_in_params(eqn.params)]
+        if eqn.primitive.name == "scan" and eqn.params["length"] in rows:
+            body = eqn.params["jaxpr"].jaxpr
+            reduced = _reduced(body)
+            if any(id(v) in reduced for v in body.outvars[eqn.params["num_carry"]:]):
+                found.append(eqn.params["length"])
+                continue
+        if eqn.params.get("name") not in FLEET_CALLS:
+            found.extend(n for sub in subs for n in _row_loops(sub, rows))
+    return found
+
+
+def _reduced(jaxpr: Any) -> set:
+    """The ids of ``jaxpr``'s variables computed from a gradient reduced over the
+    replicas (a bucket's, JAX's psum's outputs, and what follows from them)."""
+    out: set = set()
+    for eqn in jaxpr.eqns:
+        if (eqn.params.get("name") in GRADIENT_BUCKETS or eqn.primitive.name in PSUMS
+                or any(id(v) in out for v in eqn.invars if not isinstance(v, Literal))
+                or any(_reduced(getattr(sub, "jaxpr", sub))
+                       for sub in jaxprs_in_params(eqn.params))):
+            out.update(map(id, eqn.outvars))
+    return out
 
 
 def _collect(jaxpr: Any, reads: set, reductions: list, rows: frozenset, groups: set) -> None:

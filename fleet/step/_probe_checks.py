@@ -61,7 +61,7 @@ def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked
 
 
 def check_per_example(plan: Plan, graph: GraphCache, jaxpr: Any, batch: list,
-                      trees: list) -> None:
+                      trees: list, reference: Any) -> None:
     """The probe's per-example gradients, refused (fleet.semantics._per_example);
     on one replica they are the single-device ones."""
     if plan.mesh.devices.size == 1:
@@ -70,7 +70,8 @@ def check_per_example(plan: Plan, graph: GraphCache, jaxpr: Any, batch: list,
     named = [(name, v.shape) for name, v in zip(graph.names, graph.variables)] + [
         (f"{nth(tree_pos[i])} leaf {dotted(p)!r}", jnp.shape(x))
         for i, t in enumerate(trees) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]]
-    _per_example.check_per_example(jaxpr, replica_rows(plan, batch), named)
+    _per_example.check_per_example(jaxpr, replica_rows(plan, batch), named, reference,
+                                   plan.mesh.devices.size)
 
 
 def check_written(plan: Plan, record: PlanRecord, jaxpr: Any) -> None:

@@ -144,7 +144,7 @@ class Program:
         probe_body, reference, args, specs, trees, batch = traced
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
         check_randomness(plan, jaxpr, reference, batch, record.marked)
-        check_per_example(plan, self.graph, jaxpr, batch, trees)
+        check_per_example(plan, self.graph, jaxpr, batch, trees, reference)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
