@@ -51,6 +51,7 @@ from typing import Any
 
 from jax.extend.core import Literal, jaxprs_in_params
 
+from fleet._compat import scan_counts
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import GRADIENT_BUCKETS, PSUMS, is_sync, is_varying_var
@@ -123,7 +124,7 @@ def _row_loops(jaxpr: Any, rows: frozenset) -> list[int]:
         if eqn.primitive.name == "scan" and eqn.params["length"] in rows:
             body = eqn.params["jaxpr"].jaxpr
             reduced = _reduced(body)
-            if any(id(v) in reduced for v in body.outvars[eqn.params["num_carry"]:]):
+            if any(id(v) in reduced for v in body.outvars[scan_counts(eqn.params)[1]:]):
                 found.append(eqn.params["length"])
                 continue
         if eqn.params.get("name") not in FLEET_CALLS:
