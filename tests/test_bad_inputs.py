@@ -5,6 +5,7 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -22,6 +23,11 @@ def _model():
 
 def _loss_step(model, x, y):
     return ((model(x) - y) ** 2).mean()
+
+
+def _metrics_step(model, x, y):
+    pred = model(x)
+    return ((pred - y) ** 2).mean(), {"error": jnp.abs(pred - y).mean(), "pred": pred}
 
 
 X8, Y8 = np.ones((8, 10), np.float32), np.ones((8, 1), np.float32)
@@ -81,6 +87,16 @@ CASES = [
     ("out_reduce of the wrong structure",
      lambda: fleet.distributed_step(_loss_step, out_reduce=("mean", "sum"))(_model(), X8, Y8),
      fleet.FleetConfigError, r"does not match the structure of the step's output"),
+    # (JAX's own prefix error, which named output 0 here, is not shown)
+    ("out_reduce missing an output",
+     lambda: fleet.distributed_step(_metrics_step, out_reduce=(None, {"error": "mean"}))(
+         _model(), X8, Y8),
+     fleet.FleetConfigError, r"does not match the structure of the step's output "
+                             r"\(PyTreeDef.*\): it has no entry for output 1\.pred;"),
+    ("out_reduce naming an output the step lacks",
+     lambda: fleet.distributed_step(_metrics_step, out_reduce=(
+         "mean", {"error": "mean", "pred": "gather", "count": "sum"}))(_model(), X8, Y8),
+     fleet.FleetConfigError, r"it names output 1\.count, which the step does not return"),
 ]
 
 

@@ -176,9 +176,9 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
     undeclared scalar that differs across replicas: fleet.semantics._outputs decides);
     raises for what fleet cannot combine."""
     rows = rows_of(batch)
-    declared = _declared_reduces(out, out_reduce)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(
         out, is_leaf=lambda x: isinstance(x, nnx.Pytree) or is_shard(x))
+    declared = _declared_reduces(out, [p for p, _ in with_path], out_reduce)
     leaves, reduces = [], []
     for (path, x), reduce in zip(with_path, declared):
         name = dotted(path) or "the output"
@@ -239,24 +239,34 @@ def _not_per_example(name: str, shape: tuple, rows: frozenset) -> str:
             "'min' at its position")
 
 
-def _declared_reduces(out: Any, out_reduce: Any) -> list:
-    spec = out_reduce
-    n = len(jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, nnx.Pytree)))
-    if spec is None:
-        return [None] * n
-    if isinstance(spec, str):
-        spec = jax.tree.map(lambda _: spec, out)
-    try:
-        full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, out,
-                            is_leaf=lambda s: s is None or isinstance(s, str))
-    except ValueError as e:
-        raise FleetConfigError(
-            f"out_reduce={out_reduce!r} does not match the structure of the step's "
-            f"output ({jax.tree_util.tree_structure(out)}); give a prefix of it, with "
-            f"one of {REDUCES} at each position ({e})"
-        ) from None
-    leaves = jax.tree_util.tree_leaves(full, is_leaf=lambda s: s is None)
-    for s in leaves:
+def _declared_reduces(out: Any, paths: list, out_reduce: Any) -> list:
+    """The declared reduce of each output leaf (``paths``: their key paths): the
+    entry of ``out_reduce`` at a prefix of its path (None: fleet decides)."""
+    if out_reduce is None or isinstance(out_reduce, str):
+        entries = [((), out_reduce)]
+    else:
+        entries = jax.tree_util.tree_flatten_with_path(
+            out_reduce, is_leaf=lambda s: s is None or isinstance(s, str))[0]
+    for _, s in entries:
         if s not in REDUCES:
             raise FleetConfigError(f"out_reduce value {s!r} is not one of {REDUCES}")
-    return leaves
+
+    def mismatch(what: str) -> FleetConfigError:
+        return FleetConfigError(
+            f"out_reduce={out_reduce!r} does not match the structure of the step's output "
+            f"({jax.tree_util.tree_structure(out)}): {what}; give a prefix of it, with one "
+            f"of {REDUCES} at each position (None: fleet decides)")
+
+    def under(prefix: tuple, path: tuple) -> bool:
+        return tuple(path[:len(prefix)]) == tuple(prefix)
+
+    declared = []
+    for path in paths:
+        found = [s for prefix, s in entries if under(prefix, path)]
+        if not found:
+            raise mismatch(f"it has no entry for output {dotted(path) or 'the output'}")
+        declared.append(found[0])
+    for prefix, s in entries:
+        if s is not None and not any(under(prefix, path) for path in paths):
+            raise mismatch(f"it names output {dotted(prefix)}, which the step does not return")
+    return declared
