@@ -184,3 +184,67 @@ def test_sync_batch_norm_across_two_processes_equals_one_device(tmp_path):
     print(f"sync_batch_norm=True, 2 processes x 2 devices: |loss| = {d_loss:.1e}, "
           f"|state| = {d_state:.1e}")
     assert d_loss <= 1e-5 and d_state <= 1e-5
+
+
+class Backbone(nnx.Module):
+    """A pretrained feature extractor, frozen: the step trains only the head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear, self.bn = nnx.Linear(3, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.bn(self.linear(x)))
+
+
+def transfer_step(head, optimizer, backbone, x, y):
+    features = jax.lax.stop_gradient(backbone(x))
+
+    def loss_fn(h):
+        return optax.softmax_cross_entropy_with_integer_labels(h(features), y).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(head)
+    optimizer.update(head, grads)
+    return loss
+
+
+@pytest.mark.parametrize("fix", ["backbone.eval()", "the backbone wrapped too"])
+def test_an_unwrapped_backbone_in_training_mode_is_named_and_both_fixes_train_as_one_device(
+        make_world, fix):
+    """Transfer learning with the frozen backbone a separate argument: its
+    BatchNorm in training mode normalised with the replica's rows, and the refusal
+    said only "the step combines different rows". It now names the layer, the
+    argument and the two fixes, each of which equals one device."""
+    rs = np.random.RandomState(0)
+    batches = [(rs.randn(16, 3).astype(np.float32), rs.randint(0, 2, 16).astype(np.int32))
+               for _ in range(3)]
+
+    def make(eval_mode: bool):
+        head = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+        backbone = Backbone(nnx.Rngs(0))
+        if eval_mode:
+            backbone.eval()
+        return head, nnx.Optimizer(head, optax.sgd(0.1), wrt=nnx.Param), backbone
+
+    eval_mode = fix == "backbone.eval()"
+    head, optimizer, backbone = make(eval_mode)
+    want = [float(nnx.jit(transfer_step)(head, optimizer, backbone, *b)) for b in batches]
+    strategy = fleet.DistributedStrategy()
+    strategy.sync_batch_norm = True
+    make_world(4, strategy)
+    got_head, got_optimizer, got_backbone = make(False)
+    got_head = fleet.distributed_model(got_head)
+    got_optimizer = fleet.distributed_optimizer(got_optimizer)
+    with pytest.raises(fleet.FleetError, match=(
+            r"the step combines different rows .*the BatchNorm layer 'bn' of the 3rd argument "
+            r"runs in training mode.*fleet.distributed_model .*\(.eval\(\)\)")):
+        fleet.distributed_step(transfer_step)(got_head, got_optimizer, got_backbone, *batches[0])
+    if eval_mode:
+        got_backbone.eval()
+    else:
+        got_backbone = fleet.distributed_model(got_backbone)
+    step = fleet.distributed_step(transfer_step)
+    got = [float(step(got_head, got_optimizer, got_backbone, *b)) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert models.max_diff(models.flat_params(got_head), models.flat_params(head)) < 1e-6
+    assert models.max_diff(models.flat_params(got_backbone),
+                           models.flat_params(backbone)) < 1e-6

@@ -126,6 +126,26 @@ def install(model: nnx.Module, choice: bool | None) -> int:
     return changed
 
 
+def unwrapped_in_training(objs: tuple, names: list[str]) -> str:
+    """What to write for the first ``nnx.BatchNorm`` in training mode that no wrapped
+    model converted (``install``), among the step's objects ``objs`` (``names``:
+    how the message calls each): its statistics are of the replica's rows. Empty
+    where there is none."""
+    for obj, name in zip(objs, names):
+        if not isinstance(obj, nnx.Module):
+            continue
+        for path, module in nnx.iter_modules(obj):
+            if (isinstance(module, nnx.BatchNorm) and not hasattr(type(module), "fleet_base")
+                    and not module.use_running_average):
+                return (f" Here: the BatchNorm layer {dotted(path) or type(module).__name__!r} "
+                        f"of {name} runs in training mode, its batch statistics of the "
+                        "replica's rows, and no wrapped model holds it: wrap the module with "
+                        "fleet.distributed_model (strategy.sync_batch_norm then applies), "
+                        "or, if it is frozen, put it in evaluation mode (.eval()) before "
+                        "the step.")
+    return ""
+
+
 def linen_interceptor(choice: bool | None) -> Any:
     """The ``nn.intercept_methods`` interceptor that runs each Linen ``nn.BatchNorm``
     of a wrapped module in a step, for ``choice`` (``strategy.sync_batch_norm``)."""

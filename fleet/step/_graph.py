@@ -89,7 +89,7 @@ class GraphCache:
     """The NNX objects' graph, split once and reused while their structure holds."""
 
     def __init__(self, objs: tuple, positions: list[int]):
-        self.objs = objs
+        self.objs, self.positions = objs, positions
         self.tree_vars, self.treedef = self._tree_view(objs)
         self.fingerprint = Fingerprint.of(objs)
         self.graphdef, state = nnx.split(objs)

@@ -23,6 +23,7 @@ from flax import nnx
 from fleet._errors import FleetError, nth
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import world
+from fleet.sections import _batch_norm
 from fleet.semantics import (
     _gathered,
     _metrics,
@@ -82,19 +83,29 @@ def check_written(plan: Plan, record: PlanRecord, jaxpr: Any) -> None:
         _outputs.check_written(jaxpr, record.written)
 
 
-def check_row_mixing(plan: Plan, jaxpr: Any, args: tuple, reference: Any) -> None:
+def check_row_mixing(plan: Plan, graph: GraphCache, jaxpr: Any, args: tuple,
+                     reference: Any) -> None:
     """The probe's operations that combine different rows of the batch, refused
-    (fleet.semantics._row_mixing); on one replica its rows are the global batch.
+    (fleet.semantics._row_mixing), naming an unwrapped BatchNorm in training mode
+    where the step has one; on one replica its rows are the global batch.
     ``args``: the body's (state, trees, batch, repl); ``reference``: the
     single-device step's jaxpr."""
     if plan.mesh.devices.size == 1:
         return
     state, trees, batch = args[:3]
     start = len(jax.tree.leaves(state)) + len(jax.tree.leaves(trees))
-    _row_mixing.check_rows(
-        _outputs.shard_body(jaxpr), range(start, start + len(jax.tree.leaves(batch))),
-        replica_rows(plan, batch), partial_mixing=world().strategy.sync_batch_norm is not False,
-        reference=reference, replicas=plan.mesh.devices.size)
+    synced = world().strategy.sync_batch_norm is not False
+    try:
+        _row_mixing.check_rows(
+            _outputs.shard_body(jaxpr), range(start, start + len(jax.tree.leaves(batch))),
+            replica_rows(plan, batch), partial_mixing=synced,
+            reference=reference, replicas=plan.mesh.devices.size)
+    except FleetError as e:
+        hint = synced and _batch_norm.unwrapped_in_training(
+            graph.objs, [nth(i) for i in graph.positions])
+        if not hint:
+            raise
+        raise FleetError(str(e) + hint) from None
 
 
 def resolve_scalars(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,

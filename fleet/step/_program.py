@@ -148,7 +148,7 @@ class Program:
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
-        check_row_mixing(plan, jaxpr, args, reference)  # (after the outputs' own refusals)
+        check_row_mixing(plan, self.graph, jaxpr, args, reference)  # (after the outputs' own refusals)
         check_written(plan, record, jaxpr)
         check_gradients(plan, record, self.graph, jaxpr, trees)
 
