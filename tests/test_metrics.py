@@ -156,8 +156,10 @@ def test_a_metric_given_a_per_replica_array_that_is_not_per_example_is_refused(m
         metric.update(values=model(x).sum(0))  # (4,) per replica: a sum over its rows
 
     make_world(4)
+    # (the message said "per replica" and "the replica's [32] batch rows" of the
+    # global batch's numbers, from the one-device check: it now says which rows)
     with pytest.raises(fleet.FleetError, match=r"updates metric Average with a value of shape "
-                       r"\(4,\) per replica"):
+                       rf"\(4,\) for {BATCH} batch rows that differs across replicas"):
         fleet.distributed_step(step)(fleet.distributed_model(MLP(nnx.Rngs(0))),
                                      nnx.metrics.Average("values"),
                                      np.ones((BATCH, 6), np.float32))
@@ -378,3 +380,4 @@ def process_metrics_step(model, optimizer, metrics, x, y):
     err = (model(x) - y)[:, 0]
     metrics.update(loss=loss, summed=(err ** 2).sum(), err=err)
     return loss
+

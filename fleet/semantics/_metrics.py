@@ -101,9 +101,10 @@ def _global(x: Any, updates: Updates, metric: str, argument: str) -> Any:
     if x.shape[0] in updates.rows:
         return fleet_gather(x)
     raise FleetError(
-        f"the step updates metric {metric} with a value of shape {x.shape} per replica that "
-        "differs across replicas and is neither per example (leading axis = the replica's "
-        f"{sorted(updates.rows)} batch rows) nor a scalar, so fleet cannot give the metric the "
+        f"the step updates metric {metric} with a value of shape {x.shape} for "
+        f"{' or '.join(map(str, sorted(updates.rows)))} batch rows that differs across "
+        "replicas and is neither per example (its leading axis the batch rows) nor a "
+        "scalar, so fleet cannot give the metric the "
         "single-device value. Pass per-example values (logits, labels, per-example losses) "
         "or a scalar mean")
 
