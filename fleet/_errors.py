@@ -5,6 +5,8 @@ Every message says what was given, what is allowed and what to do.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class FleetError(Exception):
     """Base class of every error fleet raises on purpose."""
@@ -40,3 +42,9 @@ def nth(position: int) -> str:
     n = position + 1
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"the {n}{suffix} argument"
+
+
+def batch_rows(rows: Iterable[int]) -> str:
+    """``"8 or 16 batch rows"``: the row counts of a batch's leaves, as the trace that
+    raises sees them (the replica's, or the global batch's in the one-device check)."""
+    return " or ".join(map(str, sorted(rows))) + " batch rows"

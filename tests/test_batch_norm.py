@@ -248,3 +248,5 @@ def test_an_unwrapped_backbone_in_training_mode_is_named_and_both_fixes_train_as
     assert models.max_diff(models.flat_params(got_head), models.flat_params(head)) < 1e-6
     assert models.max_diff(models.flat_params(got_backbone),
                            models.flat_params(backbone)) < 1e-6
+    assert fleet.check_replicas(got_head) == []
+    assert fleet.check_replicas(got_backbone) == []

@@ -56,7 +56,7 @@ import jax
 from flax import nnx
 
 from fleet import _compat
-from fleet._errors import FleetError, nth
+from fleet._errors import FleetError, batch_rows, nth
 from fleet.comm import _sync
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
@@ -102,7 +102,7 @@ def _global(x: Any, updates: Updates, metric: str, argument: str) -> Any:
         return fleet_gather(x)
     raise FleetError(
         f"the step updates metric {metric} with a value of shape {x.shape} for "
-        f"{' or '.join(map(str, sorted(updates.rows)))} batch rows that differs across "
+        f"{batch_rows(updates.rows)} that differs across "
         "replicas and is neither per example (its leading axis the batch rows) nor a "
         "scalar, so fleet cannot give the metric the "
         "single-device value. Pass per-example values (logits, labels, per-example losses) "

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fleet._errors import FleetConfigError, FleetError, FleetTypeError, nth
+from fleet._errors import FleetConfigError, FleetError, FleetTypeError, batch_rows, nth
 from fleet.comm import _sync
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
@@ -204,7 +204,7 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
         elif reduce == "gather" and (x.ndim == 0 or x.shape[0] not in rows):
             raise FleetConfigError(
                 f"out_reduce asks to gather output {name}, of shape {x.shape} for "
-                f"{_rows(rows)}: 'gather' concatenates the replicas' leading axes, in "
+                f"{batch_rows(rows)}: 'gather' concatenates the replicas' leading axes, in "
                 "batch order, so that axis must be the batch rows. " + (
                     "Use 'mean', 'sum', 'max' or 'min' for a scalar" if x.ndim == 0
                     else _rows_first(x.shape, rows) + "Or use 'mean', 'sum', 'max' or "
@@ -212,10 +212,6 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
         leaves.append(x)
         reduces.append(reduce)
     return leaves, reduces, treedef
-
-
-def _rows(rows: frozenset) -> str:
-    return " or ".join(map(str, sorted(rows))) + " batch rows"
 
 
 def _rows_first(shape: tuple, rows: frozenset) -> str:
@@ -231,7 +227,7 @@ def _rows_first(shape: tuple, rows: frozenset) -> str:
 
 def _not_per_example(name: str, shape: tuple, rows: frozenset) -> str:
     hint = _rows_first(shape, rows)
-    return (f"output {name} (shape {shape} for {_rows(rows)}) differs across replicas "
+    return (f"output {name} (shape {shape} for {batch_rows(rows)}) differs across replicas "
             "and is neither a scalar nor per example (its leading axis is not the batch "
             "rows), so fleet cannot combine it on its own. " + hint + ("Or d" if hint else "D")
             + "eclare how each of its elements combines over the replicas: "
