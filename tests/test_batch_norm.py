@@ -9,6 +9,7 @@ set, the first call raises and names the layer and the two choices.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -250,3 +251,54 @@ def test_an_unwrapped_backbone_in_training_mode_is_named_and_both_fixes_train_as
                            models.flat_params(backbone)) < 1e-6
     assert fleet.check_replicas(got_head) == []
     assert fleet.check_replicas(got_backbone) == []
+
+
+class Observed(nnx.Module):
+    """A quantization-calibration observer beside a BatchNorm: the largest
+    activation seen and the count of positive inputs seen, kept in nnx.BatchStat
+    as such scripts do;
+    ``combine`` reduces them over the replicas as the refusal says to."""
+
+    def __init__(self, rngs: nnx.Rngs, combine: bool):
+        self.net, self.combine = Net(rngs), combine
+        self.amax = nnx.BatchStat(jnp.zeros(()))
+        self.seen = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        amax = jnp.abs(jax.lax.stop_gradient(x)).max()
+        seen = jnp.sum(x > 0).astype(jnp.float32)
+        if self.combine:
+            amax, seen = fleet.all_reduce(amax, "max"), fleet.all_reduce(seen, "sum")
+        self.amax[...] = jnp.maximum(self.amax[...], amax)
+        self.seen[...] += seen
+        return self.net(x)
+
+
+@pytest.mark.parametrize("choice", [True, False])
+def test_a_statistic_of_its_own_in_a_batch_stat_is_refused_and_the_fix_equals_one_device(
+        make_world, choice):
+    """fleet averaged every varying nnx.BatchStat: an observer's maximum came out
+    as the mean of the replicas' maxima and a count as 1/N of it (2.55 against
+    2.25). It averages only an nnx.BatchNorm's
+    running statistics now, and names any other, with the reduction to write."""
+    make_world(4, fleet.DistributedStrategy(sync_batch_norm=choice))
+    model = fleet.distributed_model(Observed(nnx.Rngs(0), combine=False))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match=(
+            r"variable 'amax' would hold different values on different replicas.*"
+            r"fleet.all_reduce\(value, 'max'\) for a maximum")):
+        fleet.distributed_step(train_step)(model, optimizer, *data()[0])
+
+    reference = Observed(nnx.Rngs(0), combine=True)
+    ref_optimizer = nnx.Optimizer(reference, optax.sgd(LR), wrt=nnx.Param)
+    model = fleet.distributed_model(Observed(nnx.Rngs(0), combine=True))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param))
+    step, ref_step = fleet.distributed_step(train_step), nnx.jit(train_step)
+    for x, y in data():
+        step(model, optimizer, x, y)
+        ref_step(reference, ref_optimizer, x, y)
+    assert float(model.seen[...]) == float(reference.seen[...]) > 0
+    assert float(model.amax[...]) == float(reference.amax[...]) > 0
+    if choice:  # the whole step equals one device
+        assert distance(state_of(model), state_of(reference)) <= 1e-5
+    assert fleet.check_replicas(model) == []

@@ -45,6 +45,28 @@ class Weighted(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))
 
 
+class Tracked(nnx.Variable):
+    """Model state of the user's own type."""
+
+
+class WeightTracker(nnx.Module):
+    """Keeps a running mean of its kernel's squared norm, set inside the call from
+    the parameters alone: fleet refused it, as set from per-replica values (the
+    parameters the call reads are typed varying); it is kept now, as the same
+    value on every replica, and an nnx.BatchStat so set is no longer averaged."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 4, rngs=rngs)
+        self.norm = Tracked(jnp.zeros(()))
+        self.stat = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        squared = jnp.sum(self.linear.kernel[...] ** 2)
+        self.norm[...] = 0.9 * self.norm[...] + 0.1 * squared
+        self.stat[...] = jnp.maximum(self.stat[...], jnp.abs(self.linear.bias[...]).max())
+        return self.linear(x)
+
+
 class BatchWritten(nnx.Module):
     """Writes a parameter from the batch, after using it."""
 
@@ -80,13 +102,16 @@ def run(make, batches, wrap: bool):
 
 
 def state_of(model) -> dict:
-    """Parameters and batch statistics (SpectralNorm's u and sigma), by path."""
+    """Parameters, batch statistics (SpectralNorm's u and sigma) and state of the
+    user's own type, by path."""
+    kept = nnx.Any(nnx.Param, nnx.BatchStat, Tracked)
     return {".".join(map(str, p)): np.asarray(v[...])
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat)))}
+            for p, v in nnx.to_flat_state(nnx.state(model, kept))}
 
 
 LAYERS = {"spectral norm": Spectral, "weight norm": lambda rngs: Weighted(rngs),
-          "a constant in a variable": lambda rngs: Constant(rngs, wrapped=True)}
+          "a constant in a variable": lambda rngs: Constant(rngs, wrapped=True),
+          "state set from its parameters": WeightTracker}
 
 
 @pytest.mark.parametrize("n", [1, 4])

@@ -205,7 +205,9 @@ _WRITTEN = (
     "replicas (computed from the batch?): each replica would keep its own value, "
     "where the single-device step keeps one. Write the parameter from parameters and "
     "replicated state alone (as nnx.SpectralNorm writes its normalised kernel), or keep "
-    "a statistic of the batch in an nnx.BatchStat, which fleet averages")
+    "a statistic of the batch in a state variable of its own (an nnx.BatchStat), "
+    "combined over the replicas in the step as on one device: "
+    "fleet.all_reduce(value, 'avg') for a mean")
 
 
 def _writable(variable: Any, raw: Any) -> bool:

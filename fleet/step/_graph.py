@@ -16,7 +16,6 @@ from operator import is_
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from fleet import _compat
@@ -106,6 +105,8 @@ class GraphCache:
         self.synced = [isinstance(v, _synced.SyncedRead) for v in self.variables]
         # Per-replica state (no_sync accumulators): sharded over data, varying inside.
         self.per_replica = tuple(isinstance(v, _sync.PerReplica) for v in self.variables)
+        running = running_statistics(objs)
+        self.running_stats = tuple(id(v) in running for v in self.variables)
         self.accum_keys = [p[-1].key.replace(":", ".")
                            if isinstance(v, _sync.GradAccumulator) else None
                            for p, v in with_path]
@@ -235,14 +236,16 @@ def _ids(values: Any) -> tuple:
     return tuple(map(id, values))
 
 
-def is_buffer(v: nnx.Variable) -> bool:
-    """Batch-norm statistics (``nnx.BatchStat``, floating-point): each replica
-    updates them from its own rows (``sync_batch_norm=False``), and the step
-    averages them over the replicas, the one state fleet averages. Any other
-    variable set from per-replica values may be a sum as well as a mean: the
-    step refuses it (``fleet.step._program``)."""
-    return isinstance(v, nnx.BatchStat) and not isinstance(v, (nnx.Param, nnx.OptState)) and (
-        jnp.issubdtype(jnp.result_type(v.get_raw_value()), jnp.inexact))
+def running_statistics(objs: tuple) -> set[int]:
+    """The ids of the running statistics (``mean``, ``var``) of each ``nnx.BatchNorm``
+    among ``objs``: under ``sync_batch_norm=False`` each replica updates them from
+    its own rows, and the step averages them over the replicas, the one state
+    fleet averages (the documented reference: ``fleet.sections._batch_norm``). Any
+    other variable set from per-replica values (a count, a maximum, a sum, kept
+    in an ``nnx.BatchStat`` or not) the step refuses (``fleet.step._tail``)."""
+    return {id(getattr(node, name)) for _, node in nnx.iter_graph(objs)
+            if isinstance(node, nnx.BatchNorm) for name in ("mean", "var")
+            if isinstance(getattr(node, name, None), nnx.Variable)}
 
 
 def tree_layout(tree_shards: tuple, sharded: Any, other: Any) -> list:

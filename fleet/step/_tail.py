@@ -28,7 +28,7 @@ from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite, _sharding
 from fleet.semantics import _outputs, _random_guards
 from fleet.step import _first_trace, _roles
-from fleet.step._graph import GraphCache, Plan, is_buffer
+from fleet.step._graph import GraphCache, Plan
 from fleet.step._record import PlanRecord
 from fleet.wrappers._gradient_merge import leave_accumulators
 
@@ -150,10 +150,11 @@ def combined(out_leaves: list, record: PlanRecord, n: int) -> list:
 
 def replicated_state(graph: GraphCache, new: Any, plan: Plan, entered: dict,
                      original: list, trace: Any) -> list:
-    """The NNX state the step leaves (``trace``: the body's): batch-norm
-    statistics averaged, anything else varying refused (under no_sync, where
-    the parameters vary by type, refused by the probe where it came from the
-    batch)."""
+    """The NNX state the step leaves (``trace``: the body's): an nnx.BatchNorm's
+    running statistics averaged; a parameter set from per-replica values refused
+    (except under no_sync, where the parameters vary by type); any other varying
+    state kept as replica 0's, and refused by the probe where it came from the
+    batch (fleet.semantics._outputs.check_written)."""
     variables = [v for _, v in variables_of(new)]
     leaves = [v.get_raw_value() for v in variables]
     # Under no_sync the wrapped parameters entered as varying; unchanged, they
@@ -162,17 +163,21 @@ def replicated_state(graph: GraphCache, new: Any, plan: Plan, entered: dict,
     leave_accumulators(trace, graph.accum_keys, leaves)
     varying = [i for i, x in enumerate(leaves)
                if _sync.is_varying(x) and not graph.per_replica[i]]
-    buffers = [i for i in varying if is_buffer(variables[i])]
+    buffers = [i for i in varying if graph.running_stats[i]]
     # (other state first: parameters may vary because of it, as updates scaled by a
     # learning rate set from the replica's loss)
-    for i in sorted((i for i in varying if i not in buffers),
-                    key=lambda i: isinstance(variables[i], nnx.Param)):
+    others = sorted((i for i in varying if i not in buffers),
+                    key=lambda i: isinstance(variables[i], nnx.Param))
+    params_vary = not plan.no_sync and any(isinstance(variables[i], nnx.Param) for i in others)
+    for i in others:
         refusal = _varying_state(graph.names[i], variables[i], plan.no_sync)
-        if not plan.no_sync:
+        if params_vary:
             raise FleetError(refusal)
-        # Under no_sync the parameters vary by type alone: state set from them
-        # (an EMA of the weights, a target network's copy) is kept as replica
-        # 0's, and the probe refuses it where it came from the batch.
+        # State set inside a wrapped model's call from the parameters it reads
+        # (varying by type there: nnx.SpectralNorm's u and sigma), or from any
+        # parameter under no_sync (an EMA of the weights, a target network's
+        # copy), is kept as replica 0's; the probe refuses it where it came from
+        # the batch (a count, a maximum of the replica's rows).
         trace.written.append(refusal)
         leaves[i] = _sync.fleet_written(leaves[i])
     if buffers:
@@ -188,10 +193,13 @@ def _varying_state(name: str, variable: Any, no_sync: bool) -> str:
                 "fleet.distributed_optimizer, which does not step inside no_sync." if no_sync
                 else " Compute its gradient through a wrapped model (fleet.distributed_model).")
     else:
-        hint = (" fleet averages only batch-norm statistics (nnx.BatchStat); it cannot tell "
-                "whether this value is a mean over the replica's rows or a sum. Combine it "
-                "yourself in the step, as on one device: fleet.all_reduce(value, 'avg') for "
-                "a mean, fleet.all_reduce(value, 'sum') for a sum; or keep counts and totals "
-                "in an nnx.metrics metric, which fleet updates with the global batch.")
+        hint = (" fleet averages only the running statistics of an nnx.BatchNorm layer (its "
+                "mean and var); it cannot tell whether this value is a mean over the "
+                "replica's rows, a sum, a count or a maximum. Combine it yourself in the "
+                "step, as on one device: fleet.all_reduce(value, 'avg') for a mean, "
+                "fleet.all_reduce(value, 'sum') for a sum or a count, "
+                "fleet.all_reduce(value, 'max') for a maximum ('min' for a minimum); or keep "
+                "counts and totals in an nnx.metrics metric, which fleet updates with the "
+                "global batch.")
     return (f"{name} would hold different values on different replicas after this step "
             f"(it was set from per-replica values).{hint}")

@@ -192,7 +192,7 @@ def _per_replica_call(self: Any, x: Any, use_running_average: bool | None = None
     statistics: in training, the batch's rows in ``__fleet_groups__`` equal groups
     (the replicas' rows, in order), each normalised by the layer's own call with
     its own statistics from the same running ones; the running statistics then
-    the groups' mean, as fleet averages the replicas' (``fleet.step._graph.is_buffer``)."""
+    the groups' mean, as fleet averages the replicas' (``fleet.step._graph.running_statistics``)."""
     base, n = type(self).__fleet_base__, type(self).__fleet_groups__
     frozen = self.use_running_average if use_running_average is None else use_running_average
     if frozen or n == 1:
