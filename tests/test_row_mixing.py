@@ -164,6 +164,24 @@ MIXING = {
     "rows picked by labels": (
         lambda m, x, y: jnp.mean((m(x)[labels_of(y)] - m(x)) ** 2),
         r"rows picked by indices that come from the batch"),
+    # (each was silent: 0.025 (convolution), 0.009 (pooling), 0.082 (Fourier), 0.022
+    # (svd), 0.038 (log-determinant) in the parameters after 3 SGD steps)
+    "a convolution over the rows": (
+        lambda m, x, y: jnp.mean(jnp.convolve(m(x)[:, 0], jnp.ones(3) / 3, mode="same") ** 2),
+        r"a convolution sliding over the rows"),
+    "pooling over the rows": (
+        lambda m, x, y: jnp.mean(nnx.avg_pool(m(x)[None], (3,), strides=(1,),
+                                              padding="SAME") ** 2),
+        r"a pooling window sliding over the rows"),
+    "a Fourier transform over the rows": (
+        lambda m, x, y: jnp.mean(jnp.abs(jnp.fft.fft(m(x)[:, 0]))),
+        r"a Fourier transform over the rows"),
+    "an svd of the rows": (
+        lambda m, x, y: jnp.linalg.svd(m(x), compute_uv=False)[0],
+        r"a matrix decomposition of the rows \(svd"),
+    "the log-determinant of the batch's covariance": (
+        lambda m, x, y: jnp.linalg.slogdet(m(x).T @ m(x) / x.shape[0] + jnp.eye(8))[1],
+        r"a value reduced over the replica's rows .* combined with the rows themselves"),
 }
 
 
@@ -246,6 +264,15 @@ ROW_WISE = {
     "a constant weight per label": lambda m, x, y: jnp.mean(
         jnp.array([1.0, 3.0])[labels_of(y)]
         * optax.softmax_cross_entropy_with_integer_labels(m(x), labels_of(y))),
+    # pooling, Fourier transforms and decompositions within each row, or of the weights
+    "pooling along each row's features": lambda m, x, y: jnp.mean(
+        nnx.avg_pool(m(x)[:, :, None], (3,), strides=(1,), padding="SAME")[..., 0] * y),
+    "a Fourier transform of each row": lambda m, x, y: jnp.mean(
+        jnp.abs(jnp.fft.rfft(m(x), axis=-1)) * y[:, :5]),
+    "a log-determinant per row": lambda m, x, y: jnp.mean(jnp.linalg.slogdet(
+        jnp.eye(8) + jnp.einsum("bi,bj->bij", m(x), m(x)))[1]),
+    "the weights' largest singular value": lambda m, x, y: jnp.mean((m(x) - y) ** 2) + 0.1 * (
+        jnp.linalg.svd(m.linear.kernel[...], compute_uv=False)[0]),
 }
 
 

@@ -54,7 +54,8 @@ from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, holds_reduction
 from fleet.semantics._row_blocks import Blocks, BlockScans, is_blocks, row_blocks
-from fleet.semantics._row_rules import PARTIAL, RULES, UNKNOWN, Index, Row, blocks_rule, is_index, is_row
+from fleet.semantics._row_rules import RULES, blocks_rule
+from fleet.semantics._row_tags import PARTIAL, UNKNOWN, Index, Row, is_index, is_row
 
 _ELEMENTWISE = frozenset((
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor",
@@ -211,7 +212,8 @@ class _Rows:
             return [self.elementwise(eqn, ins)] * n_out
         if name in _REDUCTIONS:
             return [self.reduction(eqn, ins[0])] * n_out
-        return [UNKNOWN] * n_out
+        # (an operation it does not know, of values reduced over the rows alone: such a value)
+        return [UNKNOWN if any(map(is_row, ins)) else PARTIAL] * n_out
 
     def scan(self, eqn: Any, ins: list) -> list:
         """A ``scan`` (``nnx.scan`` over layers, a loop over micro-batches): its body

@@ -1,4 +1,5 @@
-"""The rows' rules of :mod:`fleet.semantics._row_mixing`, one per primitive.
+"""The rows' rules of :mod:`fleet.semantics._row_mixing`, one per primitive
+(those of linear algebra and Fourier transforms: :mod:`fleet.semantics._row_linalg`).
 
 A value's tag says how it holds the replica's batch rows: a :class:`Row` (its
 row axis, and the order of the rows along it: ``0`` is the batch's own),
@@ -17,29 +18,12 @@ order pairs different rows, which the walk refuses.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from fleet.semantics._jaxpr_scope import KEEPS_VALUE
 from fleet.semantics._row_blocks import Blocks, is_blocks
-
-PARTIAL, UNKNOWN = "partial", "unknown"
-
-
-class Row(NamedTuple):
-    axis: int
-    order: Any = 0  # (0: the batch's own order)
-
-
-class Index(NamedTuple):
-    axis: int
-
-
-def is_row(t: Any) -> bool:
-    return isinstance(t, Row)
-
-
-def is_index(t: Any) -> bool:
-    return isinstance(t, Index)
+from fleet.semantics._row_linalg import LINALG_RULES
+from fleet.semantics._row_tags import PARTIAL, UNKNOWN, Row, is_row
 
 
 def _along(op: str):
@@ -104,21 +88,36 @@ def _top_k(walk: Any, eqn: Any, ins: list) -> list:
 
 def _windowed(walk: Any, eqn: Any, ins: list) -> list:
     """Pooling (``reduce_window``) and its gradient: row-wise when its window
-    does not span the rows."""
+    does not span the rows, refused where it does."""
     t = next((x for x in ins if x is not None), None)
     if not is_row(t) or any(x not in (None, t) for x in ins):
         return [UNKNOWN] * len(eqn.outvars)
-    return [t if eqn.params["window_dimensions"][t.axis] == 1 else UNKNOWN] * len(eqn.outvars)
+    if eqn.params["window_dimensions"][t.axis] == 1:
+        return [t] * len(eqn.outvars)
+    walk.refuse(eqn, "a pooling window sliding over the rows (nnx.avg_pool, nnx.max_pool "
+                     "with the batch as a spatial axis)")
+    return [UNKNOWN] * len(eqn.outvars)
 
 
 def _conv(walk: Any, eqn: Any, ins: list) -> list:
     lt, rt = ins[:2]
-    dn = eqn.params["dimension_numbers"]
+    p = eqn.params
+    dn = p["dimension_numbers"]
     if is_row(lt) and rt is None and lt.axis == dn.lhs_spec[0]:
         return [Row(dn.out_spec[0], lt.order)]
     if is_row(lt) and is_row(rt) and lt.order == rt.order and (lt.axis, rt.axis) == (
             dn.lhs_spec[1], dn.rhs_spec[1]):
         return [PARTIAL]  # (a kernel's gradient: the rows contracted)
+    if is_row(lt) and rt is None and lt.axis in dn.lhs_spec[2:]:
+        k = dn.lhs_spec.index(lt.axis) - 2  # (the rows as the k-th spatial axis)
+        if eqn.invars[1].aval.shape[dn.rhs_spec[2 + k]] > 1:
+            walk.refuse(eqn, "a convolution sliding over the rows (nnx.Conv, jnp.convolve with "
+                             "the batch as a spatial axis: each output row mixes its "
+                             "neighbours)")
+        if (p["window_strides"][k], p["lhs_dilation"][k], tuple(p["padding"][k])) == (1, 1, (0, 0)):
+            return [Row(dn.out_spec[2 + k], lt.order)]
+    # (rows on the input channels: a kernel's gradient whose cotangent came out of
+    # one of fleet's calls untagged, as a synced BatchNorm's does; not followed)
     return [UNKNOWN]
 
 
@@ -333,5 +332,5 @@ RULES = {
                                     "reduce_window_min", "reduce_window",
                                     "select_and_scatter_add", "select_and_gather_add")},
     "broadcast_in_dim": _broadcast, "transpose": _transpose, "squeeze": _squeeze,
-    "reshape": _reshape,
+    "reshape": _reshape, **LINALG_RULES,
 }
