@@ -126,3 +126,88 @@ def test_a_loss_of_the_gathered_rows_alone_is_refused(make_world):
                        r"fleet.all_gather's result other than .* 1/4 of the single-device one"):
         train(gathered_alone, data(), distributed, model)
     assert models.max_diff(models.flat_params(model), before) == 0  # nothing stepped
+
+
+class Queue(nnx.Variable):
+    """A MoCo queue of keys, and its write position."""
+
+
+class MoCo(nnx.Module):
+    """A query encoder, a momentum key encoder, and a queue of 32 past keys."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.query = Encoder(rngs)
+        self.key = nnx.clone(self.query)
+        self.queue = Queue(jnp.zeros((32, 8)))
+        self.ptr = Queue(jnp.array(0))
+
+
+def moco_step(enqueue):
+    """MoCo's step: InfoNCE of each query against its key and the queue, the key
+    encoder an EMA of the query encoder, then the keys enqueued (``enqueue``)."""
+    def step(m, optimizer, x, y):
+        keys = jax.lax.stop_gradient(m.key(x + 0.1 * y))
+
+        def loss_fn(m):
+            q = m.query(x)
+            logits = jnp.concatenate([jnp.sum(q * keys, -1, keepdims=True),
+                                      q @ m.queue[...].T], axis=1) / 0.2
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, jnp.zeros(x.shape[0], jnp.int32)).mean()
+
+        query = nnx.All(nnx.Param, nnx.PathContains("query"))
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, query))(m)
+        optimizer.update(m, grads)
+        nnx.update(m.key, jax.tree.map(lambda k, q: 0.99 * k + 0.01 * q,
+                                       nnx.state(m.key, nnx.Param), nnx.state(m.query, nnx.Param)))
+        new = enqueue(keys)
+        m.queue[...] = jax.lax.dynamic_update_slice(m.queue[...], new, (m.ptr[...], 0))
+        m.ptr[...] = (m.ptr[...] + new.shape[0]) % 32
+        return loss
+    return step
+
+
+def moco(step, data, wrap: bool):
+    model = MoCo(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1),
+                              wrt=nnx.All(nnx.Param, nnx.PathContains("query")))
+    if wrap:
+        model, optimizer, fn = distributed(model, optimizer, step)
+    else:
+        fn = nnx.jit(step)
+    losses = [float(fn(model, optimizer, x, y)) for x, y in data]
+    return losses, model
+
+
+MOCO_REFUSED = {
+    # each replica's own keys: the queue moves by the replica's rows
+    "the replica's own keys": (lambda k: k, r"variable 'ptr' .* computed from the batch's shape"),
+    # every replica's keys, each centred on its replica's mean: not the global batch's
+    "keys centred on the replica's mean": (
+        lambda k: fleet.all_gather(k - k.mean(0)).reshape(-1, k.shape[-1]),
+        r"variable 'queue' .* holds rows gathered with fleet.all_gather that are not each "
+        r"row's own value"),
+}
+
+
+def test_a_moco_queue_of_gathered_keys_equals_one_device(make_world):
+    """MoCo enqueues every replica's keys, gathered (its concat_all_gather); fleet
+    refused the queue as "computed from the batch's shape", and the fix it named
+    (a count of the global rows) did not apply. The gathered keys are the global
+    batch's, and the queue now equals one device's; keys that are not each row's
+    own (centred on the replica's mean) or the replica's own are refused."""
+    gathered = moco_step(lambda k: fleet.all_gather(k).reshape(-1, k.shape[-1]))
+    batches = data()
+    want_losses, want = moco(gathered, batches, wrap=False)
+    make_world(4)
+    got_losses, got = moco(gathered, batches, wrap=True)
+    d = models.max_diff(models.flat_params(nnx.state(got, nnx.Any(nnx.Param, Queue))),
+                        models.flat_params(nnx.state(want, nnx.Any(nnx.Param, Queue))))
+    print(f"MoCo on 4: |parameters and queue| {d:.1e}")
+    assert d < 1e-6 and int(got.ptr[...]) == int(want.ptr[...]) == 48 % 32
+    assert np.abs(np.asarray(got.queue[...])).min(axis=1).max() > 0  # (filled)
+    assert got_losses == pytest.approx(want_losses, rel=1e-6)
+    assert fleet.check_replicas(got) == []
+    for enqueue, message in MOCO_REFUSED.values():
+        with pytest.raises(fleet.FleetError, match=message):
+            moco(moco_step(enqueue), batches[:1], wrap=True)

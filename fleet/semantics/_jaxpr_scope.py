@@ -195,6 +195,18 @@ class ReplicaConstant:
 #: ``fleet.all_reduce``'s 'avg' and 'sum' inside a step (fleet.comm._sync's named calls)
 ALL_REDUCES = ("fleet_pmean", "fleet_psum")
 #: operations that keep a value (a cast, a reshape, a retyping over the replicas)
+#: Operations of values of one shape, element by element.
+ELEMENTWISE = frozenset((
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor",
+    "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "abs", "sqrt", "rsqrt", "cbrt", "square", "integer_pow",
+    "erf", "erfc", "erf_inv", "lgamma", "digamma", "select_n", "clamp", "eq", "ne", "lt",
+    "le", "gt", "ge", "and", "or", "not", "xor", "convert_element_type", "copy", "copy_p",
+    "pvary", "pcast", "reduce_precision", "add_any", "stop_gradient", "nextafter", "imag", "real",
+    "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+))
+
 KEEPS_VALUE = ("pvary", "pcast", "copy", "copy_p", "reshape", "broadcast_in_dim", "squeeze",
                "expand_dims", "reduce_precision", "stop_gradient", "convert_element_type")
 

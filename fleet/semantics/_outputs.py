@@ -203,6 +203,15 @@ _COUNTED = (
     "metric, which fleet updates with the global batch")
 
 
+_GATHERED = (
+    "{name} leaves the step the same on every replica, but it holds rows gathered with "
+    "fleet.all_gather that are not each row's own value, computed from that row alone (a "
+    "statistic of the replica's rows, a sort or a slice of them, random bits drawn per "
+    "replica): gathered, they are not the single-device step's rows. Gather each row's own "
+    "value (a MoCo queue: fleet.all_gather(keys).reshape(-1, d) of keys computed row by "
+    "row), and take statistics of the batch with fleet.all_reduce")
+
+
 def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> None:
     """Refuses state the step leaves the same on every replica whose value is
     computed otherwise for other batch sizes (a count of the replica's rows):
@@ -222,7 +231,7 @@ def check_counted(jaxpr: Any, reference: Any, first: int, names: list[str]) -> N
     walk.global_calls = (*FLEET_CALLS, "fleet_gather")
     for name, a, b in zip(names, body.outvars[first:], ref.outvars[first:]):
         if not walk.same(a, sa, b, sb):
-            raise FleetError(_COUNTED.format(name=name))
+            raise FleetError((_GATHERED if walk.gathered_unlike else _COUNTED).format(name=name))
 
 
 def check_written(jaxpr: Any, refusals: list[str]) -> None:

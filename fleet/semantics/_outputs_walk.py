@@ -21,6 +21,7 @@ from fleet.semantics._jaxpr_scope import (
     uses_all_reduce,
 )
 from fleet.semantics._outputs_scan import NOT_STACKED, same_carry, scan_kind, stacked_kind
+from fleet.semantics._rows_alike import alike_rows, gathered_rows
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
@@ -66,6 +67,8 @@ class Walk:
         #: (id(scan body's carry input), id(its scope)) -> its kind, or why it is refused
         self.carries: dict = {}
         self.global_calls: tuple = ()  # calls whose results :meth:`same` takes as equal
+        #: :meth:`same` met fleet.all_gather's rows, not each row's own value
+        self.gathered_unlike = False
 
     def fail(self, why: str) -> None:
         self.why = why
@@ -131,6 +134,11 @@ class Walk:
             return self.same(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
                              sb.parent[0][sb.inputs[id(b)]], sb.parent[1], depth + 1)
         ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
+        if self.global_calls and ea is not None and eb is not None and (
+                gathered := gathered_rows(ea, sa, eb, sb)):
+            alike = alike_rows(self, *gathered)  # (every replica's rows: a MoCo queue's keys)
+            self.gathered_unlike = self.gathered_unlike or not alike
+            return alike
         if ea is None or eb is None or ea.primitive != eb.primitive or len(ea.invars) != len(
                 eb.invars) or a.aval.shape != b.aval.shape:
             return False

@@ -52,21 +52,11 @@ from jax.extend.core import Literal
 from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
-from fleet.semantics._jaxpr_scope import CALLS, holds_reduction
+from fleet.semantics._jaxpr_scope import CALLS, ELEMENTWISE, holds_reduction
 from fleet.semantics._row_blocks import Blocks, BlockScans, is_blocks, row_blocks
 from fleet.semantics._row_rules import RULES, blocks_rule
 from fleet.semantics._row_tags import PARTIAL, UNKNOWN, Index, Row, is_index, is_row
 
-_ELEMENTWISE = frozenset((
-    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor",
-    "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p", "expm1", "tanh",
-    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "abs", "sqrt", "rsqrt", "cbrt", "square", "integer_pow",
-    "erf", "erfc", "erf_inv", "lgamma", "digamma", "select_n", "clamp", "eq", "ne", "lt",
-    "le", "gt", "ge", "and", "or", "not", "xor", "convert_element_type", "copy", "copy_p",
-    "pvary", "pcast", "reduce_precision", "add_any", "stop_gradient", "nextafter", "imag", "real",
-    "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
-))
 _DECISIONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "is_finite"))
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                          "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin"))
@@ -208,7 +198,7 @@ class _Rows:
         rule = RULES.get(name)
         if rule is not None:
             return rule(self, eqn, ins)
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE:
             return [self.elementwise(eqn, ins)] * n_out
         if name in _REDUCTIONS:
             return [self.reduction(eqn, ins[0])] * n_out
@@ -331,7 +321,7 @@ def _index_only(walk: Any, eqn: Any, ins: list) -> list:
         outs = RULES[name](walk, eqn, [Row(t.axis) if is_index(t) else t for t in ins])
         return [Index(t.axis) if is_row(t) else None for t in outs]
     axes = {t.axis for t in ins if is_index(t)}
-    if name in _ELEMENTWISE and len(axes) == 1:
+    if name in ELEMENTWISE and len(axes) == 1:
         return [Index(axes.pop())] * n_out
     return [None] * n_out
 
