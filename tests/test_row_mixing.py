@@ -79,6 +79,25 @@ def hard_examples(m, x, y):
     return jax.lax.top_k(per_row, x.shape[0] // 2)[0].mean()
 
 
+def mixup_sometimes(m, x, y):
+    """Mixup applied with probability 0.8, as timm does: inside a jax.lax.cond."""
+    def mix(x, y):
+        return 0.7 * x + 0.3 * x[::-1], 0.7 * y + 0.3 * y[::-1]
+
+    x, y = jax.lax.cond(jax.random.uniform(m.rngs.mixup()) < 0.8, mix, lambda x, y: (x, y), x, y)
+    return jnp.mean((m(x) - y) ** 2)
+
+
+def contrastive_switched_on(m, x, y):
+    """A contrastive term added by a cond (on after a warm-up: here, on a weight)."""
+    def term(z):
+        return jnp.mean(z @ z.T)
+
+    z = m(x)
+    return jnp.mean((z - y[:, :8]) ** 2) + jax.lax.cond(
+        m.linear.kernel[0, 0] > -1e9, term, lambda z: 0.0 * z.mean(), z)
+
+
 def class_weighted(m, x, y):
     """Each row weighted by 1 / its label's count in the batch."""
     labels = labels_of(y)
@@ -166,6 +185,11 @@ MIXING = {
         r"rows picked by indices that come from the batch"),
     # (each was silent: 0.025 (convolution), 0.009 (pooling), 0.082 (Fourier), 0.022
     # (svd), 0.038 (log-determinant) in the parameters after 3 SGD steps)
+    # (silent: the walk did not follow a cond's branches; 0.031 and 0.035 after 3 steps)
+    "mixup applied with some probability": (
+        mixup_sometimes, r"the rows reversed .*, then combined with the rows in another order"),
+    "a contrastive term in a cond": (contrastive_switched_on,
+                                     r"a product of every row with every row"),
     "a convolution over the rows": (
         lambda m, x, y: jnp.mean(jnp.convolve(m(x)[:, 0], jnp.ones(3) / 3, mode="same") ** 2),
         r"a convolution sliding over the rows"),
@@ -271,6 +295,8 @@ ROW_WISE = {
         jnp.abs(jnp.fft.rfft(m(x), axis=-1)) * y[:, :5]),
     "a log-determinant per row": lambda m, x, y: jnp.mean(jnp.linalg.slogdet(
         jnp.eye(8) + jnp.einsum("bi,bj->bij", m(x), m(x)))[1]),
+    "a row-wise branch": lambda m, x, y: jnp.mean((jax.lax.cond(
+        m.linear.kernel[0, 0] > 0, lambda z: 2 * z, lambda z: z - 1, m(x)) - y[:, :8]) ** 2),
     "the weights' largest singular value": lambda m, x, y: jnp.mean((m(x) - y) ** 2) + 0.1 * (
         jnp.linalg.svd(m.linear.kernel[...], compute_uv=False)[0]),
 }

@@ -38,9 +38,11 @@ global: it has no row axis.
 
 It follows ``scan`` bodies (``nnx.scan`` over layers, a scan over micro-batches
 made by a reshape the walk does not follow; a block picked is refused:
-``fleet.semantics._row_blocks``). What it cannot follow (a ``while_loop``, a
-branch, a loop over the rows themselves, another reshape that splits the rows,
-an operation it does not know) it leaves unchecked from there on.
+``fleet.semantics._row_blocks``) and each branch of a ``cond``. What it cannot
+follow (a ``while_loop``, a loop over the rows themselves, another reshape that
+splits the rows, an operation of the rows it does not know) it leaves unchecked
+from there on; an operation of values reduced over the rows alone makes such a
+value.
 """
 
 from __future__ import annotations
@@ -53,9 +55,19 @@ from fleet import _compat
 from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, ELEMENTWISE, holds_reduction
-from fleet.semantics._row_blocks import Blocks, BlockScans, is_blocks, row_blocks
+from fleet.semantics._row_blocks import BlockScans, is_blocks, row_blocks
 from fleet.semantics._row_rules import RULES, blocks_rule
-from fleet.semantics._row_tags import PARTIAL, UNKNOWN, Index, Row, is_index, is_row
+from fleet.semantics._row_tags import (
+    PARTIAL,
+    UNKNOWN,
+    Index,
+    Row,
+    is_index,
+    is_row,
+    met,
+    stacked,
+    unstacked,
+)
 
 _DECISIONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "is_finite"))
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
@@ -169,7 +181,7 @@ class _Rows:
         """The outputs' tags of one equation with some tagged inputs."""
         name, n_out = eqn.primitive.name, len(eqn.outvars)
         if any(map(is_index, ins)):
-            ins = _met(ins)
+            ins = met(ins)
             if all(t is None or is_index(t) for t in ins) and name not in CALLS and (
                     name != "scan"):
                 return _index_only(self, eqn, ins)
@@ -195,6 +207,8 @@ class _Rows:
             return [UNKNOWN] * n_out
         if name == "scan":
             return self.scan(eqn, ins)
+        if name == "cond":
+            return self.branches(eqn, ins)
         rule = RULES.get(name)
         if rule is not None:
             return rule(self, eqn, ins)
@@ -213,7 +227,7 @@ class _Rows:
         over the batch) is not followed."""
         consts, carries = _compat.scan_counts(eqn.params)
         body = eqn.params["jaxpr"]
-        xs = [_unstacked(t) for t in ins[consts + carries:]]
+        xs = [unstacked(t) for t in ins[consts + carries:]]
         carry = list(ins[consts:consts + carries])
         self.block_scans.enter(eqn, ins, consts + carries, list(self.calls))
         held = False
@@ -233,7 +247,24 @@ class _Rows:
         self.mixed_out(body, eqn)
         if not held:  # (the carries' tags did not hold)
             return [UNKNOWN] * len(eqn.outvars)
-        return [*carry, *(_stacked(t) for t in outs[carries:])]
+        return [*carry, *(stacked(t) for t in outs[carries:])]
+
+    def branches(self, eqn: Any, ins: list) -> list:
+        """A ``cond`` (``jax.lax.cond``, ``nnx.cond``: mixup applied with some
+        probability, a loss term switched on after a step): each branch walked with
+        the operands' tags; an output keeps the branches' tag where they agree.
+        Decided on a value of the replica's rows, the outputs are its own."""
+        outs = []
+        self.calls.append(eqn)
+        try:
+            for branch in eqn.params["branches"]:
+                outs.append(self.walk(branch, ins[1:]))
+                self.mixed_out(branch, eqn)
+        finally:
+            self.calls.pop()
+        joined = [t[0] if len(set(t)) == 1 else UNKNOWN if any(map(is_row, t)) else PARTIAL
+                  for t in zip(*outs)]
+        return [PARTIAL if ins[0] is not None and t is None else t for t in joined]
 
     def mixed_out(self, inner: Any, eqn: Any) -> None:
         """A value mixed (or decided) inside a call's or a loop's body leaves it so."""
@@ -281,32 +312,6 @@ class _Rows:
         if t.axis in axes:
             return PARTIAL
         return Row(t.axis - sum(a < t.axis for a in axes), t.order)
-
-
-def _unstacked(t: Any) -> Any:
-    """A scanned input's tag inside the body: one step of its leading axis."""
-    if is_index(t):
-        return None if t.axis == 0 else Index(t.axis - 1)
-    if is_blocks(t):  # (a scan over the blocks: not followed)
-        return UNKNOWN if t.axis == 0 else Blocks(t.axis - 1)
-    if not is_row(t):
-        return t
-    return UNKNOWN if t.axis == 0 else Row(t.axis - 1, t.order)
-
-
-def _stacked(t: Any) -> Any:
-    return t._replace(axis=t.axis + 1) if is_row(t) or is_index(t) or is_blocks(t) else t
-
-
-def _met(ins: list) -> list:
-    """Inputs' tags with each :class:`Index` resolved where the rows are among them:
-    a row's own position on their axis (``jnp.sort(z) * jnp.arange(n)``), a constant
-    on another (a class index as long as the rows: ``y[:, None] == jnp.arange(c)``;
-    a token position embedded and added to each row)."""
-    axes = {t.axis for t in ins if is_row(t)}
-    if not axes and PARTIAL not in ins and UNKNOWN not in ins:
-        return ins
-    return [(Row(t.axis) if t.axis in axes else None) if is_index(t) else t for t in ins]
 
 
 _INDEX_MOVES = frozenset(("broadcast_in_dim", "transpose", "squeeze", "reshape", "gather"))

@@ -8,7 +8,7 @@ row axis, and the order of the rows along it: ``0`` is the batch's own),
 on the batch. An :class:`Index` is an index as long as the replica's rows
 (``jnp.arange(n)``) that has not met the rows yet: a row's own position where
 it meets them on their axis, a class or a token position (as many as the rows,
-by chance) where it meets them on another (``_row_mixing._met``). A rule gets
+by chance) where it meets them on another (``fleet.semantics._row_tags.met``). A rule gets
 the equation and its inputs' tags, returns its outputs' tags, and asks the walk
 (``walk.refuse``, ``walk.reorder``, ``walk.combine``) where the rows meet other
 rows. Reordering the rows alone is harmless (every row's value is still its own,

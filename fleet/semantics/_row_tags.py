@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from fleet.semantics._row_blocks import Blocks, is_blocks
+
 PARTIAL, UNKNOWN = "partial", "unknown"
 
 
@@ -30,3 +32,29 @@ def is_row(t: Any) -> bool:
 
 def is_index(t: Any) -> bool:
     return isinstance(t, Index)
+
+
+def unstacked(t: Any) -> Any:
+    """A scanned input's tag inside the body: one step of its leading axis."""
+    if is_index(t):
+        return None if t.axis == 0 else Index(t.axis - 1)
+    if is_blocks(t):  # (a scan over the blocks: not followed)
+        return UNKNOWN if t.axis == 0 else Blocks(t.axis - 1)
+    if not is_row(t):
+        return t
+    return UNKNOWN if t.axis == 0 else Row(t.axis - 1, t.order)
+
+
+def stacked(t: Any) -> Any:
+    return t._replace(axis=t.axis + 1) if is_row(t) or is_index(t) or is_blocks(t) else t
+
+
+def met(ins: list) -> list:
+    """Inputs' tags with each :class:`Index` resolved where the rows are among them:
+    a row's own position on their axis (``jnp.sort(z) * jnp.arange(n)``), a constant
+    on another (a class index as long as the rows: ``y[:, None] == jnp.arange(c)``;
+    a token position embedded and added to each row)."""
+    axes = {t.axis for t in ins if is_row(t)}
+    if not axes and PARTIAL not in ins and UNKNOWN not in ins:
+        return ins
+    return [(Row(t.axis) if t.axis in axes else None) if is_index(t) else t for t in ins]
