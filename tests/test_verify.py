@@ -23,7 +23,7 @@ from flax.training.train_state import TrainState
 
 import fleet
 from fleet.semantics import _metrics, _outputs, _random
-from fleet.step import _program, _tail, _verify, _verify_sections
+from fleet.step import _graph, _program, _verify, _verify_sections
 from tests import models, test_batch_norm_linen, tiers
 from tests.test_contract import split_mean_grad
 
@@ -419,8 +419,9 @@ def test_detects_metric_counts_with_the_metrics_fix_off(make_world, monkeypatch)
     averaged), verify names the metric's count."""
     monkeypatch.setattr(_metrics, "global_updates", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(_outputs, "check_counted", lambda *args: None)
-    monkeypatch.setattr(_tail, "is_buffer", lambda v: jnp.issubdtype(
-        jnp.result_type(v.get_raw_value()), jnp.inexact))
+    monkeypatch.setattr(_graph, "running_statistics", lambda objs: {
+        id(v) for _, v in nnx.iter_graph(objs) if isinstance(v, nnx.Variable)
+        and jnp.issubdtype(jnp.result_type(v.get_raw_value()), jnp.inexact)})
 
     def step(model, opt, accuracy, x, y):
         loss = models.nnx_train_step(model, opt, x, y)
