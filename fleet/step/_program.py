@@ -145,11 +145,11 @@ class Program:
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
         check_randomness(plan, jaxpr, reference, batch, record.marked)
         check_per_example(plan, self.graph, jaxpr, batch, trees, reference)
+        check_written(plan, record, jaxpr)  # (state from the batch: before what counts it)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
         resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
         resolve_metrics(plan, record, jaxpr, scaled)
         check_row_mixing(plan, self.graph, jaxpr, args, reference)  # (after the outputs' own refusals)
-        check_written(plan, record, jaxpr)
         check_gradients(plan, record, self.graph, jaxpr, trees)
 
     def speculate(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,

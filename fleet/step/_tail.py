@@ -198,8 +198,9 @@ def _varying_state(name: str, variable: Any, no_sync: bool) -> str:
                 "replica's rows, a sum, a count or a maximum. Combine it yourself in the "
                 "step, as on one device: fleet.all_reduce(value, 'avg') for a mean, "
                 "fleet.all_reduce(value, 'sum') for a sum or a count, "
-                "fleet.all_reduce(value, 'max') for a maximum ('min' for a minimum); or keep "
-                "counts and totals in an nnx.metrics metric, which fleet updates with the "
-                "global batch.")
+                "fleet.all_reduce(value, 'max') for a maximum ('min' for a minimum), "
+                "fleet.all_gather(value).reshape(-1, ...) for every replica's rows (a queue "
+                "of keys); or keep counts and totals in an nnx.metrics metric, which fleet "
+                "updates with the global batch.")
     return (f"{name} would hold different values on different replicas after this step "
             f"(it was set from per-replica values).{hint}")
