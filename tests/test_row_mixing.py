@@ -98,6 +98,35 @@ def contrastive_switched_on(m, x, y):
         m.linear.kernel[0, 0] > -1e9, term, lambda z: 0.0 * z.mean(), z)
 
 
+def sinkhorn(z, iterations):
+    """SwAV's Sinkhorn-Knopp codes, normalised over the batch's rows and the
+    prototypes in turn, in a while loop (``iterations`` traced)."""
+    def body(carry):
+        i, q = carry
+        q = q / q.sum(axis=0, keepdims=True)
+        return i + 1, q / q.sum(axis=1, keepdims=True)
+
+    q = jnp.exp(jax.lax.stop_gradient(z) / 0.5)
+    return jax.lax.while_loop(lambda c: c[0] < iterations, body, (0, q))[1]
+
+
+def swav(m, x, y):
+    z = m(x)
+    codes = sinkhorn(z, jnp.int32(3) + 0 * m.linear.bias[...].astype(jnp.int32)[0])
+    return -jnp.mean(jnp.sum(codes * jax.nn.log_softmax(z / 0.1), axis=1))
+
+
+def per_row_iterations(m, x, y):
+    """Each row's weight refined in a while loop (a row-wise fixed point, not
+    differentiated: JAX differentiates no while loop)."""
+    z = m(x)
+    n = jnp.int32(3) + 0 * m.linear.bias[...].astype(jnp.int32)[0]
+    start = jax.lax.stop_gradient(z)
+    w = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1]) + start),
+                           (0, start))[1]
+    return jnp.mean(jnp.abs(w) * (z - y[:, :8]) ** 2)
+
+
 def class_weighted(m, x, y):
     """Each row weighted by 1 / its label's count in the batch."""
     labels = labels_of(y)
@@ -190,6 +219,9 @@ MIXING = {
         mixup_sometimes, r"the rows reversed .*, then combined with the rows in another order"),
     "a contrastive term in a cond": (contrastive_switched_on,
                                      r"a product of every row with every row"),
+    # (silent: the walk did not follow a while_loop)
+    "Sinkhorn codes over the batch in a while loop": (
+        swav, r"a value reduced over the replica's rows .* combined with the rows themselves"),
     "a convolution over the rows": (
         lambda m, x, y: jnp.mean(jnp.convolve(m(x)[:, 0], jnp.ones(3) / 3, mode="same") ** 2),
         r"a convolution sliding over the rows"),
@@ -295,6 +327,7 @@ ROW_WISE = {
         jnp.abs(jnp.fft.rfft(m(x), axis=-1)) * y[:, :5]),
     "a log-determinant per row": lambda m, x, y: jnp.mean(jnp.linalg.slogdet(
         jnp.eye(8) + jnp.einsum("bi,bj->bij", m(x), m(x)))[1]),
+    "a row-wise while loop": per_row_iterations,
     "a row-wise branch": lambda m, x, y: jnp.mean((jax.lax.cond(
         m.linear.kernel[0, 0] > 0, lambda z: 2 * z, lambda z: z - 1, m(x)) - y[:, :8]) ** 2),
     "the weights' largest singular value": lambda m, x, y: jnp.mean((m(x) - y) ** 2) + 0.1 * (

@@ -38,10 +38,11 @@ global: it has no row axis.
 
 It follows ``scan`` bodies (``nnx.scan`` over layers, a scan over micro-batches
 made by a reshape the walk does not follow; a block picked is refused:
-``fleet.semantics._row_blocks``) and each branch of a ``cond``. What it cannot
-follow (a ``while_loop``, a loop over the rows themselves, another reshape that
-splits the rows, an operation of the rows it does not know) it leaves unchecked
-from there on; an operation of values reduced over the rows alone makes such a
+``fleet.semantics._row_blocks``), each branch of a ``cond`` and a
+``while_loop``'s body (``fleet.semantics._row_control``). What it cannot follow
+(a loop over the rows themselves, another reshape that splits the rows, an
+operation of the rows it does not know) it leaves unchecked from there on; an
+operation of values reduced over the rows alone makes such a
 value.
 """
 
@@ -56,6 +57,7 @@ from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, ELEMENTWISE, holds_reduction
 from fleet.semantics._row_blocks import BlockScans, is_blocks, row_blocks
+from fleet.semantics._row_control import ControlFlow
 from fleet.semantics._row_rules import RULES, blocks_rule
 from fleet.semantics._row_tags import (
     PARTIAL,
@@ -65,8 +67,6 @@ from fleet.semantics._row_tags import (
     is_index,
     is_row,
     met,
-    stacked,
-    unstacked,
 )
 
 _DECISIONS = frozenset(("eq", "ne", "lt", "le", "gt", "ge", "is_finite"))
@@ -88,7 +88,7 @@ _MIXED = (
     "d).T, the positives offset by jax.lax.axis_index(fleet.DATA_AXIS) * rows")
 
 
-class _Rows:
+class _Rows(ControlFlow):
     """The walk: each variable's tag (``fleet.semantics._row_rules``)."""
 
     def __init__(self, rows: frozenset, partial_mixing: bool, blocks: frozenset = frozenset()):
@@ -209,6 +209,8 @@ class _Rows:
             return self.scan(eqn, ins)
         if name == "cond":
             return self.branches(eqn, ins)
+        if name == "while":
+            return self.loop(eqn, ins)
         rule = RULES.get(name)
         if rule is not None:
             return rule(self, eqn, ins)
@@ -218,60 +220,6 @@ class _Rows:
             return [self.reduction(eqn, ins[0])] * n_out
         # (an operation it does not know, of values reduced over the rows alone: such a value)
         return [UNKNOWN if any(map(is_row, ins)) else PARTIAL] * n_out
-
-    def scan(self, eqn: Any, ins: list) -> list:
-        """A ``scan`` (``nnx.scan`` over layers, a loop over micro-batches): its body
-        walked with its constants' and carries' tags and its scanned inputs' one
-        axis in, the carries walked again until their tags hold; its stacked
-        outputs get that axis back. A loop over the rows themselves (``jax.lax.map``
-        over the batch) is not followed."""
-        consts, carries = _compat.scan_counts(eqn.params)
-        body = eqn.params["jaxpr"]
-        xs = [unstacked(t) for t in ins[consts + carries:]]
-        carry = list(ins[consts:consts + carries])
-        self.block_scans.enter(eqn, ins, consts + carries, list(self.calls))
-        held = False
-        self.calls.append(eqn)
-        try:
-            for _ in range(3):
-                outs = self.walk(body, [*ins[:consts], *carry, *xs])
-                settled = [a if a == b else UNKNOWN for a, b in zip(carry, outs[:carries])]
-                held = settled == carry
-                if held:
-                    break
-                carry = settled
-        finally:
-            self.calls.pop()
-        if (refusal := self.block_scans.carried(body, range(consts, consts + carries))):
-            self.refuse(*refusal)
-        self.mixed_out(body, eqn)
-        if not held:  # (the carries' tags did not hold)
-            return [UNKNOWN] * len(eqn.outvars)
-        return [*carry, *(stacked(t) for t in outs[carries:])]
-
-    def branches(self, eqn: Any, ins: list) -> list:
-        """A ``cond`` (``jax.lax.cond``, ``nnx.cond``: mixup applied with some
-        probability, a loss term switched on after a step): each branch walked with
-        the operands' tags; an output keeps the branches' tag where they agree.
-        Decided on a value of the replica's rows, the outputs are its own."""
-        outs = []
-        self.calls.append(eqn)
-        try:
-            for branch in eqn.params["branches"]:
-                outs.append(self.walk(branch, ins[1:]))
-                self.mixed_out(branch, eqn)
-        finally:
-            self.calls.pop()
-        joined = [t[0] if len(set(t)) == 1 else UNKNOWN if any(map(is_row, t)) else PARTIAL
-                  for t in zip(*outs)]
-        return [PARTIAL if ins[0] is not None and t is None else t for t in joined]
-
-    def mixed_out(self, inner: Any, eqn: Any) -> None:
-        """A value mixed (or decided) inside a call's or a loop's body leaves it so."""
-        for v, w in zip(getattr(inner, "jaxpr", inner).outvars, eqn.outvars):
-            for marks in (self.mixed, self.decided):
-                if not isinstance(v, Literal) and id(v) in marks:
-                    marks.setdefault(id(w), marks[id(v)])
 
     def elementwise(self, eqn: Any, ins: list) -> Any:
         rows = [t for t in ins if is_row(t)]
