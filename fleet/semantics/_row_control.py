@@ -32,24 +32,32 @@ class ControlFlow:
         xs = [unstacked(t) for t in ins[consts + carries:]]
         carry = list(ins[consts:consts + carries])
         self.block_scans.enter(eqn, ins, consts + carries, list(self.calls))
-        held = False
-        self.calls.append(eqn)
-        try:
-            for _ in range(3):
-                outs = self.walk(body, [*ins[:consts], *carry, *xs])
-                settled = [a if a == b else UNKNOWN for a, b in zip(carry, outs[:carries])]
-                held = settled == carry
-                if held:
-                    break
-                carry = settled
-        finally:
-            self.calls.pop()
+        held, carry, outs = self.settled(
+            eqn, carry, lambda c: self.walk(body, [*ins[:consts], *c, *xs]))
         if (refusal := self.block_scans.carried(body, range(consts, consts + carries))):
             self.refuse(*refusal)
         self.mixed_out(body, eqn)
         if not held:  # (the carries' tags did not hold)
             return [UNKNOWN] * len(eqn.outvars)
         return [*carry, *(stacked(t) for t in outs[carries:])]
+
+    def settled(self, eqn: Any, carry: list, once: Any) -> tuple[bool, list, list]:
+        """A loop's body walked (``once(carry)``: its outputs' tags, the carries
+        first) until its carries' tags hold, each that changes taken as unknown:
+        whether they held, the carries' tags, the last walk's outputs."""
+        held, outs = False, []
+        self.calls.append(eqn)
+        try:
+            for _ in range(3):
+                outs = once(carry)
+                settled = [a if a == b else UNKNOWN for a, b in zip(carry, outs)]
+                held = settled == carry
+                if held:
+                    break
+                carry = settled
+        finally:
+            self.calls.pop()
+        return held, carry, outs
 
     def branches(self, eqn: Any, ins: list) -> list:
         """A ``cond`` (``jax.lax.cond``, ``nnx.cond``: mixup applied with some
@@ -83,20 +91,14 @@ class ControlFlow:
         times: its outputs are the replica's own."""
         p = eqn.params
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        carry = list(ins[nc + nb:])
-        held, decided = False, False
-        self.calls.append(eqn)
-        try:
-            for _ in range(3):
-                decided = self.walk(p["cond_jaxpr"], [*ins[:nc], *carry])[0] is not None
-                outs = self.walk(p["body_jaxpr"], [*ins[nc:nc + nb], *carry])
-                settled = [a if a == b else UNKNOWN for a, b in zip(carry, outs)]
-                held = settled == carry
-                if held:
-                    break
-                carry = settled
-        finally:
-            self.calls.pop()
+        decided = []
+
+        def once(carry: list) -> list:
+            decided.append(self.walk(p["cond_jaxpr"], [*ins[:nc], *carry])[0] is not None)
+            return self.walk(p["body_jaxpr"], [*ins[nc:nc + nb], *carry])
+
+        held, carry, _ = self.settled(eqn, list(ins[nc + nb:]), once)
+        decided = decided[-1]
         self.mixed_out(p["body_jaxpr"], eqn)
         if not held:
             return [UNKNOWN] * len(eqn.outvars)
