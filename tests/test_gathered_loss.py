@@ -213,3 +213,47 @@ def test_a_moco_queue_of_gathered_keys_equals_one_device(make_world):
     for enqueue, message in MOCO_REFUSED.values():
         with pytest.raises(fleet.FleetError, match=message):
             moco(moco_step(enqueue), batches[:1], wrap=True)
+
+
+class Residual(nnx.Module):
+    """A deep residual key encoder: each block's value meets the next twice."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(10, 8, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(40)])
+        self.queue = Queue(jnp.zeros((32, 8)))
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + 0.1 * jnp.tanh(block(h))
+        return h
+
+
+def residual_step(m, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y[:, :8]) ** 2))(m)
+    optimizer.update(m, grads)
+    keys = jax.lax.stop_gradient(m(x))
+    m.queue[...] = jnp.concatenate([fleet.all_gather(keys).reshape(-1, 8), m.queue[...]])[:32]
+    return loss
+
+
+def test_a_queue_of_a_deep_residual_encoders_keys_is_checked_in_linear_time(make_world):
+    """The queue's check followed the two traces back along every path: 40
+    residual blocks did not finish in a minute (2^40 paths). Each pair of values
+    is followed once now."""
+    batches = data()[:2]
+    want = Residual(nnx.Rngs(0))
+    want_step = nnx.jit(residual_step)
+    want_optimizer = nnx.Optimizer(want, optax.sgd(0.01), wrt=nnx.Param)
+    make_world(4)
+    got = fleet.distributed_model(Residual(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(got, optax.sgd(0.01), wrt=nnx.Param))
+    step = fleet.distributed_step(residual_step)
+    for x, y in batches:
+        want_step(want, want_optimizer, x, y)
+        step(got, optimizer, x, y)
+    d = models.max_diff(models.flat_params(nnx.state(got, nnx.Any(nnx.Param, Queue))),
+                        models.flat_params(nnx.state(want, nnx.Any(nnx.Param, Queue))))
+    assert d < 1e-6
+    assert fleet.check_replicas(got) == []

@@ -63,6 +63,7 @@ class Walk:
         self.summed_loss = summed_loss
         self.replica_constant = ReplicaConstant()
         self.memo, self.same_memo = {}, {}
+        self.alike_memo: dict = {}  # (fleet.semantics._rows_alike)
         self.why = "its computation"
         #: (id(scan body's carry input), id(its scope)) -> its kind, or why it is refused
         self.carries: dict = {}

@@ -85,7 +85,16 @@ def _keeps_rows(eqn: Any, scaled: list) -> bool:
 
 def alike_rows(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int, depth: int = 0) -> bool:
     """Whether ``a`` (the replica's) holds its rows of what ``b`` (the reference's,
-    with ``n`` times the rows) holds for the global batch, each row's value its own."""
+    with ``n`` times the rows) holds for the global batch, each row's value its own.
+    Each pair is followed once (``walk.alike_memo``): a residual network's values
+    meet again and again on the way back."""
+    key = (id(a), id(b))
+    if key not in walk.alike_memo:
+        walk.alike_memo[key] = _alike(walk, a, sa, b, sb, n, depth)
+    return walk.alike_memo[key]
+
+
+def _alike(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int, depth: int) -> bool:
     if isinstance(a, Literal) or isinstance(b, Literal) or a.aval.shape == b.aval.shape:
         return walk.same(a, sa, b, sb, depth + 1)
     if depth > 400 or not _scaled(a.aval.shape, b.aval.shape, n):
