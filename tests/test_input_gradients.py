@@ -112,16 +112,87 @@ def test_a_penalty_of_a_summed_critic_is_refused_naming_the_per_row_form(make_wo
         train(penalty(per_row=False), models.batches("linear", 1, 16), distributed)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Not caught yet: a step along the raw input gradient of a mean loss. Each row's "
-    "gradient is scaled by 1 / the replica's rows where one device scales it by 1 / the "
-    "global batch, so the step moves 4 times as far on 4 devices (0.015 from one device "
-    "in the loss after 3 steps). FGSM's sign and a per-row normalisation are exact"))
-def test_a_step_along_the_raw_input_gradient_trains_as_on_one_device(make_world):
-    data = models.batches("linear", 3, 16)
-    want = train(pgd_raw, data, one_device)
+def pgd_rescaled(m, x, y):
+    """pgd_raw as the refusal says to write it: the input gradient rescaled from the
+    replica's rows to the global batch's (on one device the same value)."""
+    gx = jax.grad(lambda xx: mse(m, xx, y))(x) * x.shape[0] / fleet.all_reduce(x.shape[0])
+    return mse(m, jax.lax.stop_gradient(x + 0.1 * gx), y)
+
+
+def divided(m, x, y):
+    """Features divided by the batch size before the model."""
+    return mse(m, x / x.shape[0], y)
+
+
+def divided_globally(m, x, y):
+    return mse(m, x / fleet.all_reduce(x.shape[0]), y)
+
+
+def pgd_l2(epsilon: float):
+    """Projected gradient steps of L2 length (cleverhans's ``optimize_linear``): each
+    row's input gradient over its own norm, the squared norm guarded by ``epsilon``."""
+    def loss(m, x, y):
+        def body(i, xa):
+            g = jax.grad(lambda xx: mse(m, xx, y))(xa)
+            square = jnp.sum(jnp.square(g), axis=1, keepdims=True)
+            return xa + 0.05 * g / jnp.sqrt(jnp.maximum(epsilon, square) if epsilon else square)
+        return mse(m, jax.lax.stop_gradient(jax.lax.fori_loop(0, 2, body, x)), y)
+    return loss
+
+
+def pgd_sign(m, x, y):
+    """Madry's PGD: sign steps in a loop, projected on the box around the batch."""
+    def body(i, xa):
+        g = jax.grad(lambda xx: mse(m, xx, y))(xa)
+        return jnp.clip(xa + 0.01 * jnp.sign(g), x - 0.03, x + 0.03)
+    return mse(m, jax.lax.stop_gradient(jax.lax.fori_loop(0, 3, body, x)), y)
+
+
+def penalty_of_the_means_gradient(m, x, y):
+    """WGAN-GP with the input gradient of the critic's mean, not of each row."""
+    gx = jax.grad(lambda xx: m(xx).mean())(x)
+    return jnp.mean(m(x)) + 10.0 * jnp.mean((jnp.sqrt(jnp.sum(gx ** 2, axis=1)) - 1.0) ** 2)
+
+
+@pytest.mark.parametrize("loss_fn, use", [
+    (pgd_raw, "a tanh, which is not a scale"), (divided, "a tanh, which is not a scale"),
+    (pgd_l2(1e-12), "a max, which is not a scale"),
+    (penalty_of_the_means_gradient, "a product of two values scaled so")],
+    ids=["raw gradient step", "features over x.shape[0]", "L2 steps, epsilon in the norm",
+         "penalty of the mean's input gradient"])
+def test_the_row_count_used_as_more_than_a_scale_is_refused_naming_both_lines(
+        make_world, loss_fn, use):
+    """A step along the raw input gradient of a mean loss: each row's gradient is
+    1 / the replica's rows times its own, where one device scales it by 1 / the
+    global batch, and the model's tanh makes that more than a scale (0.015 from one
+    device in the loss after 3 steps, silently, before fleet.semantics._row_count;
+    the penalty of the mean's input gradient 0.016). Features divided by x.shape[0]
+    likewise; an epsilon guarding a norm of such a gradient is not free of the scale
+    either (it clamps rows whose gradient is small, and those differ 4 times). (The
+    raw gradient step was a strict xfail before: the spec is now the refusal, and
+    the rewrite it names trains as on one device: below.)"""
     make_world(4)
-    assert models.max_diff(train(pgd_raw, data, distributed), want) < 1e-6
+    with pytest.raises(fleet.FleetError, match=(
+            r"depends on the replica's row count other than as a scale: "
+            r".*test_input_gradients.py:\d+ divides by the rows the replica sees .*: \d+ where "
+            r"the single-device step on the global batch has \d+\), and .*test_input_gradients"
+            rf".py:\d+ puts a value scaled so through {use}.*fleet.all_reduce\(x.shape\[0\]\)")):
+        train(loss_fn, models.batches("linear", 1, 16), distributed)
+
+
+@pytest.mark.parametrize("written, rewritten", [
+    (pgd_raw, pgd_rescaled), (divided, divided_globally), (pgd_sign, pgd_sign),
+    (pgd_l2(0.0), pgd_l2(0.0))],
+    ids=["raw gradient step, rescaled", "features over the global count", "sign steps",
+         "L2 steps, no epsilon"])
+def test_the_rewrite_the_refusal_names_and_scale_free_steps_train_as_on_one_device(
+        make_world, written, rewritten):
+    data = models.batches("linear", 3, 16)
+    want = train(written, data, one_device)
+    make_world(4)
+    d = models.max_diff(train(rewritten, data, distributed), want)
+    print(f"{rewritten.__name__}: {d:.1e} from one device's {written.__name__}")
+    assert d < 1e-6
 
 
 def merge_or_stage_3(kind: str) -> fleet.DistributedStrategy:

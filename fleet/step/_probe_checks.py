@@ -5,7 +5,8 @@
 cannot make exact and :func:`check_per_example` the gradients taken per example;
 :func:`resolve_scalars` and :func:`resolve_metrics` decide how each undeclared
 varying scalar combines over the replicas (and refuse a summed loss and counts
-of the replica's rows), and :func:`check_gradients` refuses gradients JAX would
+of the replica's rows), :func:`check_row_count` the row count used as more than a
+scale before a gradient, and :func:`check_gradients` refuses gradients JAX would
 sum, read under sharding or merged without a distributed optimizer. Every trace
 of the body (``Program.body``) refuses returned gradients that are not the
 single-device ones (:func:`check_returned`).
@@ -30,6 +31,7 @@ from fleet.semantics import (
     _outputs,
     _per_example,
     _random_guards,
+    _row_count,
     _row_mixing,
     _row_scale,
     _summed_loss,
@@ -141,6 +143,16 @@ def resolve_metrics(plan: Plan, record: PlanRecord, jaxpr: Any,
     record.metric_scalars = _outputs.metric_reduces(
         jaxpr, scaled() if labels else None, max(plan.mesh.devices.size, 2),
         [_metrics.mark_name(k) for k in range(len(labels))], labels, plan.mesh.devices.size)
+
+
+def check_row_count(plan: Plan, jaxpr: Any, reference: Any) -> None:
+    """The replica's row count reaching a gradient other than as a scale, refused
+    (fleet.semantics._row_count); on one replica its rows are the global batch,
+    and ``strategy.sync_batch_norm = False`` uses them on purpose."""
+    if plan.mesh.devices.size == 1 or reference is None or world().strategy.sync_batch_norm is False:
+        return
+    _row_count.check_row_count(_outputs.shard_body(jaxpr), _outputs.shard_body(reference),
+                               plan.mesh.devices.size)
 
 
 def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,

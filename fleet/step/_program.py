@@ -45,6 +45,7 @@ from fleet.step._probe_checks import (
     check_per_example,
     check_randomness,
     check_returned,
+    check_row_count,
     check_row_mixing,
     check_written,
     resolve_metrics,
@@ -151,6 +152,7 @@ class Program:
         resolve_metrics(plan, record, jaxpr, scaled)
         check_row_mixing(plan, self.graph, jaxpr, args, reference)  # (after the outputs' own refusals)
         check_gradients(plan, record, self.graph, jaxpr, trees)
+        check_row_count(plan, jaxpr, reference)  # (after the gradients' own refusals)
 
     def speculate(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,
                   trees: list, batch: list) -> tuple[PlanRecord, tuple]:
