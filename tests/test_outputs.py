@@ -145,6 +145,25 @@ def test_outputs_without_a_combination_are_refused(make_world, n, api, name):
         run(n, make_step(metric), make_world)
 
 
+@pytest.mark.parametrize("n", tiers.replicas(2, 4, 8))
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_an_output_of_the_row_count_through_a_tanh_is_refused_and_its_rewrite_is_exact(
+        make_world, n, api):
+    """``jnp.tanh(lg / lg.shape[0]).mean()``: the replica's row count inside a tanh, which
+    no combination of the replicas' values undoes (0.017 from one device, silently, before
+    fleet.semantics._row_count read the outputs too; on one replica it is exact). Divided
+    by the global count instead, it equals one device."""
+    make_step, run = RUNS[api]
+    with pytest.raises(fleet.FleetError, match=(
+            rf"output \d, which fleet combines over the {n} replicas, depends on the replica's row "
+            r"count other than as a scale: .*test_outputs.py:\d+ divides by the rows the "
+            r"replica sees .*test_outputs.py:\d+ puts a value scaled so through a tanh")):
+        run(n, make_step(lambda lg, y: jnp.tanh(lg / lg.shape[0]).mean()), make_world)
+    got, ref, d_params = run(n, make_step(
+        lambda lg, y: jnp.tanh(lg / fleet.all_reduce(lg.shape[0])).mean()), make_world)
+    _assert_close(f"{api} tanh of a feature over the global count on {n}", got, ref, d_params)
+
+
 @pytest.mark.parametrize("n", DEVICES)
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_refused_output_declared_comes_back_declared(make_world, n, api):

@@ -24,10 +24,11 @@ its backward pass), the empty set a zero, ``None`` not such a sum (the count
 through a ``tanh``). fleet's reductions over the replicas (its buckets,
 ``fleet.all_reduce``, a ``psum``) give global values, free of it. A gradient
 bucket that gets another power than 0 or 1 is refused, naming the line the
-count came from and the line that used it as more than a scale. Values the
-replicas do not average (the outputs, per-example gradients:
-``fleet.semantics._row_scale``) are not checked here, nor is a step with
-``strategy.sync_batch_norm = False`` (per-replica statistics, chosen on purpose).
+count came from and the line that used it as more than a scale, and so is a
+varying scalar output fleet combines (a mean of ``jnp.tanh(x / x.shape[0])``:
+0.017 from one device before). Per-example outputs are
+``fleet.semantics._row_scale``'s; a step with ``strategy.sync_batch_norm =
+False`` (per-replica statistics, chosen on purpose) is not checked.
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ _NONLINEAR = frozenset((
 _WHAT = {"mul": "a product of two values scaled so", "dot_general": "a product of two values "
          "scaled so", "div": "a division by a value scaled so (a norm plus an epsilon?)",
          "integer_pow": "a power", "square": "a square"}
+_GRADIENT = ("the gradient fleet averages over the {n} replicas", "Each replica's gradient is "
+             "then not its share of the single-device gradient, and their mean is not the "
+             "single-device one")
+_OUTPUT = ("{name}, which fleet combines over the {n} replicas,", "No combination of the "
+           "replicas' values then gives the single-device value")
 _USED = (
-    "the gradient fleet averages over the {n} replicas depends on the replica's row count "
-    "other than as a scale: {origin}, and {use}. Each replica's gradient is then not its "
-    "share of the single-device gradient, and their mean is not the single-device one. "
+    "{subject} depends on the replica's row count other than as a scale: {origin}, and "
+    "{use}. {effect}. "
     "This is a step along the raw gradient of a mean loss with respect to the batch (an "
     "adversarial example, PGD; an epsilon guarding its norm counts too: it clamps the rows "
     "whose gradient is small), a penalty of that gradient, or features divided by the batch "
@@ -84,14 +89,20 @@ _ORIGIN = ("{line} divides by the rows the replica sees (a mean over the batch, 
            "{here:g} where the single-device step on the global batch has {there:g})")
 
 
-def check_row_count(body: Any, reference: Any, replicas: int) -> None:
+def check_row_count(body: Any, reference: Any, replicas: int, outputs: list[str]) -> None:
     """Refuses the step when a gradient bucket of ``body`` (the probe's per-replica
-    jaxpr) is not ``A + B / rows`` in the replica's row count, found against
+    jaxpr), or one of its first outputs (the varying scalars fleet combines, named
+    ``outputs``), is not ``A + B / rows`` in the replica's row count, found against
     ``reference`` (the single-device step's body on the global batch); see the
     module docstring."""
     if reference is None or replicas == 1:
         return
-    _Counts(replicas).walk(body, reference, [ZERO] * len(getattr(body, "jaxpr", body).invars))
+    counts = _Counts(replicas)
+    body = getattr(body, "jaxpr", body)
+    powers = counts.walk(body, reference, [ZERO] * len(body.invars))
+    for name, v, p in zip(outputs, body.outvars, powers):
+        if not _affine(p):
+            counts.refuse(v, p, _OUTPUT, name)
 
 
 def _is_float(v: Any) -> bool:
@@ -203,7 +214,7 @@ class _Counts:
             if call in GRADIENT_BUCKETS:
                 for v, p in zip(eqn.invars, ps):
                     if not _affine(p):
-                        self.refuse(v, p)
+                        self.refuse(v, p, _GRADIENT)
             return [ZERO] * n_out
         if name in CALLS or name in ("scan", "while", "cond"):
             return self.nested(eqn, twin, ps)
@@ -302,14 +313,16 @@ class _Counts:
             carry = joined
         return [None] * len(outs)
 
-    def refuse(self, v: Any, p: frozenset | None) -> None:
-        """Raises for gradient ``v`` (powers ``p``), naming where the count came from
-        and where it was used as more than a scale."""
+    def refuse(self, v: Any, p: frozenset | None, what: tuple, name: str = "") -> None:
+        """Raises for ``v`` (powers ``p``; ``what``: :data:`_GRADIENT` or :data:`_OUTPUT`,
+        ``name``'s), naming where the count came from and where it was used as more
+        than a scale."""
         origin = self.origin.get(id(v))
-        name, line = self.use.get(id(v), (None, None))
+        op, line = self.use.get(id(v), (None, None))
         use = (f"{line or 'the step'} puts a value scaled so through "
-               f"{_WHAT.get(name, f'a {name}, which is not a scale')}" if name is not None else
-               f"the gradient is that count to the power {-max(p, key=abs)}")
-        raise FleetError(_USED.format(n=self.n, use=use, origin=(
-            _ORIGIN.format(line=origin[0] or "the step", here=origin[1], there=origin[2])
-            if origin is not None else "the step divides by the rows the replica sees")))
+               f"{_WHAT.get(op, f'a {op}, which is not a scale')}" if op is not None else
+               f"it is that count to the power {-max(p, key=abs)}")
+        raise FleetError(_USED.format(
+            subject=what[0].format(n=self.n, name=name), effect=what[1], use=use, origin=(
+                _ORIGIN.format(line=origin[0] or "the step", here=origin[1], there=origin[2])
+                if origin is not None else "the step divides by the rows the replica sees")))

@@ -145,14 +145,15 @@ def resolve_metrics(plan: Plan, record: PlanRecord, jaxpr: Any,
         [_metrics.mark_name(k) for k in range(len(labels))], labels, plan.mesh.devices.size)
 
 
-def check_row_count(plan: Plan, jaxpr: Any, reference: Any) -> None:
-    """The replica's row count reaching a gradient other than as a scale, refused
-    (fleet.semantics._row_count); on one replica its rows are the global batch,
-    and ``strategy.sync_batch_norm = False`` uses them on purpose."""
+def check_row_count(plan: Plan, jaxpr: Any, reference: Any, outputs: list[str]) -> None:
+    """The replica's row count reaching a gradient, or one of ``outputs`` (the names
+    of the undeclared varying scalars the probe returns first), other than as a
+    scale, refused (fleet.semantics._row_count); on one replica its rows are the
+    global batch, and ``strategy.sync_batch_norm = False`` uses them on purpose."""
     if plan.mesh.devices.size == 1 or reference is None or world().strategy.sync_batch_norm is False:
         return
     _row_count.check_row_count(_outputs.shard_body(jaxpr), _outputs.shard_body(reference),
-                               plan.mesh.devices.size)
+                               plan.mesh.devices.size, outputs)
 
 
 def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: Any,

@@ -144,6 +144,7 @@ class Program:
         the trees and the batch."""
         probe_body, reference, args, specs, trees, batch = traced
         jaxpr = _first_trace.probe_view(closed, both["outputs"])
+        undeclared = [name for name, r in zip(record.names, record.out) if r == _roles.SCALAR]
         check_randomness(plan, jaxpr, reference, batch, record.marked)
         check_per_example(plan, self.graph, jaxpr, batch, trees, reference)
         check_written(plan, record, jaxpr)  # (state from the batch: before what counts it)
@@ -152,7 +153,7 @@ class Program:
         resolve_metrics(plan, record, jaxpr, scaled)
         check_row_mixing(plan, self.graph, jaxpr, args, reference)  # (after the outputs' own refusals)
         check_gradients(plan, record, self.graph, jaxpr, trees)
-        check_row_count(plan, jaxpr, reference)  # (after the gradients' own refusals)
+        check_row_count(plan, jaxpr, reference, undeclared)  # (after the others' refusals)
 
     def speculate(self, plan: Plan, args: tuple, specs: tuple, state_specs: list,
                   trees: list, batch: list) -> tuple[PlanRecord, tuple]:
