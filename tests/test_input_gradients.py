@@ -276,3 +276,51 @@ def test_each_rows_own_input_gradient_returned_equals_one_device(make_world):
     d = max(float(jnp.abs(g - w).max()) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
     print(f"per-row input gradients: {d:.1e} from one device")
     assert d < 1e-6
+
+
+def functional(rescaled: bool):
+    """A functional step (raw parameters, an optax transformation): a step along the
+    input gradient of its mean loss, then trained on; JAX sums the raw parameters'
+    gradients over the replicas (a psum, not fleet's buckets)."""
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def step(tx):
+        def run(params, state, x, y):
+            def adversarial(p):
+                gx = jax.grad(lambda xx: loss(p, xx, y))(x)
+                if rescaled:
+                    gx = gx * x.shape[0] / fleet.all_reduce(x.shape[0])
+                return loss(p, jax.lax.stop_gradient(x + 0.5 * gx), y)
+            grads = jax.grad(adversarial)(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+        return run
+    return step
+
+
+def train_functional(step, tx, steps=3):
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {"w1": jax.random.normal(keys[0], (10, 5)), "w2": jax.random.normal(keys[1], (5,))}
+    state = tx.init(params)
+    for x, y in models.batches("linear", steps, 16):
+        params, state = step(params, state, x, y[:, 0])
+    return params
+
+
+def test_a_functional_step_along_the_raw_input_gradient_is_refused_and_rescaled_is_exact(
+        make_world):
+    """0.12 from one device in the parameters, silently, before; refused at JAX's sum
+    of the raw parameters' gradients."""
+    want = train_functional(jax.jit(functional(False)(optax.sgd(0.1))), optax.sgd(0.1))
+    make_world(4)
+    tx = fleet.distributed_optimizer(optax.sgd(0.1))
+    with pytest.raises(fleet.FleetError, match=(
+            r"a value summed over the 4 replicas \(a psum: JAX's, of the gradient of raw "
+            r"parameters.*depends on the replica's row count other than as a scale: "
+            r".*test_input_gradients.py:\d+ divides .* puts a value scaled so through a tanh")):
+        train_functional(fleet.distributed_step(functional(False)(tx), batch_argnums=(2, 3)), tx, 1)
+    got = train_functional(fleet.distributed_step(functional(True)(tx), batch_argnums=(2, 3)), tx)
+    d = max(float(jnp.abs(got[k] - want[k]).max()) for k in want)
+    print(f"functional, rescaled: {d:.1e} from one device")
+    assert d < 1e-6 and fleet.check_replicas(got) == []

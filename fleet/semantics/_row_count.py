@@ -23,7 +23,9 @@ follows each value forward as the powers of ``s = 1 / rows`` it is a sum of:
 its backward pass), the empty set a zero, ``None`` not such a sum (the count
 through a ``tanh``). fleet's reductions over the replicas (its buckets,
 ``fleet.all_reduce``, a ``psum``) give global values, free of it. A gradient
-bucket that gets another power than 0 or 1 is refused, naming the line the
+bucket that gets another power than 0 or 1 is refused (a ``psum`` one that is
+neither a scale nor ``A + s B``: JAX's sum of a functional step's raw gradients,
+0.12 from one device before), naming the line the
 count came from and the line that used it as more than a scale, and so is a
 varying scalar output fleet combines (a mean of ``jnp.tanh(x / x.shape[0])``:
 0.017 from one device before). Per-example outputs are
@@ -41,7 +43,7 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from fleet import _compat
 from fleet._errors import FleetError
-from fleet.semantics._jaxpr_scope import CALLS, GRADIENT_BUCKETS, paired_eqns
+from fleet.semantics._jaxpr_scope import CALLS, GRADIENT_BUCKETS, PSUMS, paired_eqns
 
 ZERO, NONE = frozenset((0,)), frozenset()  # free of the count; a zero (no terms)
 _MAX = 4  # higher powers are not followed: None
@@ -73,6 +75,9 @@ _WHAT = {"mul": "a product of two values scaled so", "dot_general": "a product o
 _GRADIENT = ("the gradient fleet averages over the {n} replicas", "Each replica's gradient is "
              "then not its share of the single-device gradient, and their mean is not the "
              "single-device one")
+_SUMMED = ("a value summed over the {n} replicas (a psum: JAX's, of the gradient of raw "
+           "parameters, or the step's own)", "Each replica's part is then not its share of "
+           "the single-device value, and their sum is not the single-device one")
 _OUTPUT = ("{name}, which fleet combines over the {n} replicas,", "No combination of the "
            "replicas' values then gives the single-device value")
 _USED = (
@@ -219,7 +224,11 @@ class _Counts:
         if name in CALLS or name in ("scan", "while", "cond"):
             return self.nested(eqn, twin, ps)
         if name in _GLOBAL:
-            return [None if p is None else ZERO for p in ps]
+            if name in PSUMS:  # (JAX's sum of raw parameters' gradients, or the step's own)
+                for v, p in zip(eqn.invars, ps):
+                    if _mixed(p):
+                        self.refuse(v, p, _SUMMED)
+            return [ZERO] * n_out
         if name in ("optimization_barrier", "sort") and n_out == len(ps):
             return ps if name != "sort" or ps[0] is not None else [None] * n_out
         if all(p == ZERO for p in ps):
