@@ -13,15 +13,18 @@ batch size (``x / x.shape[0]``) before a layer, or a gradient penalty of the
 mean's input gradient. Each trained silently away from one device before this
 check (4 CPU devices, 3 SGD steps, in the parameters: 0.013, 0.055, 0.29).
 
-:func:`check_row_count` finds the count as the float literals of the replica's
-trace whose value in the single-device trace (the same equation, paired by
+:func:`check_row_count` finds the count as the literals of the replica's trace
+(a float; jax 0.12 writes ``x.shape[0]`` as an integer, then converts it) whose
+value in the single-device trace (the same equation, paired by
 ``fleet.semantics._jaxpr_scope.paired_eqns``) is N times theirs (a count, the
 divisor of a mean) or 1 / N times (one over it); a literal that is exactly 1 on
 one device is the replica count (a ``pmean``'s divisor), not the rows'. It
 follows each value forward as the powers of ``s = 1 / rows`` it is a sum of:
 ``{0}`` free of it, ``{0, 1}`` ``A + s B`` (a mean loss plus a penalty, and
 its backward pass), the empty set a zero, ``None`` not such a sum (the count
-through a ``tanh``). fleet's reductions over the replicas (its buckets,
+through a ``tanh``). An integer operand beside a float one is an index, not
+part of the value; integers compared with integers (positions, one-hot labels
+offset by ``axis_index * rows``) decide alike at any scale. fleet's reductions over the replicas (its buckets,
 ``fleet.all_reduce``, a ``psum``) give global values, free of it. A gradient
 bucket that gets another power than 0 or 1 is refused (a ``psum`` one that is
 neither a scale nor ``A + s B``: JAX's sum of a functional step's raw gradients,
@@ -114,6 +117,10 @@ def _is_float(v: Any) -> bool:
     return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
 
 
+def _is_int(v: Any) -> bool:
+    return jax.dtypes.issubdtype(v.aval.dtype, np.integer)
+
+
 def _union(powers: list) -> frozenset | None:
     return None if any(p is None for p in powers) else frozenset().union(*powers)
 
@@ -148,14 +155,16 @@ class _Counts:
 
     def of(self, v: Any) -> frozenset | None:
         if isinstance(v, Literal):
-            return NONE if np.all(np.asarray(v.val) == 0) else ZERO
+            val = v.val
+            zero = val == 0 if isinstance(val, (int, float, np.number)) else not np.any(val)
+            return NONE if zero else ZERO
         return self.powers.get(id(v), ZERO)
 
     def seed(self, eqn: Any, v: Any, w: Any) -> frozenset | None:
-        """The powers of operand ``v``; a literal whose single-device twin ``w`` is
-        N or 1 / N times it is the row count (power -1) or one over it (1)."""
-        if not (isinstance(v, Literal) and isinstance(w, Literal)
-                and jax.dtypes.issubdtype(v.aval.dtype, np.floating)
+        """The powers of literal ``v``: one whose single-device twin ``w`` is N or
+        1 / N times it is the row count (power -1) or one over it (1)."""
+        if not (isinstance(w, Literal)
+                and (_is_int(v) or jax.dtypes.issubdtype(v.aval.dtype, np.floating))
                 and np.shape(v.val) == () and np.shape(w.val) == ()):
             return self.of(v)
         here, there = float(v.val), float(w.val)
@@ -181,23 +190,22 @@ class _Counts:
         twins = {} if ref is None else {
             id(a): b for a, b in paired_eqns(jaxpr.eqns, ref.eqns)
             if a.primitive == b.primitive and len(a.invars) == len(b.invars)}
+        powers = self.powers
         for eqn in jaxpr.eqns:
             twin = twins.get(id(eqn))
             ps = [self.seed(eqn, v, None if twin is None else twin.invars[i])
+                  if isinstance(v, Literal) else powers.get(id(v), ZERO)
                   for i, v in enumerate(eqn.invars)]
             outs = self.rule(eqn, twin, ps)
             for v, p in zip(eqn.outvars, outs):
-                if p is not None and not _is_float(v):
-                    p = ZERO  # (an index, a mask: decided alike at any scale)
-                self.powers[id(v)] = p
-                self.trace(eqn, v, p, ps)
+                powers[id(v)] = p
+                if p != ZERO and p != NONE:
+                    self.trace(eqn, v, p, ps)
         return [self.of(v) for v in jaxpr.outvars]
 
     def trace(self, eqn: Any, v: Any, p: frozenset | None, ps: list) -> None:
         """Where ``v``'s count came from, and (not a scale, nor a mean plus a value free
         of the count) the line that made it so."""
-        if p == ZERO or p == NONE:
-            return
         ids = [id(eqn)] + [id(u) for u in eqn.invars if not isinstance(u, Literal)]
         found = next((self.origin[i] for i in ids if i in self.origin), None)
         if found is not None:
@@ -237,10 +245,14 @@ class _Counts:
 
     def scaled(self, eqn: Any, name: str, ps: list) -> frozenset | None:
         """The output powers of an equation some operand of which is not ``{0}``."""
+        if any(p is None for v, p in zip(eqn.invars, ps) if not _is_int(v)):
+            return None  # (a float, or a decision on one; an index is not the value's)
+        floats = [p for v, p in zip(eqn.invars, ps) if _is_float(v)]
+        if not floats and name in _SCALE_FREE:
+            return ZERO  # (indices compared: positions, one-hot labels)
+        ps = floats or ps  # (an index, a predicate: no terms of the value)
         if any(p is None for p in ps):
             return None
-        floats = [p for v, p in zip(eqn.invars, ps) if _is_float(v)]
-        ps = floats or ps  # (an index, a predicate: no terms of the value)
         if name in _PRODUCTS:
             return _times(ps[0], ps[1])
         if name == "div" and len(ps[1]) == 1:
