@@ -20,20 +20,22 @@ value in the single-device trace (the same equation, paired by
 divisor of a mean) or 1 / N times (one over it); a literal that is exactly 1 on
 one device is the replica count (a ``pmean``'s divisor), not the rows'. It
 follows each value forward as the powers of ``s = 1 / rows`` it is a sum of:
-``{0}`` free of it, ``{0, 1}`` ``A + s B`` (a mean loss plus a penalty, and
-its backward pass), the empty set a zero, ``None`` not such a sum (the count
-through a ``tanh``). An integer operand beside a float one is an index, not
-part of the value; integers compared with integers (positions, one-hot labels
-offset by ``axis_index * rows``) decide alike at any scale. fleet's reductions over the replicas (its buckets,
-``fleet.all_reduce``, a ``psum``) give global values, free of it. A gradient
-bucket that gets another power than 0 or 1 is refused (a ``psum`` one that is
-neither a scale nor ``A + s B``: JAX's sum of a functional step's raw gradients,
-0.12 from one device before), naming the line the
-count came from and the line that used it as more than a scale, and so is a
-varying scalar output fleet combines (a mean of ``jnp.tanh(x / x.shape[0])``:
-0.017 from one device before). Per-example outputs are
-``fleet.semantics._row_scale``'s; a step with ``strategy.sync_batch_norm =
-False`` (per-replica statistics, chosen on purpose) is not checked.
+``{0}`` free of it, ``{0, 1}`` ``A + s B`` (a mean loss plus a penalty, and its
+backward pass), the empty set a zero, ``None`` not such a sum (the count through
+a ``tanh``). An integer operand beside a float one is an index, not part of the
+value; integers compared with integers (positions, one-hot labels offset by
+``axis_index * rows``) decide alike at any scale. fleet's reductions over the
+replicas (its buckets, ``fleet.all_reduce``, a ``psum``) give global values,
+free of it.
+
+Refused, naming the line the count came from and the line that used it as more
+than a scale: a gradient bucket that gets anything but ``A + s B``; a ``psum``
+that gets neither that nor one power of ``s`` (JAX's sum of a functional step's
+raw gradients: 0.12 from one device before); a varying scalar output fleet
+combines that is not ``A + s B`` (a mean of ``jnp.tanh(x / x.shape[0])``: 0.017
+before). Per-example outputs are ``fleet.semantics._row_scale``'s; a step with
+``strategy.sync_batch_norm = False`` (per-replica statistics, chosen on
+purpose) is not checked.
 """
 
 from __future__ import annotations
@@ -72,9 +74,8 @@ _NONLINEAR = frozenset((
     "reduce_prod", "cholesky", "eigh", "eig", "svd", "qr", "lu", "triangular_solve", "div",
     "random_gamma_grad", *_HOMOGENEOUS, *_SCALE_FREE))
 
-_WHAT = {"mul": "a product of two values scaled so", "dot_general": "a product of two values "
-         "scaled so", "div": "a division by a value scaled so (a norm plus an epsilon?)",
-         "integer_pow": "a power", "square": "a square"}
+_WHAT = {"mul": "a product of two values scaled so", "integer_pow": "a power", "square": "a square",
+         "div": "a division by a value scaled so (a norm plus an epsilon?)"}
 _GRADIENT = ("the gradient fleet averages over the {n} replicas", "Each replica's gradient is "
              "then not its share of the single-device gradient, and their mean is not the "
              "single-device one")
@@ -135,8 +136,7 @@ def _affine(p: frozenset | None) -> bool:
 
 
 def _mixed(p: frozenset | None) -> bool:
-    """Neither ``A + s B`` nor one power of ``s`` times a value: no operation after
-    makes it either again."""
+    """Neither ``A + s B`` nor one power of ``s`` times a value: nothing after undoes it."""
     return p is None or (len(p) > 1 and not p <= {0, 1})
 
 
@@ -340,6 +340,7 @@ class _Counts:
         than a scale."""
         origin = self.origin.get(id(v))
         op, line = self.use.get(id(v), (None, None))
+        op = "mul" if op == "dot_general" else op
         use = (f"{line or 'the step'} puts a value scaled so through "
                f"{_WHAT.get(op, f'a {op}, which is not a scale')}" if op is not None else
                f"it is that count to the power {-max(p, key=abs)}")

@@ -6,7 +6,7 @@ cannot make exact and :func:`check_per_example` the gradients taken per example;
 :func:`resolve_scalars` and :func:`resolve_metrics` decide how each undeclared
 varying scalar combines over the replicas (and refuse a summed loss and counts
 of the replica's rows), :func:`check_row_count` the row count used as more than a
-scale before a gradient, and :func:`check_gradients` refuses gradients JAX would
+scale before a gradient or an output, and :func:`check_gradients` refuses gradients JAX would
 sum, read under sharding or merged without a distributed optimizer. Every trace
 of the body (``Program.body``) refuses returned gradients that are not the
 single-device ones (:func:`check_returned`).
