@@ -31,7 +31,7 @@ free of it.
 Refused, naming the line the count came from and the line that used it as more
 than a scale: a gradient bucket that gets anything but ``A + s B``; a ``psum``
 that gets neither that nor one power of ``s`` (JAX's sum of a functional step's
-raw gradients: 0.12 from one device before); a varying scalar output fleet
+raw gradients: 0.41 from one device before); a varying scalar output fleet
 combines that is not ``A + s B`` (a mean of ``jnp.tanh(x / x.shape[0])``: 0.017
 before). Per-example outputs are ``fleet.semantics._row_scale``'s; a step with
 ``strategy.sync_batch_norm = False`` (per-replica statistics, chosen on
