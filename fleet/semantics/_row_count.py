@@ -5,13 +5,10 @@ are the replica's: ``jnp.mean`` divides by 4 where the single-device step on the
 global batch divides by 16. fleet is exact where that count only scales what
 reaches the gradient: each replica's gradient is then ``A + B_r / rows``, and
 the replicas' mean of it is the single-device ``A + B / global rows``. A value
-scaled by the count and then put through anything but a scale is not: a step
-along the raw gradient of a mean loss with respect to the batch (an adversarial
-example, PGD: ``x + 0.1 * jax.grad(loss)(x)``, whose rows are ``1 / rows`` times
-each row's own gradient, then fed to the model), or features divided by the
-batch size (``x / x.shape[0]``) before a layer, or a gradient penalty of the
-mean's input gradient. Each trained silently away from one device before this
-check (4 CPU devices, 3 SGD steps, in the parameters: 0.013, 0.055, 0.29).
+scaled by the count, then put through anything but a scale, is not: a PGD step
+``x + 0.1 * jax.grad(loss)(x)`` fed to the model, features ``x / x.shape[0]``, a
+penalty of the mean's input gradient (silently 0.013, 0.055, 0.29 from one
+device before, in the parameters: 4 CPU devices, 3 SGD steps).
 
 :func:`check_row_count` finds the count as the literals of the replica's trace
 (a float; jax 0.12 writes ``x.shape[0]`` as an integer, then converts it) whose
@@ -48,13 +45,13 @@ from jax.extend.core import Literal, jaxprs_in_params
 
 from fleet import _compat
 from fleet._errors import FleetError
+from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, GRADIENT_BUCKETS, PSUMS, paired_eqns
 
 ZERO, NONE = frozenset((0,)), frozenset()  # free of the count; a zero (no terms)
 _MAX = 4  # higher powers are not followed: None
 #: fleet's values the same on every replica (global: free of the count)
-_GLOBAL_CALLS = ("fleet_bucket", "fleet_scatter", "fleet_psum", "fleet_pmean", "fleet_gather",
-                 "fleet_written")
+_GLOBAL_CALLS = frozenset(FLEET_CALLS) - {"fleet_batch_norm", "fleet_all_gather"}  # (walked into)
 _GLOBAL = frozenset(("psum", "psum_invariant", "pmax", "pmin", "reduce_scatter"))
 _PRODUCTS = frozenset(("mul", "dot_general", "conv_general_dilated"))
 #: f(s^d x) = s^d f(x) for s > 0, one power d
@@ -99,11 +96,10 @@ _ORIGIN = ("{line} divides by the rows the replica sees (a mean over the batch, 
 
 
 def check_row_count(body: Any, reference: Any, replicas: int, outputs: list[str]) -> None:
-    """Refuses the step when a gradient bucket of ``body`` (the probe's per-replica
-    jaxpr), or one of its first outputs (the varying scalars fleet combines, named
-    ``outputs``), is not ``A + B / rows`` in the replica's row count, found against
-    ``reference`` (the single-device step's body on the global batch); see the
-    module docstring."""
+    """Refuses the step when a gradient bucket or ``psum`` of ``body`` (the probe's
+    per-replica jaxpr), or one of its first outputs (the varying scalars fleet
+    combines, named ``outputs``), is not ``A + B / rows`` in the replica's row
+    count, found against ``reference`` (the single-device body on the global batch)."""
     if reference is None or replicas == 1:
         return
     counts = _Counts(replicas)
@@ -114,11 +110,11 @@ def check_row_count(body: Any, reference: Any, replicas: int, outputs: list[str]
             counts.refuse(v, p, _OUTPUT, name)
 
 
-def _is_float(v: Any) -> bool:
+def _is_float(v: Any) -> bool:  # (complex too)
     return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> bool:  # (not bool: a decision)
     return jax.dtypes.issubdtype(v.aval.dtype, np.integer)
 
 
@@ -152,13 +148,14 @@ class _Counts:
         self.origin: dict[int, tuple] = {}
         self.use: dict[int, Any] = {}
         self.calls: list = []  # the call equations the walk is inside (their lines)
+        self.twins: dict = {}  # (id(jaxpr), id(its twin)) -> id(eqn) -> the twin's equation
 
     def of(self, v: Any) -> frozenset | None:
-        if isinstance(v, Literal):
-            val = v.val
-            zero = val == 0 if isinstance(val, (int, float, np.number)) else not np.any(val)
-            return NONE if zero else ZERO
-        return self.powers.get(id(v), ZERO)
+        if not isinstance(v, Literal):
+            return self.powers.get(id(v), ZERO)
+        val = v.val
+        return NONE if (val == 0 if isinstance(val, (int, float, np.number)) else
+                        not np.any(val)) else ZERO
 
     def seed(self, eqn: Any, v: Any, w: Any) -> frozenset | None:
         """The powers of literal ``v``: one whose single-device twin ``w`` is N or
@@ -187,9 +184,12 @@ class _Counts:
             for marks in (self.origin, self.use):
                 if not isinstance(u, Literal) and id(u) in marks:
                     marks[id(v)] = marks[id(u)]
-        twins = {} if ref is None else {
-            id(a): b for a, b in paired_eqns(jaxpr.eqns, ref.eqns)
-            if a.primitive == b.primitive and len(a.invars) == len(b.invars)}
+        key = (id(jaxpr), id(ref))  # (a loop's body is walked again; a shared jaxpr per call)
+        if key not in self.twins:
+            self.twins[key] = {} if ref is None else {
+                id(a): b for a, b in paired_eqns(jaxpr.eqns, ref.eqns)
+                if a.primitive == b.primitive and len(a.invars) == len(b.invars)}
+        twins = self.twins[key]
         powers = self.powers
         for eqn in jaxpr.eqns:
             twin = twins.get(id(eqn))
@@ -283,7 +283,9 @@ class _Counts:
             outs = self.inside(eqn, twin, ps)
         finally:
             self.calls.pop()
-        for sub in jaxprs_in_params(eqn.params):
+        subs = [eqn.params["body_jaxpr"]] if eqn.primitive.name == "while" else (
+            jaxprs_in_params(eqn.params))  # (not a while's condition: its one output is a flag)
+        for sub in subs:
             for w, v in zip(getattr(sub, "jaxpr", sub).outvars, eqn.outvars):
                 for marks in (self.origin, self.use):
                     if not isinstance(w, Literal) and id(w) in marks:
