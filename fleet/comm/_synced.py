@@ -41,7 +41,7 @@ def raw_read_hint(what: str) -> str:
             "variable[...] instead, which fleet gathers whole")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SyncSpec:
     """What a wrapped NNX model's parameter carries (variable metadata
     ``fleet_sync``): its name for the accumulator, and its model's buckets.
@@ -51,13 +51,38 @@ class SyncSpec:
     when it matches two trees (``optax.incremental_update`` of a target
     network's state towards the online one's, ``jax.lax.cond`` choosing
     between them), and ``nnx.update`` keeps a variable's own metadata where
-    the new one compares equal."""
+    the new one compares equal.
 
-    key: str = dataclasses.field(compare=False)
+    Inside a model's call in a step they differ where it matters to a write:
+    JAX reuses a transformation's trace for equal inputs, and skips the Python
+    of a reused trace, where fleet learns of a write into a copy
+    (:meth:`SyncedRead.set_value`: ``nnx.SpectralNorm`` through ``nnx.remat``,
+    ``nnx.jit``, tests/test_written_params.py). So each call's specs carry that
+    call's token (:func:`bucketed_call`): no trace made elsewhere (the
+    single-device reference, an earlier step or call) is reused inside it. And
+    two parameters one of which the call wrote compare unequal: one
+    ``nnx.remat`` called on two same-shaped layers traces the second anew.
+    """
+
+    key: str
     buckets: BucketConfig
     #: stage 3 (``sharding_configs.stage = 3``): how the parameter is split
     #: (a fleet.comm._shard_comm.Layout; its value is the replicas' slices)
     layout: Any = None
+    #: the wrapped model's call in a step that holds this copy (bucketed_call)
+    call: Any = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SyncSpec):
+            return NotImplemented
+        if (self.buckets, self.layout, self.call) != (other.buckets, other.layout, other.call):
+            return False
+        trace = current()
+        return (self.key == other.key or trace is None
+                or not {self.key, other.key} & trace.writes)
+
+    def __hash__(self) -> int:  # (equal specs: equal buckets, layouts and calls)
+        return hash((self.buckets, self.layout, id(self.call)))
 
 
 class SyncedRead:
@@ -173,9 +198,16 @@ def bucketed_call(variables: dict, buckets: BucketConfig) -> Iterator[None]:
     for k, v, _, s in changed:
         v.set_raw_value(s)
         trace.writes.discard(k)
+    specs = {k: spec for k in keys  # (None: a parameter added since the wrapping)
+             if (spec := variables[k].get_metadata("fleet_sync", None)) is not None}
+    token = object()  # (this call's: SyncSpec)
+    for k, spec in specs.items():
+        variables[k].set_metadata("fleet_sync", dataclasses.replace(spec, call=token))
     try:
         yield
     finally:
+        for k, spec in specs.items():
+            variables[k].set_metadata("fleet_sync", spec)
         for k, v, r, s in changed:
             written = v.get_raw_value()
             # The call wrote it (``variable[...] = x``, ``set_value``: nnx.SpectralNorm's
