@@ -139,9 +139,36 @@ def fleet_written(x: Any) -> Any:
     every replica: replica 0's, exactly (the others add zeros). A parameter a wrapped
     model's call wrote (``nnx.SpectralNorm`` writes the normalised kernel), state set
     from the parameters under ``no_sync``. The probe checks that it was computed from
-    replicated values alone (fleet.step._probe_checks.check_written)."""
+    replicated values alone (fleet.step._probe_checks.check_written).
+
+    Differentiated through (a kernel written by one call of the model and read by
+    the next), it is the identity it stands for: each replica's gradient is the
+    value's whole gradient, as on one device (the transpose of replica 0's value
+    would give it to replica 0 alone, and the bucket's mean a 1/N of it)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return _kept_alike(x)
+    return _first_replicas(x)
+
+
+def _first_replicas(x: Any) -> Any:
     first = jax.lax.axis_index(DATA_AXIS) == 0
     return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), DATA_AXIS)
+
+
+@jax.custom_vjp
+def _kept_alike(x: Any) -> Any:
+    return _first_replicas(x)
+
+
+def _kept_alike_fwd(x: Any) -> tuple:
+    return _first_replicas(x), None
+
+
+def _kept_alike_bwd(_: None, ct: Any) -> tuple:
+    return (jax.lax.pcast(ct, DATA_AXIS, to="varying"),)
+
+
+_kept_alike.defvjp(_kept_alike_fwd, _kept_alike_bwd)
 
 
 @jax.jit

@@ -66,6 +66,7 @@ from fleet.semantics._jaxpr_scope import (
     ReplicaConstant,
     Scope,
     is_sync,
+    is_varying_var,
     refuse_custom_vjp3,
 )
 from fleet.semantics._outputs_walk import MEAN, SUM, Walk
@@ -242,7 +243,14 @@ def check_written(jaxpr: Any, refusals: list[str]) -> None:
     computed the same (fleet.semantics._jaxpr_scope.ReplicaConstant; inside a
     loop or a branch it is not followed, and refused)."""
     constant = ReplicaConstant()
-    for refusal, (eqn, scope) in zip(refusals, _named_calls(jaxpr, {"fleet_written"})):
+    # (a call takes one varying value and gives it invariant; where the step
+    # differentiates through a kept value, a kernel written by one call of the model
+    # and read by the next, the transposed call gives the gradient back varying)
+    calls = [(eqn, scope) for eqn, scope in _named_calls(jaxpr, {"fleet_written"})
+             if not is_varying_var(eqn.outvars[0])]
+    if len(calls) != len(refusals):  # (not met: then any value kept is refused alike)
+        refusals = [refusals[0]] * len(calls)
+    for refusal, (eqn, scope) in zip(refusals, calls):
         if not constant(eqn.invars[0], scope):
             raise FleetError(refusal)
 
