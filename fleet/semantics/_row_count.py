@@ -7,8 +7,7 @@ reaches the gradient: each replica's gradient is then ``A + B_r / rows``, and
 the replicas' mean of it is the single-device ``A + B / global rows``. A value
 scaled by the count, then put through anything but a scale, is not: a PGD step
 ``x + 0.1 * jax.grad(loss)(x)`` fed to the model, features ``x / x.shape[0]``, a
-penalty of the mean's input gradient (silently 0.013, 0.055, 0.29 from one
-device before, in the parameters: 4 CPU devices, 3 SGD steps).
+penalty of the mean's input gradient (docs/contract.md; tests/test_input_gradients.py).
 
 :func:`check_row_count` finds the count as the literals of the replica's trace
 (a float; jax 0.12 writes ``x.shape[0]`` as an integer, then converts it) whose
@@ -28,11 +27,10 @@ free of it.
 Refused, naming the line the count came from and the line that used it as more
 than a scale: a gradient bucket that gets anything but ``A + s B``; a ``psum``
 that gets neither that nor one power of ``s`` (JAX's sum of a functional step's
-raw gradients: 0.41 from one device before); a varying scalar output fleet
-combines that is not ``A + s B`` (a mean of ``jnp.tanh(x / x.shape[0])``: 0.017
-before). Per-example outputs are ``fleet.semantics._row_scale``'s; a step with
-``strategy.sync_batch_norm = False`` (per-replica statistics, chosen on
-purpose) is not checked.
+raw gradients); a varying scalar output fleet combines that is not ``A + s B`` (a
+mean of ``jnp.tanh(x / x.shape[0])``). Per-example outputs are
+``fleet.semantics._row_scale``'s; a step with ``strategy.sync_batch_norm = False``
+(per-replica statistics, chosen on purpose) is not checked.
 """
 
 from __future__ import annotations
