@@ -223,7 +223,7 @@ def test_a_write_inside_a_transformation_that_jax_reuses_is_kept(make_world, mak
     the Python of the reused trace, where fleet learns of a write into a copy.
     The second of two same-shaped layers, and a decorated block's write in any
     trace after the first (the single-device reference traces first), were lost:
-    0.58 and 0.35 from one device, silently. Each model call's parameters now
+    0.58 from one device in each model here, silently. Each model call's parameters now
     compare equal only to that call's, and a written one to itself alone
     (fleet.comm._synced.SyncSpec)."""
     batches = data(2)
