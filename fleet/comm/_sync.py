@@ -147,21 +147,21 @@ def fleet_written(x: Any) -> Any:
     would give it to replica 0 alone, and the bucket's mean a 1/N of it)."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return _kept_alike(x)
-    return _first_replicas(x)
+    return _replica0(x)
 
 
-def _first_replicas(x: Any) -> Any:
+def _replica0(x: Any) -> Any:
     first = jax.lax.axis_index(DATA_AXIS) == 0
     return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), DATA_AXIS)
 
 
 @jax.custom_vjp
 def _kept_alike(x: Any) -> Any:
-    return _first_replicas(x)
+    return _replica0(x)
 
 
 def _kept_alike_fwd(x: Any) -> tuple:
-    return _first_replicas(x), None
+    return _replica0(x), None
 
 
 def _kept_alike_bwd(_: None, ct: Any) -> tuple:

@@ -82,7 +82,7 @@ class SyncSpec:
                 or not {self.key, other.key} & trace.writes)
 
     def __hash__(self) -> int:  # (equal specs: equal buckets, layouts and calls)
-        return hash((self.buckets, self.layout, id(self.call)))
+        return hash((self.buckets, self.layout, self.call))
 
 
 class SyncedRead:
