@@ -395,6 +395,9 @@ workers:"""
 
 
 GLOO = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+TWO_HEADS = ("[Gloo] Rank 0 is connected to {} peer ranks. [Gloo] Rank 1 is connected to {} peer "
+             "ranks. Expected number of connected peer ranks is : {}Expected number of connected "
+             "peer ranks is : 3")
 
 
 @pytest.mark.parametrize("line, quiet", [
@@ -405,6 +408,10 @@ GLOO = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
     ("[Gloo] Rank 0 is connected to 1" + GLOO, True),
     (" peer ranks. Expected number of connected peer ranks is : 1", True),
     ("[Gloo] Rank 1 is connected to 3" + GLOO.replace("1", "3"), True),
+    # Two heads, then both tails, on one line (seen on 2 cores, in
+    # test_launch_output.py's quick start); a peer missing from one of them is echoed.
+    (TWO_HEADS.format(3, 3, 3), True),
+    (TWO_HEADS.format(2, 3, 3), False), (TWO_HEADS.format(3, 3, 2), False),
     # The script's own lines stay, a lone number or a note's words among them.
     ("1", False), (": 1", False), ("step 1", False), ("", False),
     ("loss 0.5 " + GLOO, False), (GLOO + " loss 0.5", False),

@@ -85,27 +85,31 @@ def start_line(config: LaunchConfig, first_rank: int, restart: int) -> str:
 # gloo (inside jaxlib) writes this line to stdout once per communicator it connects,
 # with no switch to turn it off (jax-ml/jax#32673). The console's echo leaves it out
 # when every peer came; the worker's log keeps it, and a short count is echoed.
-# Communicators that connect at once, on threads of their own, can interleave
-# their notes: one line then holds a note's head and a whole note, the next the
-# head's tail (seen on 16 cores).
-_GLOO_CONNECTED = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-    r"Expected number of connected peer ranks is : (\d+)")
-# gloo writes a note in pieces (``<<``); a note's head is cut between two of them.
-_GLOO_PIECES = ("[Gloo] Rank ", "#", " is connected to ", "#", " peer ranks. ",
-                "Expected number of connected peer ranks is : ", "#")
-_GLOO_NOTE = "".join(_GLOO_PIECES)
-# The tails a cut can leave on a line of their own (a lone number is not one).
-_GLOO_TAILS = {"".join(_GLOO_PIECES[i:]).strip() for i in range(1, len(_GLOO_PIECES) - 1)}
+# gloo writes a note in pieces (``<<``), and communicators that connect at once, on
+# threads of their own, interleave their notes piece by piece: one line can hold a
+# note's head and a whole note, the next the head's tail (seen on 16 cores), or two
+# heads and then both tails (seen on 2).
+_GLOO_PIECES = (r"\[Gloo\] Rank", r"is connected to", r"peer ranks\.",
+                r"Expected number of connected peer ranks is :")
+_GLOO_WORDS = "|".join(_GLOO_PIECES)
+_GLOO_LINE = re.compile(rf"(?:\s*(?:{_GLOO_WORDS}|\d+(?!\d)))*")
+_GLOO_COUNTS = re.compile(r"(?:is connected to|peer ranks is :) (\d+)")
 
 
 def quiet_line(line: str) -> bool:
-    """Whether the console's echo of a worker's log leaves ``line`` out: gloo's
-    "connected to K of K peers" notes, whole or cut where another note broke in
-    (the worker's log file keeps them)."""
+    """Whether the console's echo of a worker's log leaves ``line`` out: pieces of
+    gloo's "connected to K of K peers" notes only, whole or interleaved (the worker's
+    log file keeps them). A line of numbers alone, a note among other words, or one
+    whose counts differ (a peer missing) is echoed."""
     line = line.strip()
-    if not line or any(found.group(1) != found.group(2) for found in _GLOO_CONNECTED.finditer(line)):
+    if not _GLOO_LINE.fullmatch(line) or not re.search(_GLOO_WORDS, line):
         return False
-    tail, *notes = re.sub(r"\d+", "#", line).split("[Gloo] ")
-    return ((tail in _GLOO_TAILS or not tail and notes) and
-            all(_GLOO_NOTE.startswith("[Gloo] " + note) for note in notes))
+    connected, expected = [], []
+    for found in _GLOO_COUNTS.finditer(line):
+        (connected if found.group(0).startswith("is") else expected).append(found.group(1))
+    # Each note's two counts are equal when every peer came, so a line of whole or
+    # interleaved notes holds as many of one as of the other, the same numbers; a
+    # line cut inside a note holds only some of them, each the note's own.
+    if len(connected) == len(expected):
+        return sorted(connected) == sorted(expected)
+    return len(set(connected + expected)) <= 1
