@@ -2,7 +2,8 @@
 
 No false alarm: with verify_steps=3, three calls of each step the contract
 tests train (NNX CNN + SGD, NNX + Adam, Linen TrainState, global-batch
-BatchNorm, dropout, a MultiMetric, float16 amp) match one device, and each
+BatchNorm, dropout, a MultiMetric, float16 amp, attention whose query and key
+get zero gradients under Adam) match one device, and each
 prints its line. Detection: each of issue 26's bugs, written into a step, raises
 naming the leaf that differs. The noise floor: on the contract tests' model, the
 perturbation floor is at least the split-sum one.
@@ -51,6 +52,20 @@ class DropNet(nnx.Module):
         return self.l2(self.drop(nnx.relu(self.l1(x))))
 
 
+class AttnNet(nnx.Module):
+    """Attention over one token repeated: every key scores alike, so the query and key
+    projections' gradients are zero, and Adam's moments of them rounding noise."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(10, 8, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False, rngs=rngs)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.l1(x))[:, None, :].repeat(5, 1)
+        return self.l2(self.attn(h, deterministic=True).mean(1))
+
+
 def strategy(**fields):
     return fleet.DistributedStrategy(verify_steps=CALLS, **fields)
 
@@ -85,6 +100,9 @@ CASES = {
     "adam": (dict(), lambda: nnx_case(models.LinearNet, optax.adam(models.LR))),
     "batch_norm": (dict(sync_batch_norm=True), lambda: nnx_case(BNNet, optax.adam(models.LR))),
     "dropout": (dict(), lambda: nnx_case(DropNet, optax.sgd(0.1))),
+    # Before: refused at call 3, Adam's second moment of attn.key.kernel (1e-17, noise)
+    # beyond its floor (fleet.step._verify, "rounding noise at its own size").
+    "zero_gradient": (dict(), lambda: nnx_case(AttnNet, optax.adam(models.LR))),
     "multi_metric": (dict(), lambda: nnx_case(models.CNN, optax.adam(models.LR), "cnn", True)),
     "amp_fp16": (dict(amp=True, amp_configs=FP16),
                  lambda: nnx_case(models.LinearNet, optax.adam(models.LR), wrap_opt=True)),

@@ -32,7 +32,18 @@ float32 state such as Adam's moments then carries float16 rounding), and the
 integer leaves and keys must be equal. A chaotic leaf
 (Adam's update of a bias whose gradient is zero) moves by about the learning
 rate under either change, and gets a wide floor; a leaf that rounding barely
-moves keeps a tight one. tests/test_verify.py checks that on the contract
+moves keeps a tight one. A leaf that is rounding noise at its own size (the
+perturbation moved it by more than a sixteenth of its largest value: Adam's
+moments of a parameter whose gradient is zero, 1e-20 to 1e-17) has no value
+to compare, only a size: its floor is at least 256 times its largest value in
+either reference (``NOISE_SIZES``: the noise of two summation orders differs in
+size by up to 5 times there, 25 times in the square). Before, such a leaf's two
+samples of noise, the perturbed one and the distributed one, were not within 8
+times each other often enough: verify refused correct steps (attention's query
+and key on a repeated token with Adam, 4 and 8 replicas: tests/test_verify.py's
+``zero_gradient``). A leaf the step really changes is far above its noise (a
+gradient that should be zero and is not gives a second moment near the other
+parameters', not 1e-18). tests/test_verify.py checks that on the contract
 tests' models this floor is at least the split-sum one.
 
 The sections whose state has no plain single-device value
