@@ -72,6 +72,11 @@ def agree(ref: Any, failed: bool) -> None:
 NOISE_SIZES = 256
 
 
+def _peak(x: np.ndarray) -> float:
+    """The largest magnitude in ``x``, NaNs left out (0.0 for none)."""
+    return float(np.nanmax(np.abs(x), initial=0.0))
+
+
 def plain(x: Any) -> np.ndarray:
     x = jnp.asarray(whole(x))
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -93,10 +98,10 @@ def compare(name: str, kind: str, got: Any, want: np.ndarray, pert: Any, ref: An
         d = float(np.max(np.abs(g - p), initial=0.0))
         if np.isnan(d) and np.array_equal(np.isnan(g), np.isnan(p)):
             d = float(np.nanmax(np.abs(g - p), initial=0.0))
-        moved, size = (float(np.nanmax(np.abs(a), initial=0.0)) for a in (q - p, p))
+        moved, size = _peak(q - p), _peak(p)
         floor = 8 * moved + 16 * eps * size
         if moved > size / 16:  # noise at the leaf's own size (see fleet.step._verify)
-            floor = max(floor, NOISE_SIZES * max(size, float(np.nanmax(np.abs(q), initial=0.0))))
+            floor = max(floor, NOISE_SIZES * max(size, _peak(q)))
     else:
         d = 0.0 if np.array_equal(got, want) else float(
             np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
