@@ -160,6 +160,12 @@ def whitened(m, x, y):
     return jnp.mean((z @ (z.T @ z / x.shape[0])) * y[:, :8])
 
 
+def batch_weighted(m, x, y, weights):
+    """Each row's loss weighted by a softmax over the batch's losses, then summed."""
+    per_row = jnp.mean((m(x) - y) ** 2, axis=-1)
+    return jnp.sum(weights(jax.nn.softmax(per_row)) * per_row)
+
+
 # name: (the loss, what the error says)
 MIXING = {
     "mixup's shuffle": (mixup, r"rows picked by index \(.*jax.random.permutation\), then "
@@ -235,6 +241,13 @@ MIXING = {
     "an svd of the rows": (
         lambda m, x, y: jnp.linalg.svd(m(x), compute_uv=False)[0],
         r"a matrix decomposition of the rows \(svd"),
+    # (were refused as a summed loss, whose suggested mean is refused for the mixing)
+    "a softmax over the batch's losses, summed": (
+        lambda m, x, y: batch_weighted(m, x, y, lambda w: w),
+        r"a value reduced over the replica's rows .* combined with the rows themselves"),
+    "weights from a softmax over the batch, not differentiated, summed": (
+        lambda m, x, y: batch_weighted(m, x, y, jax.lax.stop_gradient),
+        r"a value reduced over the replica's rows .* combined with the rows themselves"),
     "the log-determinant of the batch's covariance": (
         lambda m, x, y: jnp.linalg.slogdet(m(x).T @ m(x) / x.shape[0] + jnp.eye(8))[1],
         r"a value reduced over the replica's rows .* combined with the rows themselves"),
@@ -289,6 +302,23 @@ def test_on_one_replica_a_step_that_mixes_rows_equals_one_device(make_world, nam
     data = models.batches("linear", 2, 16)
     got = with_fleet(loss_fn, data, make_world, 1)
     assert models.max_diff(models.flat_params(got), one_device(loss_fn, data)) < 1e-6
+
+
+def test_a_returned_loss_weighted_by_a_softmax_over_the_batch_is_refused_for_the_mixing(
+        make_world):
+    """Summed and returned: refused for the rows it mixes, not as a summed loss
+    (whose suggested mean would be refused next)."""
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: batch_weighted(m, x, y, lambda w: w))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    make_world(4)
+    model = fleet.distributed_model(Encoder(nnx.Rngs(0, mixup=1)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match="the step combines different rows of its batch: "
+                                               "a value reduced over the replica's rows"):
+        fleet.distributed_step(step)(model, optimizer, *models.batches("linear", 1, 16)[0])
 
 
 #: Row-wise operations that look like the ones above

@@ -90,6 +90,11 @@ def _cannot(name: str, dtype: Any, why: str) -> FleetError:
     return FleetError(_CANNOT.format(name=name, dtype=dtype, why=why) + hint)
 
 
+class SummedLossError(FleetError):
+    """A loss summed over the batch, refused (here and by fleet.semantics._summed_loss):
+    a step whose rows are mixed as well is refused for that first (fleet.step._program)."""
+
+
 _SUMMED_LOSS = (
     "{name} is a sum over the batch rows of a value computed from the wrapped "
     "model's parameters: a loss summed over the batch (`((pred - y) ** 2).sum()`)? "
@@ -183,7 +188,7 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
         if got[1] == SUM and wrapped and np.issubdtype(dtype, np.inexact):
             tainted = differentiable(body) if tainted is None else tainted
             if id(a) in tainted:
-                raise FleetError(_SUMMED_LOSS.format(name=name, n=replicas))
+                raise SummedLossError(_SUMMED_LOSS.format(name=name, n=replicas))
         out.append(got[1])
     return out
 

@@ -10,11 +10,10 @@ import numpy as np
 from jax.extend.core import Literal
 
 from fleet import _compat
-from fleet._errors import FleetError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, Scope, is_varying_var, paired_eqns
 from fleet.semantics._metrics import METRIC_CALL
-from fleet.semantics._outputs import differentiable, shard_body
+from fleet.semantics._outputs import SummedLossError, differentiable, shard_body
 from fleet.semantics._outputs_walk import SUM, Walk
 
 _UNUSED_SUM = (
@@ -79,4 +78,4 @@ def check_summed_loss(jaxpr: Any, reference: Any, replicas: int) -> None:
         tainted = differentiable(body) if tainted is None else tainted
         if id(a) in tainted:
             where = _compat.user_line(eqn) or "a line of the step"
-            raise FleetError(_UNUSED_SUM.format(where=where, n=replicas))
+            raise SummedLossError(_UNUSED_SUM.format(where=where, n=replicas))

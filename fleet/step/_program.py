@@ -38,6 +38,7 @@ from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
+from fleet.semantics._outputs import SummedLossError
 from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
@@ -149,8 +150,12 @@ class Program:
         check_per_example(plan, self.graph, jaxpr, batch, trees, reference)
         check_written(plan, record, jaxpr)  # (state from the batch: before what counts it)
         scaled = _first_trace.scaled_reference(plan, reference, probe_body, args, specs)
-        resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
-        resolve_metrics(plan, record, jaxpr, scaled)
+        try:
+            resolve_scalars(plan, record, self.graph, jaxpr, reference, scaled)
+            resolve_metrics(plan, record, jaxpr, scaled)
+        except SummedLossError:  # rows mixed too (a softmax over the batch): no reduction mends that
+            check_row_mixing(plan, self.graph, jaxpr, args, reference)
+            raise
         check_row_mixing(plan, self.graph, jaxpr, args, reference)  # (after the outputs' own refusals)
         check_gradients(plan, record, self.graph, jaxpr, trees)
         check_row_count(plan, jaxpr, reference, undeclared)  # (after the others' refusals)
