@@ -32,6 +32,11 @@ class FleetAttributeError(FleetError, AttributeError):
     """An unknown field name (``hasattr`` still answers ``False``)."""
 
 
+class SummedLossError(FleetError):
+    """A loss summed over the batch rows, refused (fleet.semantics): a step whose rows
+    are mixed as well is refused for that first (fleet.step._program)."""
+
+
 class FleetWarning(UserWarning):
     """A warning from fleet (tests turn these into errors)."""
 

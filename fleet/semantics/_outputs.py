@@ -57,7 +57,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal, jaxprs_in_params
 
-from fleet._errors import FleetError
+from fleet._errors import FleetError, SummedLossError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.comm._synced import raw_read_hint
 from fleet.runtime._world import current_strategy
@@ -88,11 +88,6 @@ def _cannot(name: str, dtype: Any, why: str) -> FleetError:
     value differing across replicas may come from besides the batch."""
     hint = _STAGE3 if _stage3.active(current_strategy()) else ""
     return FleetError(_CANNOT.format(name=name, dtype=dtype, why=why) + hint)
-
-
-class SummedLossError(FleetError):
-    """A loss summed over the batch, refused (here and by fleet.semantics._summed_loss):
-    a step whose rows are mixed as well is refused for that first (fleet.step._program)."""
 
 
 _SUMMED_LOSS = (

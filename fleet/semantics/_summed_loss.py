@@ -10,10 +10,11 @@ import numpy as np
 from jax.extend.core import Literal
 
 from fleet import _compat
+from fleet._errors import SummedLossError
 from fleet.comm._sync import FLEET_CALLS
 from fleet.semantics._jaxpr_scope import CALLS, Scope, is_varying_var, paired_eqns
 from fleet.semantics._metrics import METRIC_CALL
-from fleet.semantics._outputs import SummedLossError, differentiable, shard_body
+from fleet.semantics._outputs import differentiable, shard_body
 from fleet.semantics._outputs_walk import SUM, Walk
 
 _UNUSED_SUM = (

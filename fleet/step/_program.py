@@ -32,13 +32,12 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from fleet._errors import FleetError
+from fleet._errors import FleetError, SummedLossError
 from fleet.comm import _sync, _trace
 from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
-from fleet.semantics._outputs import SummedLossError
 from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
