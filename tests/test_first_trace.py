@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import fleet
+from fleet.step import _jitted
 from tests import models
 
 TOL = 1e-5
@@ -163,24 +164,74 @@ def compile_threads():
     return [t for t in threading.enumerate() if t.name == "fleet-compile"]
 
 
-def test_a_refusal_by_the_guards_waits_for_the_compilation_and_donates_nothing(make_world):
-    # The guards refuse a loss summed over the batch while XLA compiles: the error
-    # is the guards', no compiling thread is left, and the state was not donated.
+def test_a_refusal_by_the_guards_does_not_wait_for_the_compilation_and_donates_nothing(
+        make_world, monkeypatch):
+    # The guards refuse a loss summed over the batch while XLA compiles: the error is
+    # raised at once (XLA is held here until it was), the compilation ends in the
+    # background, joined at exit, and the state was not donated.
     make_world(4)
     x, y = models.batches("linear", 1, 8)[0]
     model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     before = models.flat_params(model)
+    refused, compile_ = threading.Event(), jax.stages.Lowered.compile
+
+    def held(self, *args, **kwargs):
+        refused.wait(timeout=20)
+        return compile_(self, *args, **kwargs)
 
     def train(model, optimizer, x, y):
         loss, grads = nnx.value_and_grad(lambda m: ((m(x) - y) ** 2).sum())(model)
         optimizer.update(model, grads)
         return loss
 
+    monkeypatch.setattr(jax.stages.Lowered, "compile", held)
     with pytest.raises(fleet.FleetError, match="summed over the batch"):
         fleet.distributed_step(train)(model, optimizer, x, y)
-    assert compile_threads() == []
+    compiling = compile_threads()
+    assert len(compiling) == 1 and not refused.is_set()  # (on its way still)
+    assert compiling[0] in _jitted._ABANDONED  # (joined at exit)
+    refused.set()
+    compiling[0].join()
     assert models.max_diff(models.flat_params(model), before) == 0
+
+
+class DeepNet(nnx.Module):
+    """Residual layers in a Python loop: a chain of thousands of values in the trace."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(layers)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = 0.1 * jnp.tanh(layer(x)) + x
+        return x
+
+
+def test_a_deep_model_is_checked_and_trains_as_on_one_device(make_world):
+    # (the checks followed the chain by recursion: RecursionError from 50 layers)
+    rs = np.random.RandomState(0)
+    data = [(rs.randn(8, 4).astype(np.float32), rs.randn(8, 4).astype(np.float32))
+            for _ in range(2)]
+
+    def train(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def run(model, step):
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        if step is not nnx.jit:
+            optimizer = fleet.distributed_optimizer(optimizer)
+        losses = [float(step(train)(model, optimizer, x, y)) for x, y in data]
+        return losses, models.flat_params(model)
+
+    ref_losses, ref_params = run(DeepNet(nnx.Rngs(0), 100), nnx.jit)
+    make_world(4)
+    losses, params = run(fleet.distributed_model(DeepNet(nnx.Rngs(0), 100)),
+                         fleet.distributed_step)
+    np.testing.assert_allclose(losses, ref_losses, atol=TOL)
+    assert models.max_diff(params, ref_params) < TOL
 
 
 def test_a_failed_compilation_is_raised_by_the_call(make_world, monkeypatch):

@@ -162,13 +162,35 @@ class ReplicaConstant:
     def __init__(self):
         self.memo: dict = {}
 
-    def __call__(self, v: Any, s: Scope, depth: int = 0) -> bool:
-        key = (id(v), id(s))
-        if key not in self.memo:
-            self.memo[key] = depth <= 400 and self._constant(v, s, depth)
-        return self.memo[key]
+    def __call__(self, v: Any, s: Scope) -> bool:
+        """Whether ``v`` (of scope ``s``) is; each value looked at once, without
+        recursion (a deep model's chain of values is thousands long)."""
+        todo = [(v, s)]
+        while todo:
+            v, s = todo[-1]
+            key = (id(v), id(s))
+            if key in self.memo:
+                todo.pop()
+                continue
+            got = self._look(v, s)
+            if isinstance(got, bool):
+                self.memo[key] = got
+                todo.pop()
+                continue
+            known = [self.memo.get((id(x), id(xs))) for x, xs in got]
+            if False in known:
+                self.memo[key] = False
+            elif None not in known:
+                self.memo[key] = True
+            else:  # (looked at again once they are known)
+                todo.extend(d for d, k in zip(got, known) if k is None)
+                continue
+            todo.pop()
+        return self.memo[(id(v), id(s))]
 
-    def _constant(self, v: Any, s: Scope, depth: int) -> bool:
+    def _look(self, v: Any, s: Scope) -> bool | list:
+        """Whether ``v`` is, when that is known from itself; else the values it is
+        one of exactly when all of them are (``(value, scope)`` pairs)."""
         if isinstance(v, Literal) or id(v) in s.consts or not is_varying_var(v):
             return True  # (typed invariant: the same on every replica, check_vma=True)
         if id(v) in s.inputs:
@@ -177,19 +199,19 @@ class ReplicaConstant:
             if s.parent is None or s.inputs[id(v)] in s.carry:
                 return False
             invars, outer = s.parent
-            return self(invars[s.inputs[id(v)]], outer, depth + 1)
+            return [(invars[s.inputs[id(v)]], outer)]
         eqn = s.producer.get(id(v))
         if eqn is None:
             return False
         got = s.scan_body(eqn) if eqn.primitive.name == "scan" else s.inner(eqn)
         if got is not None:  # a call or a scan (nnx.scan over layers): its output, inside
             scope, inner = got
-            return self(inner.outvars[eqn.outvars.index(v)], scope, depth + 1)
+            return [(inner.outvars[eqn.outvars.index(v)], scope)]
         if any(True for _ in jaxprs_in_params(eqn.params)):
             return False  # a loop, a branch, another shard_map: not followed
         if not eqn.invars:
             return False  # (varying from nothing: axis_index)
-        return all(self(x, s, depth + 1) for x in eqn.invars)
+        return [(x, s) for x in eqn.invars]
 
 
 #: ``fleet.all_reduce``'s 'avg' and 'sum' inside a step (fleet.comm._sync's named calls)
