@@ -13,6 +13,7 @@ one more try.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -94,10 +95,10 @@ def first_program(program: Program, plan: Plan, args: tuple) -> Callable:
     one on the decisions it assumes (``Program.speculate``); it is lowered, and
     XLA compiles it in a thread (the compilation releases the GIL) while this
     thread traces the one-device reference and runs the guards
-    (``Program.settle``), whose errors are raised as before, once the thread
-    ended. Nothing runs before they passed (the state is donated). When the
-    guards decided otherwise than the probe assumed, the compiled program is
-    dropped and a new ``jit`` traces the real one."""
+    (``Program.settle``). Their refusal is raised at once, and the compilation
+    ends in the background; nothing runs before they passed (the state is
+    donated). When the guards decided otherwise than the probe assumed, the
+    compiled program is dropped and a new ``jit`` traces the real one."""
     speculated = jitted(program, plan)
     program.speculating = plan
     try:
@@ -110,8 +111,10 @@ def first_program(program: Program, plan: Plan, args: tuple) -> Callable:
     compiling = _Compiling(lowered)
     try:
         kept = program.settle(plan)
-    finally:
-        compiling.thread.join()
+    except BaseException:
+        compiling.abandon()  # (a refusal is raised now, not after XLA's compilation)
+        raise
+    compiling.thread.join()
     if not kept:
         return jitted(program, plan)
     if compiling.error is not None:
@@ -135,3 +138,21 @@ class _Compiling:
             lowered.compile()
         except BaseException as e:  # noqa: BLE001 (raised by the calling thread)
             self.error = e
+
+    def abandon(self) -> None:
+        """The program is not wanted: its compilation ends in the background, and the
+        interpreter waits for it at exit (a daemon thread still inside XLA while the
+        interpreter is torn down may crash it)."""
+        if not _ABANDONED:
+            atexit.register(_join_abandoned)
+        _ABANDONED.difference_update([t for t in _ABANDONED if not t.is_alive()])
+        _ABANDONED.add(self.thread)
+
+
+#: compilations whose programs were refused, still running
+_ABANDONED: set[threading.Thread] = set()
+
+
+def _join_abandoned() -> None:
+    while _ABANDONED:
+        _ABANDONED.pop().join()
