@@ -86,6 +86,33 @@ def test_a_penalty_from_the_read_parameters_trains_as_on_one_device(make_world, 
     assert_replicated_state_equal((model, optimizer))  # (what is not split: every device)
 
 
+class Wide(nnx.Module):
+    """200 small layers side by side: a penalty of 400 parameters is a chain of 400 sums."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(10, 1, rngs=rngs) for _ in range(200)])
+
+    def __call__(self, x):
+        return sum(layer(x) for layer in self.layers) / len(self.layers)
+
+
+@tiers.slow  # (9 s: tracing 400 parameters' ops twice)
+def test_a_penalty_of_hundreds_of_parameters_trains_as_on_one_device(make_world):
+    # (the walk that compares the term in both traces recursed: RecursionError)
+    data = models.batches("linear", 2, 16)
+    ref = Wide(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    want = [float(nnx.jit(penalised_step(read=True))(ref, ref_opt, x, y[:, :1]))
+            for x, y in data]
+    make_world(4)
+    model = fleet.distributed_model(Wide(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    step = fleet.distributed_step(penalised_step(read=True))
+    got = [float(step(model, optimizer, x, y[:, :1])) for x, y in data]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert models.max_diff(models.flat_params(model), models.flat_params(ref)) < 1e-6
+
+
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("penalty", [False, True], ids=["sum", "sum + penalty"])
 def test_a_summed_loss_is_refused_with_or_without_a_penalty(make_world, stage, penalty):

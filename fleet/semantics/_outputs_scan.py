@@ -25,7 +25,7 @@ def _bodies(ea: Any, sa: Scope, eb: Any, sb: Scope) -> tuple[list, list]:
     return scopes, inner
 
 
-def same_carry(walk: Any, ea: Any, sa: Scope, eb: Any, sb: Scope, i: int, depth: int) -> bool:
+def same_carry(walk: Any, ea: Any, sa: Scope, eb: Any, sb: Scope, i: int) -> bool:
     """Whether a ``scan``'s output ``i`` is computed alike in both traces: for a
     carry, the same number of iterations and the same update from the same
     initial value (a count of rows added each iteration differs; an RNG count
@@ -36,7 +36,7 @@ def same_carry(walk: Any, ea: Any, sa: Scope, eb: Any, sb: Scope, i: int, depth:
     if shape[0] != shape[1]:
         return False
     scopes, inner = _bodies(ea, sa, eb, sb)
-    return walk.same(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1], depth + 1)
+    return walk.same(inner[0].outvars[i], scopes[0], inner[1].outvars[i], scopes[1])
 
 
 def scan_kind(walk: Any, ea: Any, sa: Scope, eb: Any, sb: Scope, i: int, depth: int) -> Any:

@@ -115,14 +115,36 @@ class Walk:
             return args[0] if len(args) == 1 else None
         return ops[name](*args) if name in ops and len(args) in (1, 2) else None
 
-    def same(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> bool:
-        """Whether two invariant values are computed alike from the same inputs."""
-        key = (id(a), id(b))
-        if key not in self.same_memo:
-            self.same_memo[key] = depth <= _DEPTH and self._same(a, sa, b, sb, depth)
-        return self.same_memo[key]
+    def same(self, a: Any, sa: Scope, b: Any, sb: Scope) -> bool:
+        """Whether two invariant values are computed alike from the same inputs; each
+        pair looked at once, without recursion (an L2 penalty of a deep model's
+        parameters is a chain of hundreds of sums)."""
+        todo = [(a, sa, b, sb)]
+        while todo:
+            a, sa, b, sb = todo[-1]
+            key = (id(a), id(b))
+            if key in self.same_memo:
+                todo.pop()
+                continue
+            got = self._same(a, sa, b, sb)
+            if isinstance(got, bool):
+                self.same_memo[key] = got
+                todo.pop()
+                continue
+            known = [self.same_memo.get((id(x), id(y))) for x, _, y, _ in got]
+            if False in known:
+                self.same_memo[key] = False
+            elif None not in known:
+                self.same_memo[key] = True
+            else:  # (looked at again once they are known)
+                todo.extend(p for p, k in zip(got, known) if k is None)
+                continue
+            todo.pop()
+        return self.same_memo[(id(a), id(b))]
 
-    def _same(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int) -> bool:
+    def _same(self, a: Any, sa: Scope, b: Any, sb: Scope) -> bool | list:
+        """Whether ``a`` and ``b`` are alike, when that is known from them; else the
+        pairs ``(x, sx, y, sy)`` they are alike exactly when all of them are."""
         if isinstance(a, Literal) or isinstance(b, Literal):
             return (isinstance(a, Literal) and isinstance(b, Literal)
                     and np.array_equal(np.asarray(a.val), np.asarray(b.val)))
@@ -132,8 +154,8 @@ class Walk:
             if sa.parent is None or sb.parent is None:  # the body's own inputs: the state
                 return (sa.parent is None and sb.parent is None
                         and sa.inputs[id(a)] == sb.inputs[id(b)])
-            return self.same(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
-                             sb.parent[0][sb.inputs[id(b)]], sb.parent[1], depth + 1)
+            return [(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
+                     sb.parent[0][sb.inputs[id(b)]], sb.parent[1])]
         ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
         if self.global_calls and ea is not None and eb is not None and (
                 gathered := gathered_rows(ea, sa, eb, sb)):
@@ -146,7 +168,7 @@ class Walk:
         if ea.outvars.index(a) != eb.outvars.index(b):
             return False
         if self.global_calls and ea.primitive.name == "scan":
-            return same_carry(self, ea, sa, eb, sb, ea.outvars.index(a), depth)
+            return same_carry(self, ea, sa, eb, sb, ea.outvars.index(a))
         if self.global_calls and ea.primitive.name in ("while", "cond"):
             return True  # (not compared, so never refused on its account)
         if self.global_calls and (
@@ -155,7 +177,7 @@ class Walk:
                 or any(map(is_varying_var, ea.invars)) and not any(map(is_varying_var, ea.outvars))
                 and any(map(is_varying_var, eb.invars))):
             return True  # a reduction over the replicas: the global value in both traces
-        return all(self.same(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars))
+        return [(x, sa, y, sb) for x, y in zip(ea.invars, eb.invars)]
 
     def kind(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> tuple | None:
         if depth > _DEPTH:
