@@ -365,3 +365,38 @@ def test_summed_loss_given_to_a_metric_is_refused(make_world, n):
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(fleet.FleetError, match=r"test_outputs\.py:\d+ is differentiated"):
         fleet.distributed_step(step)(model, opt, nnx.metrics.Average("loss"), x, y)
+
+
+@tiers.slow  # (14 s cold: 410 terms traced and compiled)
+def test_a_loss_of_hundreds_of_terms_is_a_mean_as_on_one_device(make_world):
+    """A loss summed term by term in a Python loop (each time step's error, a deep
+    model's per-layer terms): a chain of 410 additions. Each term is a mean over
+    the rows, so the loss is one. (Followed by recursion, at most 400 deep: refused
+    as "too deep to follow".)"""
+    steps = 410
+    rs = np.random.RandomState(0)
+    data = [(rs.randn(8, 10).astype(np.float32), rs.randn(8, steps).astype(np.float32))
+            for _ in range(2)]
+
+    def step(model, optimizer, x, y):
+        def loss_fn(m):
+            error = (m(x) - y) ** 2
+            return sum(jnp.mean(error[:, t]) for t in range(steps)) / steps
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def run(model, wrap):
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        if wrap is not nnx.jit:
+            optimizer = fleet.distributed_optimizer(optimizer)
+        losses = [float(wrap(step)(model, optimizer, x, y)) for x, y in data]
+        return losses, models.flat_params(model)
+
+    want, ref_params = run(nnx.Linear(10, 1, rngs=nnx.Rngs(0)), nnx.jit)
+    make_world(4)
+    got, params = run(fleet.distributed_model(nnx.Linear(10, 1, rngs=nnx.Rngs(0))),
+                      fleet.distributed_step)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert models.max_diff(params, ref_params) < 1e-6

@@ -6,7 +6,7 @@ for the rules; this module applies them op by op (:class:`Walk`)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax.extend.core import Literal
@@ -20,8 +20,8 @@ from fleet.semantics._jaxpr_scope import (
     is_varying_var,
     uses_all_reduce,
 )
-from fleet.semantics._outputs_scan import NOT_STACKED, same_carry, scan_kind, stacked_kind
-from fleet.semantics._rows_alike import alike_rows, gathered_rows
+from fleet.semantics._outputs_same import same
+from fleet.semantics._outputs_scan import NOT_STACKED, scan_kind, stacked_kind
 
 MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 _FLIP = {MAX: MIN, MIN: MAX, MEAN: MEAN, SUM: SUM}
@@ -45,6 +45,15 @@ _OVER_REPLICAS = {
     "fleet_psum": {("k", SUM): ("c", None), ("up",): ("c", None), ("k", MEAN): ("down",),
                    ("c",): ("down",)},
 }
+
+
+class _Made(NamedTuple):
+    """A value and its reference, with the equations that made them (:meth:`Walk._leaf`)."""
+    a: Any
+    ea: Any
+    sa: Scope
+    eb: Any
+    sb: Scope
 
 
 class Walk:
@@ -116,70 +125,17 @@ class Walk:
         return ops[name](*args) if name in ops and len(args) in (1, 2) else None
 
     def same(self, a: Any, sa: Scope, b: Any, sb: Scope) -> bool:
-        """Whether two invariant values are computed alike from the same inputs; each
-        pair looked at once, without recursion (an L2 penalty of a deep model's
-        parameters is a chain of hundreds of sums)."""
-        todo = [(a, sa, b, sb)]
-        while todo:
-            a, sa, b, sb = todo[-1]
-            key = (id(a), id(b))
-            if key in self.same_memo:
-                todo.pop()
-                continue
-            got = self._same(a, sa, b, sb)
-            if isinstance(got, bool):
-                self.same_memo[key] = got
-                todo.pop()
-                continue
-            known = [self.same_memo.get((id(x), id(y))) for x, _, y, _ in got]
-            if False in known:
-                self.same_memo[key] = False
-            elif None not in known:
-                self.same_memo[key] = True
-            else:  # (looked at again once they are known)
-                todo.extend(p for p, k in zip(got, known) if k is None)
-                continue
-            todo.pop()
-        return self.same_memo[(id(a), id(b))]
-
-    def _same(self, a: Any, sa: Scope, b: Any, sb: Scope) -> bool | list:
-        """Whether ``a`` and ``b`` are alike, when that is known from them; else the
-        pairs ``(x, sx, y, sy)`` they are alike exactly when all of them are."""
-        if isinstance(a, Literal) or isinstance(b, Literal):
-            return (isinstance(a, Literal) and isinstance(b, Literal)
-                    and np.array_equal(np.asarray(a.val), np.asarray(b.val)))
-        if id(a) in sa.inputs or id(b) in sb.inputs:
-            if id(a) not in sa.inputs or id(b) not in sb.inputs:
-                return False
-            if sa.parent is None or sb.parent is None:  # the body's own inputs: the state
-                return (sa.parent is None and sb.parent is None
-                        and sa.inputs[id(a)] == sb.inputs[id(b)])
-            return [(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
-                     sb.parent[0][sb.inputs[id(b)]], sb.parent[1])]
-        ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
-        if self.global_calls and ea is not None and eb is not None and (
-                gathered := gathered_rows(ea, sa, eb, sb)):
-            alike = alike_rows(self, *gathered)  # (every replica's rows: a MoCo queue's keys)
-            self.gathered_unlike = self.gathered_unlike or not alike
-            return alike
-        if ea is None or eb is None or ea.primitive != eb.primitive or len(ea.invars) != len(
-                eb.invars) or a.aval.shape != b.aval.shape:
-            return False
-        if ea.outvars.index(a) != eb.outvars.index(b):
-            return False
-        if self.global_calls and ea.primitive.name == "scan":
-            return same_carry(self, ea, sa, eb, sb, ea.outvars.index(a))
-        if self.global_calls and ea.primitive.name in ("while", "cond"):
-            return True  # (not compared, so never refused on its account)
-        if self.global_calls and (
-                ea.params.get("name") in self.global_calls
-                and eb.params.get("name") == ea.params.get("name")
-                or any(map(is_varying_var, ea.invars)) and not any(map(is_varying_var, ea.outvars))
-                and any(map(is_varying_var, eb.invars))):
-            return True  # a reduction over the replicas: the global value in both traces
-        return [(x, sa, y, sb) for x, y in zip(ea.invars, eb.invars)]
+        """Whether two invariant values are computed alike from the same inputs
+        (:func:`fleet.semantics._outputs_same.same`)."""
+        return same(self, a, sa, b, sb)
 
     def kind(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int = 0) -> tuple | None:
+        got = self._leaf(a, sa, b, sb, depth)
+        return self._made(*got, depth) if isinstance(got, _Made) else got
+
+    def _leaf(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int) -> tuple | None:
+        """:meth:`kind`, where it is known before the equations that made ``a`` and
+        ``b`` are looked into; else those (:class:`_Made`)."""
         if depth > _DEPTH:
             return self.fail("too deep to follow")
         if (id(a), id(sa)) in self.carries:  # a scan's carry, as the loop leaves it so far
@@ -222,7 +178,13 @@ class Walk:
         if (ea is None or eb is None or ea.primitive != eb.primitive
                 or len(ea.invars) != len(eb.invars) or ea.outvars.index(a) != eb.outvars.index(b)):
             return self.fail("the step computes it differently for other batch sizes")
+        return _Made(a, ea, sa, eb, sb)
+
+    def _made(self, a: Any, ea: Any, sa: Scope, eb: Any, sb: Scope, depth: int) -> tuple | None:
+        """:meth:`kind` of ``a`` (and its reference), from the equations that made them."""
         name = ea.primitive.name
+        if name in ("add", "sub"):
+            return self._terms(ea, sa, eb, sb, depth)
         if name == "scan":
             return scan_kind(self, ea, sa, eb, sb, ea.outvars.index(a), depth)
         if name in CALLS:
@@ -239,6 +201,23 @@ class Walk:
         if any(r is None for r in args):
             return None
         return self._op(name, ea, args)
+
+    def _terms(self, ea: Any, sa: Scope, eb: Any, sb: Scope, depth: int) -> tuple | None:
+        """An ``add`` or ``sub`` whose first operand may be one too, and so on (Python's
+        ``sum`` of a deep model's per-layer terms): that chain followed in a loop, each
+        term as deep as the first, in :meth:`kind`'s order."""
+        chain = [(ea, eb)]
+        while True:
+            first = self._leaf(chain[-1][0].invars[0], sa, chain[-1][1].invars[0], sb, depth + 1)
+            if not (isinstance(first, _Made) and first.ea.primitive.name in ("add", "sub")):
+                break
+            chain.append((first.ea, first.eb))
+        got = self._made(*first, depth + 1) if isinstance(first, _Made) else first
+        for ea, eb in reversed(chain):
+            second = self.kind(ea.invars[1], sa, eb.invars[1], sb, depth + 1)
+            got = None if got is None or second is None else self._op(ea.primitive.name, ea,
+                                                                       [got, second])
+        return got
 
     def _over_replicas(self, ra: tuple | None, rb: tuple | None, depth: int) -> tuple | None:
         """The value of ``fleet.all_reduce(x, 'avg' or 'sum')`` in both traces
