@@ -3,6 +3,8 @@ probe, whose program is the real one: fleet.step._first_trace), a repeated call
 with the same shapes not at all, a call with new shapes at most twice again; and
 every result is the single-device step's."""
 
+import subprocess
+import sys
 import threading
 
 import jax
@@ -14,7 +16,7 @@ from flax import nnx
 
 import fleet
 from fleet.step import _jitted
-from tests import models
+from tests import jobs, models, tiers
 
 TOL = 1e-5
 
@@ -194,6 +196,50 @@ def test_a_refusal_by_the_guards_does_not_wait_for_the_compilation_and_donates_n
     refused.set()
     compiling[0].join()
     assert models.max_diff(models.flat_params(model), before) == 0
+
+
+REFUSED_AT_EXIT = """
+import sys, time
+import jax, numpy as np, optax
+from flax import nnx
+import fleet
+
+compile_ = jax.stages.Lowered.compile
+
+def slow(self, *args, **kwargs):  # (XLA compiling a large model)
+    time.sleep(3)
+    out = compile_(self, *args, **kwargs)
+    print("compiled", file=sys.stderr, flush=True)
+    return out
+
+jax.stages.Lowered.compile = slow
+fleet.init(is_collective=True)
+model = fleet.distributed_model(nnx.Linear(4, 1, rngs=nnx.Rngs(0)))
+optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+
+@fleet.distributed_step
+def train(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).sum())(model)
+    optimizer.update(model, grads)
+    return loss
+
+train(model, optimizer, np.ones((8, 4), np.float32))
+"""
+
+
+@tiers.slow
+def test_a_script_ended_by_a_refusal_exits_after_the_compilation(tmp_path):
+    """The refusal ends the script while XLA still compiles (held 3 s here): the
+    interpreter waits for it at exit, then exits with the error, not a crash."""
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED_AT_EXIT)
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env=jobs.clean_environ(
+                             XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+    assert run.returncode == 1, run.stderr
+    refusal = run.stderr.index("SummedLossError: the output is a sum over the batch rows")
+    assert run.stderr.index("compiled") > refusal  # (the error first, then the wait)
+    assert "Fatal Python error" not in run.stderr
 
 
 class DeepNet(nnx.Module):

@@ -14,6 +14,7 @@ one more try.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -143,14 +144,18 @@ class _Compiling:
         """The program is not wanted: its compilation ends in the background, and the
         interpreter waits for it at exit (a daemon thread still inside XLA while the
         interpreter is torn down may crash it)."""
-        if not _ABANDONED:
-            atexit.register(_join_abandoned)
+        _join_abandoned_at_exit()
         _ABANDONED.difference_update([t for t in _ABANDONED if not t.is_alive()])
         _ABANDONED.add(self.thread)
 
 
 #: compilations whose programs were refused, still running
 _ABANDONED: set[threading.Thread] = set()
+
+
+@functools.cache  # (registered once, at the first refusal: importing fleet registers nothing)
+def _join_abandoned_at_exit() -> None:
+    atexit.register(_join_abandoned)
 
 
 def _join_abandoned() -> None:
