@@ -129,6 +129,21 @@ def nnx_reference(kind: str, data, tx=None):
     return losses, flat_params(model)
 
 
+def one_device_and_fleet(make_model, step, data, make_world, n: int = 4):
+    """``step(model, optimizer, x, y)`` over ``data`` (SGD) on one device (``nnx.jit``),
+    then with fleet on ``n`` devices, each from ``make_model()``: ``(losses,
+    parameters)`` of each."""
+    def run(model, wrap, distributed: bool):
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        if distributed:
+            optimizer = fleet.distributed_optimizer(optimizer)
+        return [float(wrap(step)(model, optimizer, x, y)) for x, y in data], flat_params(model)
+
+    want = run(make_model(), nnx.jit, False)
+    make_world(n)
+    return want, run(fleet.distributed_model(make_model()), fleet.distributed_step, True)
+
+
 def linen_init(kind: str, data):
     return LINEN_MODELS[kind]().init(jax.random.key(0), data[0][0][:1])
 

@@ -265,17 +265,8 @@ def test_a_deep_model_is_checked_and_trains_as_on_one_device(make_world):
         optimizer.update(model, grads)
         return loss
 
-    def run(model, step):
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        if step is not nnx.jit:
-            optimizer = fleet.distributed_optimizer(optimizer)
-        losses = [float(step(train)(model, optimizer, x, y)) for x, y in data]
-        return losses, models.flat_params(model)
-
-    ref_losses, ref_params = run(DeepNet(nnx.Rngs(0), 100), nnx.jit)
-    make_world(4)
-    losses, params = run(fleet.distributed_model(DeepNet(nnx.Rngs(0), 100)),
-                         fleet.distributed_step)
+    (ref_losses, ref_params), (losses, params) = models.one_device_and_fleet(
+        lambda: DeepNet(nnx.Rngs(0), 100), train, data, make_world)
     np.testing.assert_allclose(losses, ref_losses, atol=TOL)
     assert models.max_diff(params, ref_params) < TOL
 

@@ -387,16 +387,7 @@ def test_a_loss_of_hundreds_of_terms_is_a_mean_as_on_one_device(make_world):
         optimizer.update(model, grads)
         return loss
 
-    def run(model, wrap):
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        if wrap is not nnx.jit:
-            optimizer = fleet.distributed_optimizer(optimizer)
-        losses = [float(wrap(step)(model, optimizer, x, y)) for x, y in data]
-        return losses, models.flat_params(model)
-
-    want, ref_params = run(nnx.Linear(10, 1, rngs=nnx.Rngs(0)), nnx.jit)
-    make_world(4)
-    got, params = run(fleet.distributed_model(nnx.Linear(10, 1, rngs=nnx.Rngs(0))),
-                      fleet.distributed_step)
+    (want, ref_params), (got, params) = models.one_device_and_fleet(
+        lambda: nnx.Linear(10, 1, rngs=nnx.Rngs(0)), step, data, make_world)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert models.max_diff(params, ref_params) < 1e-6

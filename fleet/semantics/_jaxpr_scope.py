@@ -7,6 +7,7 @@ nevertheless the same on every replica (:class:`ReplicaConstant`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -147,6 +148,29 @@ def _resync(a: list, b: list, i: int, j: int, window: int) -> tuple[int, int]:
     return 1, 1
 
 
+def all_of(first: tuple, key: Callable, look: Callable, memo: dict) -> bool:
+    """Whether ``first`` holds, where ``look(*item)`` says whether an item holds (a
+    bool) or gives the items it holds exactly when all of them do; each item's
+    answer kept in ``memo`` under ``key(item)``. A loop, not a recursion: a deep
+    model's chains of values are thousands long."""
+    todo = [first]
+    while todo:
+        k = key(todo[-1])
+        if k in memo:
+            todo.pop()
+            continue
+        got = look(*todo[-1])
+        if not isinstance(got, bool):
+            known = [memo.get(key(item)) for item in got]
+            if None in known and False not in known:  # (looked at again once they are)
+                todo.extend(item for item, answer in zip(got, known) if answer is None)
+                continue
+            got = False not in known
+        memo[k] = got
+        todo.pop()
+    return memo[key(first)]
+
+
 class ReplicaConstant:
     """Which values typed varying are the same on every replica: computed only
     from invariant inputs (the parameters, the replicated state), literals and
@@ -163,30 +187,8 @@ class ReplicaConstant:
         self.memo: dict = {}
 
     def __call__(self, v: Any, s: Scope) -> bool:
-        """Whether ``v`` (of scope ``s``) is; each value looked at once, without
-        recursion (a deep model's chain of values is thousands long)."""
-        todo = [(v, s)]
-        while todo:
-            v, s = todo[-1]
-            key = (id(v), id(s))
-            if key in self.memo:
-                todo.pop()
-                continue
-            got = self._look(v, s)
-            if isinstance(got, bool):
-                self.memo[key] = got
-                todo.pop()
-                continue
-            known = [self.memo.get((id(x), id(xs))) for x, xs in got]
-            if False in known:
-                self.memo[key] = False
-            elif None not in known:
-                self.memo[key] = True
-            else:  # (looked at again once they are known)
-                todo.extend(d for d, k in zip(got, known) if k is None)
-                continue
-            todo.pop()
-        return self.memo[(id(v), id(s))]
+        """Whether ``v`` (of scope ``s``) is (each value looked at once: :func:`all_of`)."""
+        return all_of((v, s), lambda p: (id(p[0]), id(p[1])), self._look, self.memo)
 
     def _look(self, v: Any, s: Scope) -> bool | list:
         """Whether ``v`` is, when that is known from itself; else the values it is

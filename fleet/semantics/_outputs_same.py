@@ -10,37 +10,17 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Literal
 
-from fleet.semantics._jaxpr_scope import Scope, is_varying_var
+from fleet.semantics._jaxpr_scope import Scope, all_of, is_varying_var
 from fleet.semantics._outputs_scan import same_carry
 from fleet.semantics._rows_alike import alike_rows, gathered_rows
 
 
 def same(walk: Any, a: Any, sa: Scope, b: Any, sb: Scope) -> bool:
-    """Whether two invariant values are computed alike from the same inputs; each
-    pair looked at once, without recursion (an L2 penalty of a deep model's
-    parameters is a chain of hundreds of sums)."""
-    todo = [(a, sa, b, sb)]
-    while todo:
-        a, sa, b, sb = todo[-1]
-        key = (id(a), id(b))
-        if key in walk.same_memo:
-            todo.pop()
-            continue
-        got = _same(walk, a, sa, b, sb)
-        if isinstance(got, bool):
-            walk.same_memo[key] = got
-            todo.pop()
-            continue
-        known = [walk.same_memo.get((id(x), id(y))) for x, _, y, _ in got]
-        if False in known:
-            walk.same_memo[key] = False
-        elif None not in known:
-            walk.same_memo[key] = True
-        else:  # (looked at again once they are known)
-            todo.extend(p for p, k in zip(got, known) if k is None)
-            continue
-        todo.pop()
-    return walk.same_memo[(id(a), id(b))]
+    """Whether two invariant values are computed alike from the same inputs (each
+    pair looked at once, in a loop: an L2 penalty of a deep model's parameters is a
+    chain of hundreds of sums)."""
+    return all_of((a, sa, b, sb), lambda p: (id(p[0]), id(p[2])),
+                  lambda *p: _same(walk, *p), walk.same_memo)
 
 
 def _same(walk: Any, a: Any, sa: Scope, b: Any, sb: Scope) -> bool | list:
