@@ -19,6 +19,8 @@ devices), and is now refused, naming fleet.all_gather.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,3 +259,32 @@ def test_a_queue_of_a_deep_residual_encoders_keys_is_checked_in_linear_time(make
                         models.flat_params(nnx.state(want, nnx.Any(nnx.Param, Queue))))
     assert d < 1e-6
     assert fleet.check_replicas(got) == []
+
+
+class DeepEncoder(nnx.Module):
+    """The encoder behind 100 residual layers: a chain of hundreds of values."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(10, 8, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(100)])
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = 0.1 * jnp.tanh(layer(h)) + h
+        return h / jnp.linalg.norm(h, axis=-1, keepdims=True)
+
+
+@tiers.slow  # (the deep encoders traced four times)
+def test_a_moco_queue_behind_a_deep_encoder_equals_one_device(make_world, monkeypatch):
+    # (the walk that follows the keys back to the batch recursed: RecursionError)
+    monkeypatch.setattr(sys.modules[__name__], "Encoder", DeepEncoder)
+    gathered = moco_step(lambda k: fleet.all_gather(k).reshape(-1, k.shape[-1]))
+    batches = data()
+    want_losses, want = moco(gathered, batches, wrap=False)
+    make_world(4)
+    got_losses, got = moco(gathered, batches, wrap=True)
+    d = models.max_diff(models.flat_params(nnx.state(got, nnx.Any(nnx.Param, Queue))),
+                        models.flat_params(nnx.state(want, nnx.Any(nnx.Param, Queue))))
+    assert d < 1e-6
+    assert got_losses == pytest.approx(want_losses, rel=1e-6)

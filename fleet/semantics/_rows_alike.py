@@ -27,7 +27,7 @@ from typing import Any
 
 from jax.extend.core import Literal
 
-from fleet.semantics._jaxpr_scope import CALLS, ELEMENTWISE
+from fleet.semantics._jaxpr_scope import CALLS, ELEMENTWISE, all_of
 
 GATHER = "fleet_all_gather"  # (fleet.comm._collective)
 _LAYOUT = frozenset(("reshape", "squeeze", "expand_dims"))
@@ -83,29 +83,30 @@ def _keeps_rows(eqn: Any, scaled: list) -> bool:
     return False
 
 
-def alike_rows(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int, depth: int = 0) -> bool:
+def alike_rows(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int) -> bool:
     """Whether ``a`` (the replica's) holds its rows of what ``b`` (the reference's,
     with ``n`` times the rows) holds for the global batch, each row's value its own.
-    Each pair is followed once (``walk.alike_memo``): a residual network's values
-    meet again and again on the way back."""
-    key = (id(a), id(b))
-    if key not in walk.alike_memo:
-        walk.alike_memo[key] = _alike(walk, a, sa, b, sb, n, depth)
-    return walk.alike_memo[key]
+    Each pair is followed once (``walk.alike_memo``: a residual network's values
+    meet again and again on the way back), in a loop (:func:`all_of`: a deep
+    encoder's chain is thousands long)."""
+    return all_of((a, sa, b, sb), lambda p: (id(p[0]), id(p[2])),
+                  lambda *p: _alike(walk, *p, n), walk.alike_memo)
 
 
-def _alike(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int, depth: int) -> bool:
+def _alike(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int) -> bool | list:
+    """Whether ``a`` and ``b`` are alike, when that is known from them; else the
+    pairs ``(x, sx, y, sy)`` they are alike exactly when all of them are."""
     if isinstance(a, Literal) or isinstance(b, Literal) or a.aval.shape == b.aval.shape:
         return walk.same(a, sa, b, sb)
-    if depth > 400 or not _scaled(a.aval.shape, b.aval.shape, n):
+    if not _scaled(a.aval.shape, b.aval.shape, n):
         return False
     if id(a) in sa.inputs or id(b) in sb.inputs:
         if id(a) not in sa.inputs or id(b) not in sb.inputs:
             return False
         if sa.parent is None or sb.parent is None:  # the body's inputs: the batch
             return sa.parent is sb.parent is None and sa.inputs[id(a)] == sb.inputs[id(b)]
-        return alike_rows(walk, sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
-                          sb.parent[0][sb.inputs[id(b)]], sb.parent[1], n, depth + 1)
+        return [(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
+                 sb.parent[0][sb.inputs[id(b)]], sb.parent[1])]
     ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
     if (ea is None or eb is None or ea.primitive != eb.primitive
             or len(ea.invars) != len(eb.invars) or ea.outvars.index(a) != eb.outvars.index(b)):
@@ -113,9 +114,8 @@ def _alike(walk: Any, a: Any, sa: Any, b: Any, sb: Any, n: int, depth: int) -> b
     k = ea.outvars.index(a)
     if ea.primitive.name in CALLS:
         ga, gb = sa.inner(ea), sb.inner(eb)
-        return (ga is not None and gb is not None and alike_rows(
-            walk, ga[1].outvars[k], ga[0], gb[1].outvars[k], gb[0], n, depth + 1))
+        return ga is not None and gb is not None and [
+            (ga[1].outvars[k], ga[0], gb[1].outvars[k], gb[0])]
     scaled = [not isinstance(x, Literal) and _scaled(x.aval.shape, y.aval.shape, n)
               for x, y in zip(ea.invars, eb.invars)]
-    return _keeps_rows(ea, scaled) and all(
-        alike_rows(walk, x, sa, y, sb, n, depth + 1) for x, y in zip(ea.invars, eb.invars))
+    return _keeps_rows(ea, scaled) and [(x, sa, y, sb) for x, y in zip(ea.invars, eb.invars)]
