@@ -132,12 +132,16 @@ def nnx_reference(kind: str, data, tx=None):
 def one_device_and_fleet(make_model, step, data, make_world, n: int = 4):
     """``step(model, optimizer, x, y)`` over ``data`` (SGD) on one device (``nnx.jit``),
     then with fleet on ``n`` devices, each from ``make_model()``: ``(losses,
-    parameters)`` of each."""
+    parameters)`` of each; fleet's model and optimizer asserted the same on every
+    device."""
     def run(model, wrap, distributed: bool):
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         if distributed:
             optimizer = fleet.distributed_optimizer(optimizer)
-        return [float(wrap(step)(model, optimizer, x, y)) for x, y in data], flat_params(model)
+        losses = [float(wrap(step)(model, optimizer, x, y)) for x, y in data]
+        if distributed:
+            assert fleet.check_replicas((model, optimizer)) == []
+        return losses, flat_params(model)
 
     want = run(make_model(), nnx.jit, False)
     make_world(n)

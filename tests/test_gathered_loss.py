@@ -19,8 +19,6 @@ devices), and is now refused, naming fleet.all_gather.
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,42 +198,35 @@ def test_a_moco_queue_of_gathered_keys_equals_one_device(make_world):
     (a count of the global rows) did not apply. The gathered keys are the global
     batch's, and the queue now equals one device's; keys that are not each row's
     own (centred on the replica's mean) or the replica's own are refused."""
-    got, want = gathered_keys_both_ways(make_world)
-    assert int(got.ptr[...]) == int(want.ptr[...]) == 48 % 32
-    assert np.abs(np.asarray(got.queue[...])).min(axis=1).max() > 0  # (filled)
-    assert fleet.check_replicas(got) == []
-    for enqueue, message in MOCO_REFUSED.values():
-        with pytest.raises(fleet.FleetError, match=message):
-            moco(moco_step(enqueue), data()[:1], wrap=True)
-
-
-def gathered_keys_both_ways(make_world):
-    """MoCo with every replica's keys enqueued, on one device and on 4 replicas:
-    their losses and their parameters and queues asserted equal; both models."""
     gathered = moco_step(lambda k: fleet.all_gather(k).reshape(-1, k.shape[-1]))
-    want_losses, want = moco(gathered, data(), wrap=False)
+    batches = data()
+    want_losses, want = moco(gathered, batches, wrap=False)
     make_world(4)
-    got_losses, got = moco(gathered, data(), wrap=True)
+    got_losses, got = moco(gathered, batches, wrap=True)
     d = models.max_diff(models.flat_params(nnx.state(got, nnx.Any(nnx.Param, Queue))),
                         models.flat_params(nnx.state(want, nnx.Any(nnx.Param, Queue))))
     print(f"MoCo on 4: |parameters and queue| {d:.1e}")
-    assert d < 1e-6
+    assert d < 1e-6 and int(got.ptr[...]) == int(want.ptr[...]) == 48 % 32
+    assert np.abs(np.asarray(got.queue[...])).min(axis=1).max() > 0  # (filled)
     assert got_losses == pytest.approx(want_losses, rel=1e-6)
-    return got, want
+    assert fleet.check_replicas(got) == []
+    for enqueue, message in MOCO_REFUSED.values():
+        with pytest.raises(fleet.FleetError, match=message):
+            moco(moco_step(enqueue), batches[:1], wrap=True)
 
 
 class Residual(nnx.Module):
     """A deep residual key encoder: each block's value meets the next twice."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, blocks: int = 40):
         self.inp = nnx.Linear(10, 8, rngs=rngs)
-        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(40)])
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(blocks)])
         self.queue = Queue(jnp.zeros((32, 8)))
 
     def __call__(self, x):
         h = self.inp(x)
         for block in self.blocks:
-            h = h + 0.1 * jnp.tanh(block(h))
+            h = 0.1 * jnp.tanh(block(h)) + h  # (the block first: the walk goes through it)
         return h
 
 
@@ -247,16 +238,18 @@ def residual_step(m, optimizer, x, y):
     return loss
 
 
-def test_a_queue_of_a_deep_residual_encoders_keys_is_checked_in_linear_time(make_world):
+# (100 blocks: the check recursed, RecursionError; it follows the values in a loop now)
+@pytest.mark.parametrize("blocks", [40, pytest.param(100, marks=tiers.slow)])
+def test_a_queue_of_a_deep_residual_encoders_keys_is_checked_in_linear_time(make_world, blocks):
     """The queue's check followed the two traces back along every path: 40
     residual blocks did not finish in a minute (2^40 paths). Each pair of values
     is followed once now."""
     batches = data()[:2]
-    want = Residual(nnx.Rngs(0))
+    want = Residual(nnx.Rngs(0), blocks)
     want_step = nnx.jit(residual_step)
     want_optimizer = nnx.Optimizer(want, optax.sgd(0.01), wrt=nnx.Param)
     make_world(4)
-    got = fleet.distributed_model(Residual(nnx.Rngs(0)))
+    got = fleet.distributed_model(Residual(nnx.Rngs(0), blocks))
     optimizer = fleet.distributed_optimizer(nnx.Optimizer(got, optax.sgd(0.01), wrt=nnx.Param))
     step = fleet.distributed_step(residual_step)
     for x, y in batches:
@@ -266,24 +259,3 @@ def test_a_queue_of_a_deep_residual_encoders_keys_is_checked_in_linear_time(make
                         models.flat_params(nnx.state(want, nnx.Any(nnx.Param, Queue))))
     assert d < 1e-6
     assert fleet.check_replicas(got) == []
-
-
-class DeepEncoder(nnx.Module):
-    """The encoder behind 100 residual layers: a chain of hundreds of values."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.inp = nnx.Linear(10, 8, rngs=rngs)
-        self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(100)])
-
-    def __call__(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-            h = 0.1 * jnp.tanh(layer(h)) + h
-        return h / jnp.linalg.norm(h, axis=-1, keepdims=True)
-
-
-@tiers.slow  # (the deep encoders traced four times)
-def test_a_moco_queue_behind_a_deep_encoder_equals_one_device(make_world, monkeypatch):
-    # (the walk that follows the keys back to the batch recursed: RecursionError)
-    monkeypatch.setattr(sys.modules[__name__], "Encoder", DeepEncoder)
-    gathered_keys_both_ways(make_world)

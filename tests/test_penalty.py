@@ -99,18 +99,11 @@ class Wide(nnx.Module):
 @tiers.slow  # (9 s: tracing 400 parameters' ops twice)
 def test_a_penalty_of_hundreds_of_parameters_trains_as_on_one_device(make_world):
     # (the walk that compares the term in both traces recursed: RecursionError)
-    data = models.batches("linear", 2, 16)
-    ref = Wide(nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-    want = [float(nnx.jit(penalised_step(read=True))(ref, ref_opt, x, y[:, :1]))
-            for x, y in data]
-    make_world(4)
-    model = fleet.distributed_model(Wide(nnx.Rngs(0)))
-    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
-    step = fleet.distributed_step(penalised_step(read=True))
-    got = [float(step(model, optimizer, x, y[:, :1])) for x, y in data]
+    data = [(x, y[:, :1]) for x, y in models.batches("linear", 2, 16)]
+    (want, ref_params), (got, params) = models.one_device_and_fleet(
+        lambda: Wide(nnx.Rngs(0)), penalised_step(read=True), data, make_world)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert models.max_diff(models.flat_params(model), models.flat_params(ref)) < 1e-6
+    assert models.max_diff(params, ref_params) < 1e-6
 
 
 @pytest.mark.parametrize("stage", STAGES)
