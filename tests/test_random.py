@@ -328,6 +328,59 @@ def test_a_draw_whose_leading_axis_only_happens_to_equal_the_rows_is_refused(mak
                                                            np.ones((BATCH, 3), np.float32))
 
 
+def test_an_optimizers_draw_whose_leading_axis_equals_the_rows_equals_one_device(make_world):
+    """optax.noisy_sgd draws its noise in the update, from a key its state holds, in
+    the parameters' shapes: a kernel of 8 inputs has a leading axis of 8, this
+    replica's rows (32 / 4) by chance. An optimizer's draw is never per example:
+    every replica draws the single-device noise (it was refused as ambiguous),
+    NNX's nnx.Optimizer and Linen's TrainState alike."""
+    batches = [(x @ np.ones((6, 8), np.float32) / 6, y) for x, y in data()]
+    tx = lambda: optax.noisy_sgd(0.1, key=3)  # noqa: E731
+
+    def linen_step(state, x, y):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    def linen_state_of(module):
+        params = module.init(jax.random.key(0), batches[0][0][:1])["params"]
+        return train_state.TrainState.create(apply_fn=module.apply, params=params, tx=tx())
+
+    model = nnx.Linear(8, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+    ref = nnx_run(nnx.jit(nnx_step), model, optimizer, batches)
+    state, step, ref_linen = linen_state_of(linen.Dense(3)), jax.jit(linen_step), []
+    for x, y in batches:
+        state, loss = step(state, x, y)
+        ref_linen.append(float(loss))
+    ref_state = state
+
+    make_world(4)
+    got_model = fleet.distributed_model(nnx.Linear(8, 3, rngs=nnx.Rngs(0)))
+    got_optimizer = fleet.distributed_optimizer(nnx.Optimizer(got_model, tx(), wrt=nnx.Param))
+    got = nnx_run(fleet.distributed_step(nnx_step), got_model, got_optimizer, batches)
+    state, step, got_linen = linen_state_of(fleet.distributed_model(linen.Dense(3))), (
+        fleet.distributed_step(linen_step)), []
+    for x, y in batches:
+        state, loss = step(state, x, y)
+        got_linen.append(float(loss))
+    diff = max_diff(nnx.state((model, optimizer)), nnx.state((got_model, got_optimizer)))
+    diff_linen = max_diff((ref_state.params, ref_state.opt_state),
+                          (state.params, state.opt_state))
+    print(f"NNX: losses {got} vs {ref}, state {diff:.2e}; Linen: losses {got_linen} vs "
+          f"{ref_linen}, state {diff_linen:.2e}")
+    np.testing.assert_allclose(got, ref, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(got_linen, ref_linen, rtol=TOL, atol=TOL)
+    assert diff < 1e-6 and diff_linen < 1e-6
+    key = got_optimizer.opt_state[0].rng_key[...]
+    assert jnp.result_type(key) == jnp.result_type(optimizer.opt_state[0].rng_key[...])
+    assert fleet.check_replicas((got_model, got_optimizer)) == []
+    assert fleet.check_replicas(state) == []
+
+
 class CallRngs(nnx.Module):
     """Dropout drawing from an ``nnx.Rngs`` passed at the call (Flax 0.12's
     ``Dropout(rate)(x, rngs=rngs)``), the Rngs a step argument."""

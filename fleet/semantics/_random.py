@@ -44,7 +44,9 @@ step that sets them against the rows in order is refused
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -139,6 +141,18 @@ def _add(a: tuple, b: tuple) -> tuple[jax.Array, jax.Array]:
     return a[0] + b[0] + (lo < a[1]).astype(jnp.uint32), lo
 
 
+@functools.cache
+def replicated_impl() -> Any:
+    """The PRNG implementation of the keys an optimizer's state holds inside a step:
+    threefry's seed, split, fold-in and bits, under a name of its own (its draws
+    are the single-device draws on every replica, and the guards of
+    ``fleet.semantics._random_guards`` know them by their key type)."""
+    fry = _compat.threefry()
+    return jex_random.define_prng_impl(
+        key_shape=fry.key_shape, seed=fry.seed, split=fry.split, fold_in=fry.fold_in,
+        random_bits=fry.random_bits, name="fleet_replicated", tag="fleet_repl")
+
+
 class Keys:
     """One trace's re-typed keys: :meth:`enter` at the step's entry, :meth:`leave`
     at its exit (state and outputs)."""
@@ -147,15 +161,25 @@ class Keys:
         self.impl = row_impl(rows) if rows else None
         self._entered: dict[int, tuple] = {}  # id(re-typed) -> (re-typed, original)
 
-    def enter(self, tree: Any) -> Any:
+    def enter(self, tree: Any, optimizer_held: Sequence[bool] | None = None) -> Any:
+        """``tree``'s threefry keys re-typed: those an optimizer's state holds (the
+        leaves of a flat list that ``optimizer_held`` flags, those under an
+        ``opt_state`` attribute of a pytree) as :func:`replicated_impl`'s, the
+        others as the rows' implementation's."""
         if self.impl is None:
             return tree
-        return jax.tree.map(self._enter_leaf, tree, is_leaf=_is_object)
+        if optimizer_held is not None:
+            return [self._enter_leaf(x, replicated_impl() if held else self.impl)
+                    for x, held in zip(tree, optimizer_held, strict=True)]
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: self._enter_leaf(x, replicated_impl() if any(
+                getattr(k, "name", None) == "opt_state" for k in path) else self.impl),
+            tree, is_leaf=_is_object)
 
-    def _enter_leaf(self, x: Any) -> Any:
+    def _enter_leaf(self, x: Any, impl: Any) -> Any:
         if not (isinstance(x, jax.Array) and is_key(x) and jnp.result_type(x) == threefry_dtype()):
             return x
-        typed = jax.random.wrap_key_data(jax.random.key_data(x), impl=self.impl)
+        typed = jax.random.wrap_key_data(jax.random.key_data(x), impl=impl)
         self._entered[id(typed)] = (typed, x)
         return typed
 
@@ -165,7 +189,8 @@ class Keys:
         return jax.tree.map(self._leave_leaf, tree, is_leaf=_is_object)
 
     def _leave_leaf(self, x: Any) -> Any:
-        if not (isinstance(x, jax.Array) and is_key(x)) or jnp.result_type(x) != key_dtype(self.impl):
+        if not (isinstance(x, jax.Array) and is_key(x)) or jnp.result_type(x) not in (
+                key_dtype(self.impl), key_dtype(replicated_impl())):
             return x
         entered = self._entered.get(id(x))
         if entered is not None and entered[0] is x:

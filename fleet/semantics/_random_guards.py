@@ -4,7 +4,8 @@ the others exact).
 * :func:`check_draws`: a per-example draw from a key fleet did not re-type (a
   raw ``uint32[2]`` key wrapped in the step, a key made or closed over in the
   step), or with ``jax_threefry_partitionable`` off; a draw that is not per
-  example whose leading axis happens to equal the replica's rows; a draw whose
+  example whose leading axis happens to equal the replica's rows (unless its key
+  is an optimizer's: :func:`fleet.semantics._random.replicated_impl`); a draw whose
   batch axis is not its leading one (dropout of a transposed activation, noise
   drawn time-major), and keys split per example (``jax.random.split(key,
   x.shape[0])``, ``rngs.fork(split=...)``), each found by pairing the draws of
@@ -35,7 +36,7 @@ from fleet import _compat
 from fleet._errors import FleetError
 from fleet.runtime._world import DATA_AXIS
 from fleet.semantics._outputs import shard_body
-from fleet.semantics._random import key_dtype, row_impl, threefry_dtype
+from fleet.semantics._random import key_dtype, replicated_impl, row_impl, threefry_dtype
 
 _RAW_KEY = (
     "the step draws {what} per example (its leading axis, {rows}, is this replica's batch "
@@ -63,11 +64,12 @@ def check_draws(jaxpr: Any, rows: frozenset, one_device: Any = None,
     the single-device step on the global batch, of ``global_rows`` rows."""
     if not rows:
         return
-    ours = key_dtype(row_impl(rows))
+    ours, optimizers = key_dtype(row_impl(rows)), key_dtype(replicated_impl())
     for eqn, top in _draws(jaxpr):
         shape, key = eqn.params["shape"], eqn.invars[0].aval
-        if not (shape and shape[0] in rows) or DATA_AXIS in key.manual_axis_type.varying:
-            continue  # not per example, or from per-example keys (a batch of keys)
+        if (not (shape and shape[0] in rows) or DATA_AXIS in key.manual_axis_type.varying
+                or key.dtype == optimizers):
+            continue  # not per example, from per-example keys (a batch of keys) or an optimizer's
         what = _describe(top, shape)
         if key.dtype != ours:
             why = ("a threefry key made inside the step: a raw uint32 key "
@@ -81,7 +83,8 @@ def check_draws(jaxpr: Any, rows: frozenset, one_device: Any = None,
         check_batch_axes(jaxpr, one_device, rows)
         for eqn, top in _draws(one_device):
             shape = eqn.params["shape"]
-            if shape and shape[0] in rows and shape[0] not in global_rows:
+            if (shape and shape[0] in rows and shape[0] not in global_rows
+                    and eqn.invars[0].aval.dtype != optimizers):
                 raise FleetError(_AMBIGUOUS.format(what=_describe(top, shape), rows=shape[0]))
 
 

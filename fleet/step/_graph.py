@@ -105,6 +105,8 @@ class GraphCache:
         self.synced = [isinstance(v, _synced.SyncedRead) for v in self.variables]
         # Per-replica state (no_sync accumulators): sharded over data, varying inside.
         self.per_replica = tuple(isinstance(v, _sync.PerReplica) for v in self.variables)
+        # An optimizer's state: its keys draw the single-device bits (fleet.semantics._random)
+        self.optimizer_held = tuple(isinstance(v, nnx.OptState) for v in self.variables)
         running = running_statistics(objs)
         self.running_stats = tuple(id(v) in running for v in self.variables)
         self.accum_keys = [p[-1].key.replace(":", ".")

@@ -250,7 +250,8 @@ class Program:
             trees = tree_rows(trees)
         rows = _roles.rows_of(batch)
         keys = _random.Keys(rows)  # each replica draws its rows' bits
-        state, trees, repl = keys.enter(state), keys.enter(trees), keys.enter(repl)
+        state = keys.enter(state, self.graph.optimizer_held)
+        trees, repl = keys.enter(trees), keys.enter(repl)
         original = state
         if plan.no_sync:  # local gradients: the wrapped parameters vary inside no_sync
             state = [jax.lax.pcast(x, DATA_AXIS, to="varying") if synced else x
