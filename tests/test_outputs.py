@@ -344,8 +344,8 @@ def test_summed_loss_not_returned_is_refused(make_world, n, name):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert d_params < TOL
         return
-    match = (r"the value computed at .*test_outputs\.py:\d+ is differentiated .* a sum "
-             rf"over the batch rows .*gradients {n} times smaller.*Use a mean")
+    match = (r"the value computed at .*test_outputs\.py:\d+ is a sum over the batch rows .*"
+             rf"nothing in the step uses it.*gradients {n} times smaller.*Use a mean")
     with pytest.raises(fleet.FleetError, match=match):
         run(n, step, make_world, out_reduce=out_reduce)
 
@@ -363,8 +363,51 @@ def test_summed_loss_given_to_a_metric_is_refused(make_world, n):
     make_world(n)
     model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(fleet.FleetError, match=r"test_outputs\.py:\d+ is differentiated"):
+    with pytest.raises(fleet.FleetError, match=r"test_outputs\.py:\d+ is a sum over the batch"):
         fleet.distributed_step(step)(model, opt, nnx.metrics.Average("loss"), x, y)
+
+
+def test_a_sum_left_unused_is_refused_saying_so_and_returned_declared_it_is_exact(make_world):
+    """A sum over the rows that the step computes and leaves unused (a leftover
+    ``total = l.sum()``) looks, in the forward pass, like the loss jax.grad
+    differentiates: refused, the message saying that nothing uses it and how to
+    keep it (it said "is differentiated" before). Returned and declared
+    ``out_reduce='sum'``, the step equals one device."""
+    def unused(model, optimizer, x, y):
+        def loss_fn(m):
+            per_row = optax.softmax_cross_entropy_with_integer_labels(m(x), y)
+            total = per_row.sum()  # noqa: F841 (left unused)
+            return per_row.mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def returned(model, optimizer, x, y):
+        def loss_fn(m):
+            per_row = optax.softmax_cross_entropy_with_integer_labels(m(x), y)
+            return per_row.mean(), per_row.sum()
+
+        (loss, total), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss, total
+
+    data = [_data()]
+    make_world(4)
+    model = fleet.distributed_model(models.CNN(nnx.Rngs(0)))
+    opt = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    with pytest.raises(fleet.FleetError, match=r"test_outputs\.py:\d+ is a sum over the batch "
+                       r"rows .*nothing in the step uses it.*If the step does not differentiate "
+                       r"it .*remove it, or return it and declare it: out_reduce='sum'"):
+        fleet.distributed_step(unused)(model, opt, *data[0])
+    ref_model = models.CNN(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
+    want = nnx.jit(returned)(ref_model, ref_opt, *data[0])
+    got = fleet.distributed_step(returned, out_reduce=(None, "sum"))(model, opt, *data[0])
+    print(f"(loss, total): {got} vs {want}")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    assert models.max_diff(models.flat_params(model), models.flat_params(ref_model)) < 1e-6
+    assert fleet.check_replicas((model, opt)) == []
 
 
 @tiers.slow  # (14 s cold: 410 terms traced and compiled)

@@ -1,6 +1,9 @@
 """A summed loss the step differentiates and does not return: found among the
 forward pass's unused float scalars and refused (the rules: fleet.semantics._outputs,
-"A summed loss")."""
+"A summed loss"). The forward pass alone cannot tell the loss ``jax.grad``
+differentiates from a sum the step computes and leaves unused (both are values
+nothing uses): the refusal says so, and how to keep an unused sum (remove it, or
+return it declared)."""
 
 from __future__ import annotations
 
@@ -18,16 +21,18 @@ from fleet.semantics._outputs import differentiable, shard_body
 from fleet.semantics._outputs_walk import SUM, Walk
 
 _UNUSED_SUM = (
-    "the value computed at {where} is differentiated (nothing else in the step uses it) "
-    "and is a sum over the batch rows of a value computed from the wrapped model's "
-    "parameters: a loss summed over the batch (`((pred - y) ** 2).sum()`)? fleet "
-    "averages the wrapped model's gradients over the {n} replicas, which is the "
-    "single-device gradient of a loss that is a mean over the batch; a summed loss "
-    "would train with gradients {n} times smaller than on one device. Use a mean: "
-    "`.mean()`, or divide the sum by the replica's row count (x.shape[0] inside the step). "
-    "If it is a sum differentiated with respect to the inputs, not the parameters (a "
-    "gradient penalty's jax.grad(lambda x: model(x).sum())(x)), take each row's gradient "
-    "instead: jax.vmap(jax.grad(lambda row: model(row[None]).sum()))(x)")
+    "the value computed at {where} is a sum over the batch rows of a value computed from "
+    "the wrapped model's parameters, and nothing in the step uses it, as nothing uses the "
+    "loss that jax.grad or nnx.grad differentiates: a loss summed over the batch "
+    "(`((pred - y) ** 2).sum()`)? fleet averages the wrapped model's gradients over the "
+    "{n} replicas, which is the single-device gradient of a loss that is a mean over the "
+    "batch; a summed loss would train with gradients {n} times smaller than on one device. "
+    "Use a mean: `.mean()`, or divide the sum by the replica's row count (x.shape[0] inside "
+    "the step). If it is a sum differentiated with respect to the inputs, not the "
+    "parameters (a gradient penalty's jax.grad(lambda x: model(x).sum())(x)), take each "
+    "row's gradient instead: jax.vmap(jax.grad(lambda row: model(row[None]).sum()))(x). If "
+    "the step does not differentiate it (a value computed and left unused), remove it, or "
+    "return it and declare it: out_reduce='sum' at its position")
 
 
 def _unused_scalars(jaxpr: Any, ref: Any, sa: Scope, sb: Scope) -> list:
