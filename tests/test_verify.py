@@ -420,7 +420,7 @@ def test_detects_per_replica_randomness(make_world, monkeypatch):
     mask; with that and its guard off (the old bug: every replica draws the
     first rows' mask) verify names the first leaf the mask changes. (A key
     folded with jax.lax.axis_index cannot run on one device: no axis there.)"""
-    monkeypatch.setattr(_random.Keys, "enter", lambda self, tree: tree)
+    monkeypatch.setattr(_random.Keys, "enter", lambda self, tree, optimizer_held=None: tree)
     monkeypatch.setattr(_program, "check_randomness", lambda *args: None)
     make_world(4, strategy())
     model = fleet.distributed_model(DropNet(nnx.Rngs(0, dropout=1)))
