@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.extend.core import Literal, jaxprs_in_params
 
+from fleet import _compat
 from fleet._compat import scan_counts
 from fleet._errors import FleetUnsupportedError
 from fleet.runtime._world import DATA_AXIS
@@ -77,13 +78,14 @@ class Scope:
     """One jaxpr of the walk: who produces each variable, and where its inputs
     come from (the calling equation's inputs in the enclosing scope)."""
 
-    def __init__(self, jaxpr: Any, parent: tuple | None = None):
+    def __init__(self, jaxpr: Any, parent: tuple | None = None, call: Any = None):
         consts = getattr(jaxpr, "consts", ())
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
         self.producer = {id(v): e for e in jaxpr.eqns for v in e.outvars}
         self.inputs = {id(v): i for i, v in enumerate(jaxpr.invars)}
         self.consts = {id(v): c for v, c in zip(jaxpr.constvars, consts)}
         self.parent = parent  # (the call's invars, the enclosing scope)
+        self.call = call  # the enclosing scope's equation that calls this jaxpr
         self.subs: dict = {}
         self.carry: range = range(0)  # a scan body's carry inputs (by position)
 
@@ -98,7 +100,7 @@ class Scope:
             ok = (sub is not None and hasattr(inner, "eqns")
                   and len(inner.invars) == len(eqn.invars)
                   and len(inner.outvars) == len(eqn.outvars))
-            self.subs[key] = (Scope(sub, (eqn.invars, self)), inner) if ok else None
+            self.subs[key] = (Scope(sub, (eqn.invars, self), eqn), inner) if ok else None
         return self.subs[key]
 
     def scan_body(self, eqn: Any) -> tuple:
@@ -109,11 +111,23 @@ class Scope:
         key = id(eqn)
         if key not in self.subs:
             sub = eqn.params["jaxpr"]
-            scope = Scope(sub, (eqn.invars, self))
+            scope = Scope(sub, (eqn.invars, self), eqn)
             consts, carries = scan_counts(eqn.params)
             scope.carry = range(consts, consts + carries)
             self.subs[key] = (scope, getattr(sub, "jaxpr", sub))
         return self.subs[key]
+
+
+def user_line(eqn: Any, scope: Scope) -> str | None:
+    """``file:line`` of the user's code that made ``eqn`` of ``scope``: its own
+    (fleet._compat.user_line), else that of the call that holds it (the equations
+    of a jitted library function, ``jnp.median``'s, were traced without the
+    user's frames)."""
+    line = _compat.user_line(eqn)
+    while line is None and scope is not None and scope.call is not None:
+        line = _compat.user_line(scope.call)
+        scope = scope.parent[1]
+    return line
 
 
 def paired_eqns(eqns: list, ref: list, window: int = 64) -> list:

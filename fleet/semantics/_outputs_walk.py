@@ -18,6 +18,7 @@ from fleet.semantics._jaxpr_scope import (
     Scope,
     all_reduced,
     is_varying_var,
+    user_line,
     uses_all_reduce,
 )
 from fleet.semantics._outputs_same import same
@@ -30,6 +31,16 @@ _REDUCTIONS = {"reduce_sum": SUM, "reduce_max": MAX, "reduce_min": MIN,
                "reduce_or": MAX, "reduce_and": MIN}
 _OPS = (*_SAME, "convert_element_type", "neg", "add", "sub", "mul", "div", "max", "min")
 _DEPTH = 400
+#: what an equation no combination follows is, in the words of the code that makes it
+_SAID = {
+    "gather": "an indexing: x[i], jnp.take, the middle rows jnp.median picks",
+    "sort": "a sort: jnp.sort, jnp.median, jnp.quantile",
+    "dynamic_slice": "a slice at a position the step computes",
+    "cumsum": "a cumulative sum",
+    "argmax": "an index of the rows, not a value from them",
+    "argmin": "an index of the rows, not a value from them",
+    "top_k": "jax.lax.top_k",
+}
 _MEAN_COUNT = ("fleet.all_reduce(mask.sum(), 'avg'), the replicas' mean count, and the "
                "replicas' mean of the ratio is the single-device one")
 _RATIO = "a sum over the rows divided by another: a mean weighted by a mask? Divide by " + _MEAN_COUNT
@@ -196,7 +207,9 @@ class Walk:
         if name in _REDUCTIONS:
             return self._reduction(name, ea, sa, eb, sb, depth)
         if name not in _OPS:
-            return self.fail(f"a {name}")
+            where = user_line(ea, sa)
+            return self.fail(f"a {name}" + (f" at {where}" if where else "") + (
+                f", {_SAID[name]}" if name in _SAID else ""))
         args = [self.kind(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars)]
         if any(r is None for r in args):
             return None
