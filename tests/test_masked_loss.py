@@ -148,6 +148,28 @@ def test_a_guarded_count_is_refused_naming_the_masked_mean_fix(make_world, count
     assert "Divide the masked sum by fleet.all_reduce(mask.sum(), 'avg')" in message
 
 
+def test_a_masked_mean_behind_a_nan_guard_is_refused_naming_the_masked_mean(make_world):
+    """optax's ranking losses take a masked mean of the lists and guard it:
+    ``jnp.where(jnp.isnan(mean) & valid, 0.0, mean)``. The refusal named the
+    guard ("a select_n"); it names the masked mean inside it, with its fix."""
+    def step(model, optimizer, x, y, mask):
+        def loss_fn(m):
+            scores = m(x)[..., 0]  # (rows, tokens): each row a list to rank
+            return optax.losses.ranking_softmax_loss(scores, (y > 0).astype(jnp.float32),
+                                                     where=mask > 0)
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with pytest.raises(fleet.FleetError) as info:
+        run(step, data(1), make_world(4))
+    message = str(info.value)
+    print(message)
+    assert "the output (a float32 scalar" in message
+    assert "a sum over the rows divided by another: a mean weighted by a mask?" in message
+    assert "fleet.all_reduce(mask.sum(), 'avg')" in message
+
+
 def test_a_masked_loss_over_the_global_count_is_refused_as_a_summed_loss(make_world):
     """Divided by the global count, each replica's loss is its share of the
     global one: fleet's mean of the gradients would be N times too small."""

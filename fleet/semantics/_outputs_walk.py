@@ -40,6 +40,7 @@ _SAID = {
     "argmax": "an index of the rows, not a value from them",
     "argmin": "an index of the rows, not a value from them",
     "top_k": "jax.lax.top_k",
+    "select_n": "a choice between values: jnp.where",
 }
 _MEAN_COUNT = ("fleet.all_reduce(mask.sum(), 'avg'), the replicas' mean count, and the "
                "replicas' mean of the ratio is the single-device one")
@@ -206,6 +207,10 @@ class Walk:
             return self.kind(ga[1].outvars[i], ga[0], gb[1].outvars[i], gb[0], depth + 1)
         if name in _REDUCTIONS:
             return self._reduction(name, ea, sa, eb, sb, depth)
+        if name == "select_n":  # (a guard, jnp.where(jnp.isnan(m), 0.0, m): its cases' reasons first)
+            for x, y in zip(ea.invars[1:], eb.invars[1:]):
+                if self.kind(x, sa, y, sb, depth + 1) is None:
+                    return None
         if name not in _OPS:
             where = user_line(ea, sa)
             return self.fail(f"a {name}" + (f" at {where}" if where else "") + (
