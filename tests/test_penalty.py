@@ -126,8 +126,9 @@ def test_a_summed_loss_is_refused_with_or_without_a_penalty(make_world, stage, p
         optimizer.update(model, nnx.grad(loss_fn)(model))
 
     model, optimizer = distributed(stage, make_world)
-    with pytest.raises(fleet.FleetError, match=r"is differentiated \(nothing else in the step "
-                                               r"uses it\) and is a sum over the batch rows"):
+    with pytest.raises(fleet.FleetError, match=r"is a sum over the batch rows of a value "
+                                               r"computed from the wrapped model's parameters, "
+                                               r"and nothing in the step uses it"):
         fleet.distributed_step(step)(model, optimizer, *models.batches("linear", 1, 16)[0])
 
 
