@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -262,6 +263,32 @@ def test_a_returned_gradient_of_the_mean_loss_per_example_is_refused(make_world,
                                                r"the batch size \(.*test_input_gradients.py:\d+"
                                                r"\).*jax.vmap\(jax.grad"):
         fleet.distributed_step(step)(model, optimizer, *models.batches("linear", 1, 16)[0])
+
+
+class Deep(nnx.Module):
+    """150 tanh layers of 4 units: the input gradient's backward pass is a chain of
+    some 600 equations from the mean's constant to the input."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 150):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(layers)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def test_a_saliency_map_of_a_deep_model_is_refused(make_world):
+    """The walk back from the returned gradient to the batch size's constant gave up
+    past 400 equations, and let the scaled rows through: 4 times the single-device
+    saliency map on 4 devices (150 layers, silently). It follows any depth now."""
+    make_world(4)
+    model = fleet.distributed_model(Deep(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param))
+    x, y = models.batches("linear", 1, 16)[0]
+    with pytest.raises(fleet.FleetError, match=r"output 1 is per example .* computed from a "
+                                               r"constant of the batch size"):
+        fleet.distributed_step(saliency)(model, optimizer, x[:, :4], np.tanh(x[:, :4]))
 
 
 def test_each_rows_own_input_gradient_returned_equals_one_device(make_world):

@@ -39,7 +39,6 @@ _SCALED = (
     "Return each row's own gradient, jax.vmap(jax.grad(lambda row: loss(row[None])))(x), "
     "divided by the global batch size where the mean's scale is wanted "
     "(fleet.all_reduce(x.shape[0]))")
-_DEPTH = 400
 
 
 def check_row_scaled(jaxpr: Any, reference: Any, first: int, names: list[str],
@@ -56,7 +55,7 @@ def check_row_scaled(jaxpr: Any, reference: Any, first: int, names: list[str],
     finder = _Finder()
     sa, sb = Scope(body), Scope(ref)
     for name, a, b in zip(names, body.outvars[first:], ref.outvars[first:]):
-        eqn = finder.find(a, sa, b, sb, 0)
+        eqn = finder.find(a, sa, b, sb)
         if eqn is not None:
             line = _compat.user_line(eqn)
             raise FleetError(_SCALED.format(name=name, n=replicas,
@@ -65,46 +64,58 @@ def check_row_scaled(jaxpr: Any, reference: Any, first: int, names: list[str],
 
 class _Finder:
     """The side-by-side walk: the first equation making a scalar of literals alone
-    whose value differs between the traces."""
+    whose value differs between the traces. A loop over a stack, not a recursion,
+    and without a depth limit: a deep model's backward pass is thousands of
+    equations long, and a walk that gave up there let the scaled rows through (150
+    tanh layers: 4 times the single-device saliency on 4 devices, before)."""
 
     def __init__(self):
         self.values = Walk(1)  # (its value(): a scalar of literals alone, else None)
         self.seen: set = set()
 
-    def find(self, a: Any, sa: Scope, b: Any, sb: Scope, depth: int) -> Any:
-        if isinstance(a, Literal) or isinstance(b, Literal) or depth > _DEPTH:
-            return None
+    def find(self, a: Any, sa: Scope, b: Any, sb: Scope) -> Any:
+        """The equation found from ``a`` and ``b`` (in the order a recursion would
+        look: each value's inputs first to last), or None."""
+        todo = [(a, sa, b, sb)]
+        while todo:
+            got = self._look(*todo.pop())
+            if isinstance(got, list):
+                todo.extend(reversed(got))
+            elif got is not None:
+                return got
+        return None
+
+    def _look(self, a: Any, sa: Scope, b: Any, sb: Scope) -> Any:
+        """The equation found at ``a`` and ``b``, or the pairs to look at next (a list)."""
+        if isinstance(a, Literal) or isinstance(b, Literal):
+            return []
         key = (id(a), id(sa), id(b))
         if key in self.seen:
-            return None
+            return []
         self.seen.add(key)
         if id(a) in sa.inputs or id(b) in sb.inputs:
             if (id(a) not in sa.inputs or id(b) not in sb.inputs or sa.parent is None
                     or sb.parent is None):
-                return None
-            return self.find(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
-                             sb.parent[0][sb.inputs[id(b)]], sb.parent[1], depth + 1)
+                return []
+            return [(sa.parent[0][sa.inputs[id(a)]], sa.parent[1],
+                     sb.parent[0][sb.inputs[id(b)]], sb.parent[1])]
         ea, eb = sa.producer.get(id(a)), sb.producer.get(id(b))
         if (ea is None or eb is None or ea.primitive != eb.primitive
                 or len(ea.invars) != len(eb.invars)
                 or ea.outvars.index(a) != eb.outvars.index(b)):
-            return None
+            return []
         va, vb = self.values.value(a, sa), self.values.value(b, sb)
         if va is not None and vb is not None:
-            return ea if va != vb else None
+            return ea if va != vb else []
         name = ea.primitive.name
         if ea.params.get("name") in FLEET_CALLS or name in PSUMS:
-            return None  # (a value over the replicas: the global one)
+            return []  # (a value over the replicas: the global one)
         if name in CALLS:
             ga, gb = sa.inner(ea), sb.inner(eb)
             if ga is None or gb is None:
-                return None
+                return []
             i = ea.outvars.index(a)
-            return self.find(ga[1].outvars[i], ga[0], gb[1].outvars[i], gb[0], depth + 1)
+            return [(ga[1].outvars[i], ga[0], gb[1].outvars[i], gb[0])]
         if name in ("scan", "while", "cond"):
-            return None
-        for x, y in zip(ea.invars, eb.invars):
-            found = self.find(x, sa, y, sb, depth + 1)
-            if found is not None:
-                return found
-        return None
+            return []
+        return [(x, sa, y, sb) for x, y in zip(ea.invars, eb.invars)]
