@@ -164,3 +164,48 @@ def test_an_output_with_the_rows_on_axis_1_is_refused_naming_moveaxis(make_world
             r"out_reduce asks to gather output 2, of shape \(3, 16, 2\) for 16 batch rows.*"
             r"jnp.moveaxis\(out, 1, 0\)")):
         declared(model, optimizer, *data(1)[0])
+
+
+def per_member_step(model, optimizer, x, y):
+    """The guide's loss, and each member's own: its mean loss, its loss's spread and
+    its accuracy, arrays of shape (members,) (returned undeclared they were refused
+    as "neither a scalar nor per example")."""
+    def loss_fn(m):
+        logits, ce = losses(m, x, y)
+        return ce.mean(), (ce.mean(axis=1), logits)
+
+    (loss, (member_losses, logits)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    member_accuracy = (logits.argmax(-1) == y).mean(axis=1)
+    return loss, member_losses, member_accuracy
+
+
+def test_per_member_outputs_combine_element_by_element_as_on_one_device(make_world):
+    """An output none of whose axes is the batch rows is read element by element as
+    a scalar is: each member's mean loss and accuracy is a mean over the rows, so
+    the mean over the replicas; a per-member standard deviation has no combination
+    and is refused, naming its shape."""
+    batches = data()
+    model, optimizer = make("dropout")
+    single = nnx.jit(per_member_step)
+    want = [single(model, optimizer, *b) for b in batches]
+    make_world(4, strategy())
+    got_model, got_optimizer = make("dropout")
+    got_model = fleet.distributed_model(got_model)
+    got_optimizer = fleet.distributed_optimizer(got_optimizer)
+    step = fleet.distributed_step(per_member_step)
+    got = [step(got_model, got_optimizer, *b) for b in batches]
+    outputs = models.max_diff(dict(enumerate(jax.tree.leaves(want))),
+                              dict(enumerate(jax.tree.leaves(got))))
+    params = models.max_diff(models.flat_params(got_model), models.flat_params(model))
+    print(f"per-member outputs {outputs:.2e}, parameters {params:.2e}")
+    assert [np.shape(x) for x in got[0]] == [(), (MEMBERS,), (MEMBERS,)]
+    assert outputs < 1e-6 and params < 1e-6
+    assert fleet.check_replicas((got_model, got_optimizer)) == []
+
+    def spread(model, optimizer, x, y):
+        return losses(model, x, y)[1].std(axis=1)
+
+    with pytest.raises(fleet.FleetError, match=r"the output \(a float32 array of shape \(3,\) "
+                                               r"that differs across replicas\) is not a mean"):
+        fleet.distributed_step(spread)(got_model, got_optimizer, *batches[0])

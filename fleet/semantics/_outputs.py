@@ -72,7 +72,7 @@ from fleet.semantics._jaxpr_scope import (
 from fleet.semantics._outputs_walk import MEAN, SUM, Walk
 
 _CANNOT = (
-    "{name} (a {dtype} scalar that differs across replicas) is not a mean, a "
+    "{name} (a {dtype} that differs across replicas) is not a mean, a "
     "sum, a maximum or a minimum over the batch rows ({why}), so no combination of "
     "the replicas' values gives the single-device value. Return the parts as sums "
     "(e.g. the sum and the sum of squares, or the numerator and the count) and "
@@ -83,11 +83,12 @@ _CANNOT = (
 _STAGE3 = ". " + raw_read_hint("this output")
 
 
-def _cannot(name: str, dtype: Any, why: str) -> FleetError:
+def _cannot(name: str, dtype: Any, why: str, shape: tuple = ()) -> FleetError:
     """The error for an output no combination gives; under stage 3 it says where a
     value differing across replicas may come from besides the batch."""
     hint = _STAGE3 if _stage3.active(current_strategy()) else ""
-    return FleetError(_CANNOT.format(name=name, dtype=dtype, why=why) + hint)
+    what = f"{dtype} scalar" if not shape else f"{dtype} array of shape {shape}"
+    return FleetError(_CANNOT.format(name=name, dtype=what, why=why) + hint)
 
 
 _SUMMED_LOSS = (
@@ -179,7 +180,7 @@ def scalar_reduces(jaxpr: Any, reference: Any, scale: int, names: list[str],
         got = walk.kind(a, sa, b, sb)
         if got is None or got[0] != "k":
             why = walk.why if got is None else "a count of rows, not a value from them"
-            raise _cannot(name, dtype, why)
+            raise _cannot(name, dtype, why, tuple(a.aval.shape[1:]))  # (the probe's (1, ...))
         if got[1] == SUM and wrapped and np.issubdtype(dtype, np.inexact):
             tainted = differentiable(body) if tainted is None else tainted
             if id(a) in tainted:

@@ -195,8 +195,8 @@ def combine_outputs(out: Any, batch: list, out_reduce: Any) -> tuple[list, list[
         if not _sync.is_varying(x):
             reduce = "replicated"
         elif reduce is None:
-            if x.ndim == 0:
-                reduce = SCALAR
+            if x.ndim == 0 or not rows.intersection(x.shape):  # (no axis is the rows:
+                reduce = SCALAR  # each element decided as a scalar, an ensemble's (members,))
             elif x.shape[0] in rows:
                 reduce = "gather"
             else:

@@ -107,7 +107,8 @@ def probe_record(record: PlanRecord, graph: GraphCache, trace: Any, new_state: l
         i for i, (v, x) in enumerate(zip(graph.variables, new_state))
         if not isinstance(v, (nnx.Param, nnx.OptState)) and not graph.per_replica[i]
         and not is_key(x) and not _sync.is_varying(x)]
-    return [jnp.reshape(x, (1,)) for x, r in zip(leaves, reduces) if r == _roles.SCALAR] + [
+    return [jnp.reshape(x, (1, *jnp.shape(x))) for x, r in zip(leaves, reduces)
+            if r == _roles.SCALAR] + [
         jax.lax.pcast(new_state[i], DATA_AXIS, to="varying")[None]
         for i in record.counted] + [x for x, r in zip(leaves, reduces) if r == "gather"]
 
