@@ -125,3 +125,22 @@ def test_muon_under_sharding_is_refused_naming_why(make_world):
     with pytest.raises(fleet.FleetError, match=r"strategy.sharding: the optimizer's state "
                        r"changes structure with the parameters' shapes.*turn strategy.sharding off"):
         with_fleet(models.batches("linear", 1, 16), make_world, 4, strategy)
+
+
+def test_a_variable_holding_a_list_of_arrays_is_refused_naming_it(make_world):
+    """optax.sm3 keeps a list of per-axis accumulators for each parameter, which
+    nnx.Optimizer puts in one variable. The step failed as "the step fails as a
+    single-device step on the global batch ... Too few leaves for PyTreeDef"
+    (it runs on one device); distributed_optimizer now refuses, naming the
+    variable and what to use instead."""
+    x, y = models.batches("linear", 1, 16)[0]
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sm3(1e-2), wrt=nnx.Param)
+    nnx.jit(models.nnx_train_step)(model, optimizer, x, y)  # (one device: it runs)
+    make_world(4)
+    model = fleet.distributed_model(MLP(nnx.Rngs(0)))
+    with pytest.raises(fleet.FleetError, match=(
+            r"variable 'opt_state.0.mu.hidden.bias' holds a list of 1 array \(shape "
+            r"\(16,\)\), where a fleet step keeps one array per variable: "
+            r"optax.sm3's state.*optax.adafactor")):
+        fleet.distributed_optimizer(nnx.Optimizer(model, optax.sm3(1e-2), wrt=nnx.Param))

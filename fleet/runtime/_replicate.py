@@ -118,8 +118,32 @@ def refuse_raw_arrays(state: Any, what: str) -> None:
             "keeps its scales so: nnx.WeightNorm(..., use_scale=False) keeps none.)")
 
 
+def refuse_pytree_values(state: Any, what: str) -> None:
+    """Refuses NNX state (``nnx.state`` of ``what``) with a variable that holds a
+    list, tuple or dict of arrays: optax.sm3's state keeps one list of per-axis
+    accumulators per parameter, which ``nnx.Optimizer`` puts in one variable. A
+    fleet step keeps one array per variable (its placement, donation and
+    replica checks go variable by variable); such a variable failed inside the
+    step's single-device check, which then said that the step fails on one device."""
+    for path, v in nnx.to_flat_state(state):
+        value = v.get_raw_value() if isinstance(v, nnx.Variable) else None
+        if not isinstance(value, (list, tuple, dict)):  # (an array; ZeRO's Shard of one)
+            continue
+        shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(value)]
+        if shapes:
+            raise FleetTypeError(
+                f"{what} variable {dotted(path)!r} holds a {type(value).__name__} of "
+                f"{len(shapes)} array{'s' * (len(shapes) > 1)} (shape"
+                f"{'s' * (len(shapes) > 1)} {', '.join(map(str, shapes))}), where a fleet "
+                "step keeps one array per variable: optax.sm3's state holds such lists (one "
+                "accumulator per axis of each parameter). Use an optimizer whose state is "
+                "arrays (optax.adafactor factors its second moments into arrays too), or "
+                "keep each array in a variable of its own")
+
+
 def replicate_in_place(obj: nnx.Pytree) -> None:
     """Makes every variable of ``obj`` replicated on the mesh, equal everywhere."""
     refuse_raw_arrays(nnx.state(obj), f"this {type(obj).__name__}")
+    refuse_pytree_values(nnx.state(obj), f"this {type(obj).__name__}")
     variables = module_variables(obj)
     set_replicated(variables, {k: v.get_raw_value() for k, v in variables.items()})

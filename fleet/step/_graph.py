@@ -22,7 +22,7 @@ from fleet import _compat
 from fleet._errors import nth
 from fleet.comm import _sync, _synced
 from fleet.runtime._leaves import dotted, variables_of
-from fleet.runtime._replicate import refuse_raw_arrays
+from fleet.runtime._replicate import refuse_pytree_values, refuse_raw_arrays
 from fleet.sections import _sharding
 
 
@@ -94,6 +94,7 @@ class GraphCache:
         self.graphdef, state = nnx.split(objs)
         for i, obj in enumerate(objs):  # (the split state, by the objects' positions)
             refuse_raw_arrays(state[i], f"{nth(positions[i])} ({type(obj).__name__})")
+            refuse_pytree_values(state[i], f"{nth(positions[i])} ({type(obj).__name__})")
         with_path = variables_of(state)
         self.variables = [v for _, v in with_path]
         index = [int(dotted(p[:1])) for p, _ in with_path]
