@@ -99,11 +99,11 @@ def strategy():
     return s
 
 
-@pytest.mark.parametrize("loss_form,layers", [("ce.mean()", "bn dropout"),
-                                              ("ce.mean(axis=1).mean()", ""),
-                                              ("ce.mean(axis=0).mean()", "bn")])
-def test_the_guides_ensemble_trains_as_on_one_device(make_world, loss_form, layers):
-    batches, step = data(), step_for(loss_form)
+def one_device_and_fleet(step, layers: str, make_world):
+    """``step`` over :func:`data` on one device, then with fleet on 4: fleet's
+    outputs per call, its model and optimizer, and the largest differences of the
+    outputs and of the parameters."""
+    batches = data()
     model, optimizer = make(layers)
     single = nnx.jit(step)
     want = [single(model, optimizer, *b) for b in batches]
@@ -116,6 +116,15 @@ def test_the_guides_ensemble_trains_as_on_one_device(make_world, loss_form, laye
     outputs = models.max_diff(dict(enumerate(jax.tree.leaves(want))),
                               dict(enumerate(jax.tree.leaves(got))))
     params = models.max_diff(models.flat_params(got_model), models.flat_params(model))
+    return got, (got_model, got_optimizer), outputs, params
+
+
+@pytest.mark.parametrize("loss_form,layers", [("ce.mean()", "bn dropout"),
+                                              ("ce.mean(axis=1).mean()", ""),
+                                              ("ce.mean(axis=0).mean()", "bn")])
+def test_the_guides_ensemble_trains_as_on_one_device(make_world, loss_form, layers):
+    got, (got_model, _), outputs, params = one_device_and_fleet(
+        step_for(loss_form), layers, make_world)
     print(f"{loss_form} {layers or 'linear'}: outputs {outputs:.2e}, parameters {params:.2e}")
     assert jax.tree.leaves(got)[2].shape == (16, MEMBERS, 2)  # the logits, gathered
     assert outputs < 1e-5 and params < 1e-6
@@ -185,19 +194,8 @@ def test_per_member_outputs_combine_element_by_element_as_on_one_device(make_wor
     a scalar is: each member's mean loss and accuracy is a mean over the rows, so
     the mean over the replicas; a per-member standard deviation has no combination
     and is refused, naming its shape."""
-    batches = data()
-    model, optimizer = make("dropout")
-    single = nnx.jit(per_member_step)
-    want = [single(model, optimizer, *b) for b in batches]
-    make_world(4, strategy())
-    got_model, got_optimizer = make("dropout")
-    got_model = fleet.distributed_model(got_model)
-    got_optimizer = fleet.distributed_optimizer(got_optimizer)
-    step = fleet.distributed_step(per_member_step)
-    got = [step(got_model, got_optimizer, *b) for b in batches]
-    outputs = models.max_diff(dict(enumerate(jax.tree.leaves(want))),
-                              dict(enumerate(jax.tree.leaves(got))))
-    params = models.max_diff(models.flat_params(got_model), models.flat_params(model))
+    got, (got_model, got_optimizer), outputs, params = one_device_and_fleet(
+        per_member_step, "dropout", make_world)
     print(f"per-member outputs {outputs:.2e}, parameters {params:.2e}")
     assert [np.shape(x) for x in got[0]] == [(), (MEMBERS,), (MEMBERS,)]
     assert outputs < 1e-6 and params < 1e-6
@@ -208,4 +206,4 @@ def test_per_member_outputs_combine_element_by_element_as_on_one_device(make_wor
 
     with pytest.raises(fleet.FleetError, match=r"the output \(a float32 array of shape \(3,\) "
                                                r"that differs across replicas\) is not a mean"):
-        fleet.distributed_step(spread)(got_model, got_optimizer, *batches[0])
+        fleet.distributed_step(spread)(got_model, got_optimizer, *data(1)[0])
