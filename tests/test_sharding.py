@@ -366,8 +366,11 @@ def _not_elementwise():
     # Adafactor on small tensors keeps unfactored moments, but clips by the update's RMS.
     pytest.param(lambda: optax.adafactor(1e-2), "differs from the slice of its whole update",
                  marks=tiers.slow),  # (the default tier: the centered row, same refusal)
-    (_not_elementwise, "differs from the slice of its whole update"),
-], ids=["adafactor", "centered"])
+    (_not_elementwise, "differs from the slice of its whole update.*a whole-tensor quantity"),
+    # (elementwise, but random: it said "a whole-tensor quantity" too)
+    (lambda: optax.noisy_sgd(1e-2, key=0), r"differs from the slice of its whole update.*it "
+     r"draws random numbers \(optax.noisy_sgd.*Turn strategy.sharding off"),
+], ids=["adafactor", "centered", "noisy_sgd"])
 def test_optimizers_that_are_not_elementwise_are_refused(make_world, tx, match):
     make_world(4, strategy(1))
     data = models.batches("cnn", 1, 16)

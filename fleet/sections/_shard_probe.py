@@ -12,11 +12,13 @@ whole-tensor quantity other than a sum, factored statistics) is refused.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import jaxprs_in_params
 
 from fleet._errors import FleetError, FleetUnsupportedError
 from fleet.comm._shard_comm import own_slice, padded_rows
@@ -75,7 +77,22 @@ def verify(inner: Any, params: Any, cfg: Config, steps: int = 2) -> None:
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use an "
             "elementwise optax optimizer (adam, sgd, lamb, lars...) or turn "
             "strategy.sharding off") from e
-    _compare(params, ref_updates, got, layouts)
+    _compare(params, ref_updates, got, layouts,
+             lambda: _draws(inner, p_def, p0, grads[0], full_state))
+
+
+def _draws(inner: Any, p_def: Any, p0: list, g: list, state: Any) -> bool:
+    """Whether the optimizer's update draws random numbers (``optax.noisy_sgd``,
+    ``optax.add_noise``)."""
+    def update(g, state, p):
+        return inner.update(jax.tree.unflatten(p_def, g), state, jax.tree.unflatten(p_def, p))
+
+    def any_draw(jaxpr: Any) -> bool:
+        return any(e.primitive.name == "random_bits"
+                   or any(any_draw(sub) for sub in jaxprs_in_params(e.params))
+                   for e in getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+    return any_draw(jax.make_jaxpr(update)(g, state, p0))
 
 
 def _whole_updates(inner: Any, p_def: Any, p0: list, grads: list, full_state: Any) -> list:
@@ -92,10 +109,12 @@ def _whole_updates(inner: Any, p_def: Any, p0: list, grads: list, full_state: An
     return ref_updates
 
 
-def _compare(params: Any, ref_updates: list, got: list, layouts: list) -> None:
+def _compare(params: Any, ref_updates: list, got: list, layouts: list,
+             draws: Callable[[], bool]) -> None:
     """Refuses the optimizer at the first parameter (named by its path in
     ``params``) and step whose update on slices, ``got``, differs from the slice
-    of its whole update, ``ref_updates``."""
+    of its whole update, ``ref_updates``; ``draws()``: whether the update draws
+    random numbers (then that is the reason; traced only for a refusal)."""
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(params)[0]]
     for step, (ref, sliced) in enumerate(zip(ref_updates, got)):
@@ -108,8 +127,15 @@ def _compare(params: Any, ref_updates: list, got: list, layouts: list) -> None:
                     f"strategy.sharding: the optimizer's update of parameter {path} on "
                     f"slices differs from the slice of its whole update (step {step + 1} of "
                     "a probe, max difference "
-                    f"{float(np.max(np.abs(have - want))):.2e}): it is not elementwise and "
-                    "uses a whole-tensor quantity fleet cannot split (only sums over whole "
-                    "tensors, such as norms, are computed across slices). Use an "
-                    "elementwise optimizer, LAMB, LARS or optax.clip_by_global_norm, or "
-                    "turn strategy.sharding off")
+                    f"{float(np.max(np.abs(have - want))):.2e}): " + (
+                        _DRAWS if draws() else _WHOLE_TENSOR))
+
+
+_WHOLE_TENSOR = (
+    "it is not elementwise and uses a whole-tensor quantity fleet cannot split (only sums "
+    "over whole tensors, such as norms, are computed across slices). Use an elementwise "
+    "optimizer, LAMB, LARS or optax.clip_by_global_norm, or turn strategy.sharding off")
+_DRAWS = (
+    "it draws random numbers (optax.noisy_sgd, optax.add_noise), and a draw over a slice "
+    "is not the slice of the draw over the whole tensor. Turn strategy.sharding off (each "
+    "replica then draws the single-device noise), or use an optimizer without noise")
