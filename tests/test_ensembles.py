@@ -176,9 +176,10 @@ def test_an_output_with_the_rows_on_axis_1_is_refused_naming_moveaxis(make_world
 
 
 def per_member_step(model, optimizer, x, y):
-    """The guide's loss, and each member's own: its mean loss, its loss's spread and
-    its accuracy, arrays of shape (members,) (returned undeclared they were refused
-    as "neither a scalar nor per example")."""
+    """The guide's loss, and each member's own: its mean loss and its accuracy
+    (means), how often it predicts each class (sums) and its largest logit
+    (maxima), arrays of shape (members,) or (members, classes) (returned
+    undeclared they were refused as "neither a scalar nor per example")."""
     def loss_fn(m):
         logits, ce = losses(m, x, y)
         return ce.mean(), (ce.mean(axis=1), logits)
@@ -186,18 +187,21 @@ def per_member_step(model, optimizer, x, y):
     (loss, (member_losses, logits)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
     member_accuracy = (logits.argmax(-1) == y).mean(axis=1)
-    return loss, member_losses, member_accuracy
+    predicted = jax.nn.one_hot(logits.argmax(-1), 2).sum(axis=1)  # (members, classes): sums
+    return loss, member_losses, member_accuracy, predicted, logits.max(axis=(1, 2))
 
 
 def test_per_member_outputs_combine_element_by_element_as_on_one_device(make_world):
     """An output none of whose axes is the batch rows is read element by element as
     a scalar is: each member's mean loss and accuracy is a mean over the rows, so
-    the mean over the replicas; a per-member standard deviation has no combination
-    and is refused, naming its shape."""
+    the mean over the replicas, its class counts the sum, its largest logit the
+    maximum; a per-member standard deviation has no combination and is refused,
+    naming its shape."""
     got, (got_model, got_optimizer), outputs, params = one_device_and_fleet(
         per_member_step, "dropout", make_world)
     print(f"per-member outputs {outputs:.2e}, parameters {params:.2e}")
-    assert [np.shape(x) for x in got[0]] == [(), (MEMBERS,), (MEMBERS,)]
+    assert [np.shape(x) for x in got[0]] == [(), (MEMBERS,), (MEMBERS,), (MEMBERS, 2),
+                                             (MEMBERS,)]
     assert outputs < 1e-6 and params < 1e-6
     assert fleet.check_replicas((got_model, got_optimizer)) == []
 

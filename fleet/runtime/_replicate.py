@@ -143,7 +143,8 @@ def refuse_pytree_values(state: Any, what: str) -> None:
 
 def replicate_in_place(obj: nnx.Pytree) -> None:
     """Makes every variable of ``obj`` replicated on the mesh, equal everywhere."""
-    refuse_raw_arrays(nnx.state(obj), f"this {type(obj).__name__}")
-    refuse_pytree_values(nnx.state(obj), f"this {type(obj).__name__}")
+    state, what = nnx.state(obj), f"this {type(obj).__name__}"
+    refuse_raw_arrays(state, what)
+    refuse_pytree_values(state, what)
     variables = module_variables(obj)
     set_replicated(variables, {k: v.get_raw_value() for k, v in variables.items()})
