@@ -224,3 +224,61 @@ def test_a_model_with_a_plain_dict_attribute_trains(make_world):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert models.max_diff(models.flat_params(model), models.flat_params(reference)) < 1e-6
     assert step.trace_count == 1
+
+
+_CLASSES = 16  # (a multiple of the 4 replicas: the table splits as a batch would)
+
+
+def _weighted_step(lookup: str):
+    """A classifier whose loss weighs each row by its class, from a table of class
+    weights passed as an argument: read by index (``cw[y]``) or by a one-hot product."""
+    def step(model, optimizer, x, y, cw):
+        def loss_fn(m):
+            w = cw[y] if lookup == "index" else (jax.nn.one_hot(y, _CLASSES) * cw).sum(-1)
+            return (optax.softmax_cross_entropy_with_integer_labels(m(x), y) * w).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("lookup, says", [
+    ("one-hot", r"fails on a replica's share of it \(.*test_step.py:\d+\): ValueError: "
+                r".*the 5th argument \(16,\) as \(4,\).*batch_argnums=.*split now: \(2, 3, 4\)"),
+    ("index", r"rows picked by indices that come from the batch .*the rows picked are the "
+              r"5th argument's, split over the replicas as batch data.*batch_argnums="),
+])
+def test_a_table_passed_as_an_argument_is_named_and_batch_argnums_keeps_it_whole(
+        make_world, lookup, says):
+    """Every array argument is batch data, split over the replicas: a table of class
+    weights whose length is a multiple of the replicas splits too. The step that
+    runs on one device is refused naming that argument and batch_argnums, and with
+    batch_argnums=(2, 3) it trains as on one device."""
+    rng = np.random.RandomState(0)
+    cw = (rng.rand(_CLASSES) + 0.5).astype(np.float32)
+    data = [(rng.randn(32, 6).astype(np.float32),
+             rng.randint(0, _CLASSES, 32).astype(np.int32)) for _ in range(3)]
+    step = _weighted_step(lookup)
+
+    def run(call):
+        model = nnx.Linear(6, _CLASSES, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        if call is not None:
+            model = fleet.distributed_model(model)
+            optimizer = fleet.distributed_optimizer(optimizer)
+        call = call or nnx.jit(step)
+        losses = [float(call(model, optimizer, x, y, cw)) for x, y in data]
+        return losses, models.flat_params(model)
+
+    ref_losses, ref_params = run(None)
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=says) as refused:
+        run(fleet.distributed_step(step))
+    if lookup == "one-hot":  # (the user's line that failed, not JAX's)
+        assert refused.traceback[-1].path.name == "test_step.py"
+    losses, params = run(fleet.distributed_step(step, batch_argnums=(2, 3)))
+    print("losses", max(abs(a - b) for a, b in zip(losses, ref_losses)),
+          "params", models.max_diff(params, ref_params))
+    assert np.allclose(losses, ref_losses, rtol=1e-6)
+    assert models.max_diff(params, ref_params) < 1e-6

@@ -109,6 +109,7 @@ class _Rows(ControlFlow):
         self.block_scans = BlockScans()  # scans over blocks of the rows, and what they carry
         self.reorders: dict = {}  # a row order -> what made it
         self.producer: dict = {}  # id(var) -> the equation that made it (the rules read it)
+        self.sources: dict = {}  # id(var) -> the step's argument it is, as given (its name)
 
     def tag(self, v: Any) -> Any:
         return None if isinstance(v, Literal) else self.tags.get(id(v))
@@ -198,6 +199,9 @@ class _Rows(ControlFlow):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             if inner is not None and len(getattr(inner, "jaxpr", inner).invars) == len(ins):
                 self.calls.append(eqn)
+                self.sources.update((id(v), self.sources[id(o)])
+                                    for o, v in zip(eqn.invars, getattr(inner, "jaxpr", inner).invars)
+                                    if id(o) in self.sources)
                 try:
                     outs = self.walk(inner, ins)
                 finally:
@@ -280,14 +284,17 @@ def _index_only(walk: Any, eqn: Any, ins: list) -> list:
 
 
 def check_rows(body: Any, batch_at: range, rows: frozenset, partial_mixing: bool,
-               reference: Any = None, replicas: int = 1) -> None:
+               reference: Any = None, replicas: int = 1, names: tuple = ()) -> None:
     """Refuses a per-replica ``body`` (the probe's shard_map jaxpr) that combines
     different rows of the batch (see the module docstring); ``batch_at``: the
-    body's inputs that are batch leaves, each of ``rows`` rows. ``reference``:
-    the single-device step's jaxpr on the global batch, over ``replicas``."""
+    body's inputs that are batch leaves, each of ``rows`` rows (``names``: the
+    step's argument each one is, for a refusal to name). ``reference``: the
+    single-device step's jaxpr on the global batch, over ``replicas``."""
     inner = getattr(body, "jaxpr", body)
     tags = [Row(0) if i in batch_at and v.aval.ndim and v.aval.shape[0] in rows else None
             for i, v in enumerate(inner.invars)]
     if rows and any(t is not None for t in tags):
         blocks = row_blocks(reference, replicas) if reference is not None else frozenset()
-        _Rows(rows, partial_mixing, blocks).walk(inner, tags)
+        walk = _Rows(rows, partial_mixing, blocks)
+        walk.sources.update((id(inner.invars[i]), name) for i, name in zip(batch_at, names))
+        walk.walk(inner, tags)

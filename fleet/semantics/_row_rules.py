@@ -141,7 +141,8 @@ def _gather(walk: Any, eqn: Any, ins: list) -> list:
             if idx.order == 0 and not own_index(walk, eqn.invars[1],
                                                 dn.start_index_map.index(t.axis)):
                 walk.refuse(eqn, "rows picked by indices that come from the batch (x[i] with "
-                                 "i a batch value: each replica's i picks among its own rows)")
+                                 "i a batch value: each replica's i picks among its own rows)"
+                            + _table_hint(walk.sources.get(id(eqn.invars[0]))))
             return [Row(out_batch[0], idx.order)]
         if idx is None:
             return [walk.reorder(eqn, Row(out_batch[0], ("gather", id(eqn.invars[1]))),
@@ -158,6 +159,16 @@ def _gather(walk: Any, eqn: Any, ins: list) -> list:
     if is_row(idx) and idx.axis < eqn.invars[1].aval.ndim - 1 and idx.axis < len(out_batch):
         return [Row(out_batch[idx.axis], idx.order)]  # (an embedding of each row's ids)
     return [UNKNOWN]
+
+
+def _table_hint(source: str | None) -> str:
+    """For rows picked from a step's argument itself: that it may be no batch data."""
+    if source is None:
+        return ""
+    return (f"; the rows picked are {source}'s, split over the replicas as batch data: if "
+            f"it is a table (class weights, an embedding), pass distributed_step(fn, "
+            f"batch_argnums=...) naming only the batch's positions, and it reaches every "
+            f"replica whole")
 
 
 def _scatter(walk: Any, eqn: Any, ins: list) -> list:

@@ -90,6 +90,34 @@ def user_traceback(tb: Any) -> Any:
     return out
 
 
+def split_failure(error: Exception, split: list[tuple[str, list[tuple]]], replicas: int,
+                  positions: tuple[int, ...]) -> FleetError:
+    """The error for a step that traces as the single-device step on the global
+    batch but raises ``error`` on a replica's share of it: the arguments fleet
+    split (``split``: each one's name and its leaves' global shapes, at
+    ``positions``), and how to keep an array that is not batch data whole. Its
+    traceback is the user's frames, ending at the line that failed."""
+    def share(shape: tuple) -> str:
+        return f"{shape} as {(shape[0] // replicas, *shape[1:])}"
+
+    listing = "; ".join(
+        f"{name} {', '.join(map(share, shapes[:3]))}{', ...' if len(shapes) > 3 else ''}"
+        for name, shapes in split)
+    rows = split[0][1][0][0]
+    users = user_frames(error.__traceback__)
+    where = f" ({_where(*users[-1])})" if users else ""
+    return FleetError(
+        f"the step traces as the single-device step on the global batch but fails on a "
+        f"replica's share of it{where}: {type(error).__name__}: {error}. Inside a fleet step every "
+        f"array argument is batch data, split along its leading axis over the {replicas} "
+        f"replicas: {listing}. An array that is not batch data (class weights, a lookup "
+        f"table, a projection matrix) is split too: pass distributed_step(fn, batch_argnums="
+        f"...) naming only the batch's positions (split now: {positions}), and the other "
+        f"arrays reach every replica whole. Code written for the global batch's size "
+        f"(x.reshape({rows}, -1), jnp.arange({rows})) should use x.shape[0], the replica's rows"
+    ).with_traceback(user_traceback(error.__traceback__))
+
+
 def unbound_collective(retrace: Callable[[], Any]) -> FleetError | None:
     """Re-runs ``retrace`` (an untyped trace of the step that raised) with JAX's
     frames kept; if it raises ``NameError`` inside a ``jax.lax`` collective whose

@@ -54,6 +54,22 @@ def replica_rows(plan: Plan, batch: list) -> frozenset:
     return frozenset(r // plan.mesh.devices.size for r in _roles.rows_of(batch))
 
 
+def batch_arguments(plan: Plan, batch: list) -> list[tuple[int, str, Any]]:
+    """Each batch argument of the call: its position, its name in a message, its value."""
+    n_pos = len(plan.kinds) - len(plan.kw_names)
+    at = [i for i, k in enumerate(plan.kinds) if k == _roles.BATCH]
+    return [(i, nth(i) if i < n_pos else f"keyword argument {plan.kw_names[i - n_pos]!r}", v)
+            for i, v in zip(at, batch)]
+
+
+def batch_names(plan: Plan, batch: list) -> tuple[str, ...]:
+    """The name of each batch leaf, in the body's order: its argument, and its path
+    in a pytree argument."""
+    return tuple(name if not path else f"{name} leaf {dotted(path)!r}"
+                 for _, name, value in batch_arguments(plan, batch)
+                 for path, _ in jax.tree_util.tree_flatten_with_path(value)[0])
+
+
 def check_randomness(plan: Plan, jaxpr: Any, reference: Any, batch: list, marked: list) -> None:
     """The probe's draws that fleet cannot make exact, refused (fleet.semantics._random_guards)."""
     n = plan.mesh.devices.size
@@ -101,7 +117,8 @@ def check_row_mixing(plan: Plan, graph: GraphCache, jaxpr: Any, args: tuple,
         _row_mixing.check_rows(
             _outputs.shard_body(jaxpr), range(start, start + len(jax.tree.leaves(batch))),
             replica_rows(plan, batch), partial_mixing=synced,
-            reference=reference, replicas=plan.mesh.devices.size)
+            reference=reference, replicas=plan.mesh.devices.size,
+            names=batch_names(plan, batch))
     except FleetError as e:
         hint = synced and _batch_norm.unwrapped_in_training(
             graph.objs, [nth(i) for i in graph.positions])

@@ -41,6 +41,7 @@ from fleet.semantics import _metrics, _random, _trace_errors
 from fleet.step import _first_trace, _guards, _roles
 from fleet.step._graph import GraphCache, Plan, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
+    batch_arguments,
     check_gradients,
     check_per_example,
     check_randomness,
@@ -175,7 +176,9 @@ class Program:
             failed = e
         if failed is not None:  # (outside the except: the reference's error stands alone)
             self.replay(plan, args, specs)
-            raise failed
+            if isinstance(failed, FleetError) or not batch:
+                raise failed
+            raise _split_failure(failed, plan, batch) from None
 
         def check() -> tuple:
             probe_body, reference = self.replay(plan, args, specs)
@@ -319,3 +322,13 @@ class Program:
             return probe_body, _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
         except FleetError as e:
             raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
+
+
+def _split_failure(error: Exception, plan: Plan, batch: list) -> FleetError:
+    """The error for a step whose single-device trace succeeded and whose
+    per-replica trace raised ``error``: the batch arguments it split, named."""
+    split = batch_arguments(plan, batch)
+    return _trace_errors.split_failure(
+        error, [(name, [tuple(x.shape) for x in jax.tree.leaves(v)]) for _, name, v in split],
+        plan.mesh.devices.size,
+        tuple(i for i, _, _ in split if i < len(plan.kinds) - len(plan.kw_names)))
