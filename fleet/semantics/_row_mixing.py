@@ -118,8 +118,12 @@ class _Rows(ControlFlow):
         calls = self.calls if calls is None else calls
         where = next(filter(None, map(_compat.user_line, [eqn, *reversed(calls)])),
                      f"a {eqn.primitive.name} in the step")
-        raise FleetError(_MIXED.format(what=what, where=where,
-                                       rows=" or ".join(map(str, sorted(self.rows)))))
+        rows = " or ".join(map(str, sorted(self.rows)))
+        raise FleetError(_MIXED.format(what=what, where=where, rows=rows) + (
+            "" if len(self.rows) == 1 else
+            f". The batch arguments split into {rows} rows each: if one is not batch data "
+            "(a table of class weights, a prior), pass distributed_step(fn, batch_argnums=...) "
+            "naming only the batch's positions, and it reaches every replica whole"))
 
     def reorder(self, eqn: Any, row: Row, what: str) -> Row:
         """``row``, a new order of the rows that ``eqn`` made (``what``, for the error
