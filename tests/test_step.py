@@ -289,3 +289,58 @@ def test_a_table_passed_as_an_argument_is_named_and_batch_argnums_keeps_it_whole
           "params", models.max_diff(params, ref_params))
     assert np.allclose(losses, ref_losses, rtol=1e-6)
     assert models.max_diff(params, ref_params) < 1e-6
+
+
+def test_nnx_cached_partial_of_a_step_trains_as_on_one_device(make_world):
+    """Flax's performance guide: nnx.cached_partial(train_step, model, optimizer) caches
+    the graph traversal of the objects it binds. Given a fleet step (in place of the
+    nnx.jit one), it trains as the single-device cached step, the original model's
+    variables updated, and traces once."""
+    data = models.batches("linear", 3, 8)
+
+    def run(wrap):
+        model = models.LinearNet(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param)
+        step = nnx.jit(models.nnx_train_step)
+        if wrap:
+            model = fleet.distributed_model(model)
+            optimizer = fleet.distributed_optimizer(optimizer)
+            step = fleet.distributed_step(models.nnx_train_step)
+        cached = nnx.cached_partial(step, model, optimizer)
+        losses = [float(cached(x, y)) for x, y in data]
+        return losses, models.flat_params(model), step
+
+    ref_losses, ref_params, _ = run(False)
+    make_world(4)
+    losses, params, step = run(True)
+    print("losses", max(abs(a - b) for a, b in zip(losses, ref_losses)),
+          "params", models.max_diff(params, ref_params))
+    assert np.allclose(losses, ref_losses, rtol=1e-6)
+    assert models.max_diff(params, ref_params) < 1e-6
+    assert step.trace_count == 1
+
+
+@pytest.mark.parametrize("bind, named", [
+    ("functools.partial", r"functools.partial's argument 1 \(DataParallel\[LinearNet\]\), "
+                          r"functools.partial's argument 2 \(DistributedOptimizer\)"),
+    ("nnx.cached_partial", r"'\w+'\[0\] \(DataParallel\[LinearNet\]\), '\w+'\[1\] "
+                           r"\(DistributedOptimizer\)"),
+    ("closure", r"'model' \(DataParallel\[LinearNet\]\), 'optimizer' \(DistributedOptimizer\)"),
+])
+def test_a_step_that_binds_its_model_inside_is_refused_naming_the_objects(setup, bind, named):
+    """Objects a step updates must be its arguments, as under nnx.jit (where each of
+    these fails alike): the refusal names each object read from outside and says to
+    pass them, or to bind the fleet step with nnx.cached_partial."""
+    import functools
+    model, optimizer = setup
+
+    def closure(x, y):
+        return models.nnx_train_step(model, optimizer, x, y)
+
+    inner = {"functools.partial": functools.partial, "nnx.cached_partial": nnx.cached_partial}
+    fn = closure if bind == "closure" else inner[bind](models.nnx_train_step, model, optimizer)
+    x, y = models.batches("linear", 1, 8)[0]
+    with pytest.raises(fleet.FleetError, match=r"(?s)fails as a single-device step.*The step reads "
+                       + named + r" from outside its arguments.*step\(model, optimizer, x, y\).*"
+                       r"nnx.cached_partial\(fleet.distributed_step\(train_step\), model, "):
+        fleet.distributed_step(fn)(x, y)

@@ -85,6 +85,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from fleet._errors import FleetError, FleetTypeError
 from fleet.comm._replicas import check_replicas
@@ -128,6 +129,13 @@ class DistributedStep:
     # -- the call, on the host ------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nnx.cached_partial(step, model, optimizer) hands its graph cache to the NNX
+        # transform it calls, through NNX's update context: the step is that
+        # transform, and takes the cache (its own recall serves the same purpose)
+        with nnx.update_context(self):
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         _heartbeat.step_begin()
         if self._finite.due():  # earlier calls' check_nan_inf chains, if ready: no wait
             self._check_finite(wait=False)

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.extend.core import Literal, jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
@@ -147,6 +148,51 @@ def check_closures(fn: Any) -> None:
                 "each replica runs on its own rows, and a closed-over array is not split "
                 f"with them. Pass {name!r} to the step as an argument (a batch argument is "
                 "split with the batch; shapes inside the step are the replica's)")
+
+
+def bound_objects(fn: Any) -> list[str]:
+    """The NNX objects a step reads from outside its arguments: bound by
+    ``functools.partial`` (or ``nnx.cached_partial`` inside the step), or closed
+    over; each named with its class."""
+    found, seen = [], set()
+
+    def add(name: str, value: Any) -> None:
+        if isinstance(value, (nnx.Module, nnx.Optimizer)) and id(value) not in seen:
+            seen.add(id(value))
+            found.append(f"{name} ({type(value).__name__})")
+
+    while True:
+        for i, value in enumerate(getattr(fn, "args", ())):  # functools.partial
+            add(f"functools.partial's argument {i + 1}", value)
+        for name, value in (getattr(fn, "keywords", None) or {}).items():
+            add(f"functools.partial's {name}=", value)
+        try:
+            closure = inspect.getclosurevars(fn)
+        except TypeError:  # (a callable object, a builtin)
+            closure = None
+        for name, value in ({} if closure is None else
+                            {**closure.globals, **closure.nonlocals}).items():
+            add(repr(name), value)
+            for j, leaf in enumerate(value if isinstance(value, tuple) else ()):
+                add(f"{name!r}[{j}]", leaf)  # (the objects nnx.cached_partial binds)
+        inner = getattr(fn, "func", getattr(fn, "__wrapped__", None))
+        if inner is None:
+            return found
+        fn = inner
+
+
+def with_bound_hint(error: FleetError, fn: Any) -> FleetError:
+    """``error`` (the single-device step's), with a hint when the step reads NNX
+    objects from outside its arguments (:func:`bound_objects`), which a traced
+    step cannot update, under nnx.jit as here."""
+    bound = bound_objects(fn)
+    if not bound:
+        return error
+    hint = (f". The step reads {', '.join(bound)} from outside its arguments: a traced step "
+            "updates only the NNX objects it is given, under nnx.jit as here. Pass them: "
+            "step(model, optimizer, x, y); to bind them once, bind the fleet step: "
+            "nnx.cached_partial(fleet.distributed_step(train_step), model, optimizer)")
+    return type(error)(str(error) + hint).with_traceback(error.__traceback__)
 
 
 def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: int = 1) -> Any:

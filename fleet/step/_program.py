@@ -321,7 +321,8 @@ class Program:
         try:
             return probe_body, _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
         except FleetError as e:
-            raise _first_trace.with_copies_hint(e, self.graph.objs) from e.__cause__
+            e = _first_trace.with_copies_hint(e, self.graph.objs)
+            raise _guards.with_bound_hint(e, self.fn) from e.__cause__
 
 
 def _split_failure(error: Exception, plan: Plan, batch: list) -> FleetError:
