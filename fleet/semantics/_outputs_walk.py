@@ -59,6 +59,11 @@ _OVER_REPLICAS = {
 }
 
 
+def _a(word: str) -> str:
+    """The article for ``word``: "an" before a vowel (an integer_pow, an exp)."""
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 class _Made(NamedTuple):
     """A value and its reference, with the equations that made them (:meth:`Walk._leaf`)."""
     a: Any
@@ -202,7 +207,7 @@ class Walk:
         if name in CALLS:
             ga, gb = sa.inner(ea), sb.inner(eb)
             if ga is None or gb is None:
-                return self.fail(f"a {name} fleet cannot look into")
+                return self.fail(f"{_a(name)} {name} fleet cannot look into")
             i = ea.outvars.index(a)
             return self.kind(ga[1].outvars[i], ga[0], gb[1].outvars[i], gb[0], depth + 1)
         if name in _REDUCTIONS:
@@ -213,7 +218,7 @@ class Walk:
                     return None
         if name not in _OPS:
             where = user_line(ea, sa)
-            return self.fail(f"a {name}" + (f" at {where}" if where else "") + (
+            return self.fail(f"{_a(name)} {name}" + (f" at {where}" if where else "") + (
                 f", {_SAID[name]}" if name in _SAID else ""))
         args = [self.kind(x, sa, y, sb, depth + 1) for x, y in zip(ea.invars, eb.invars)]
         if any(r is None for r in args):
@@ -260,7 +265,7 @@ class Walk:
         if grown:  # the rows' axis: the leading one, or another (an ensemble's (E, B) losses)
             if len(grown) > 1 or grown[0] not in axes or (
                     xb.aval.shape[grown[0]] != self.scale * xa.aval.shape[grown[0]]):
-                return self.fail(f"a {name} over an axis other than the batch rows, or over "
+                return self.fail(f"{_a(name)} {name} over an axis other than the batch rows, or over "
                                   "several axes that grow with the batch")
             return ("k", _REDUCTIONS[name])
         inner = stacked_kind(self, xa, sa, xb, sb, depth)
@@ -273,7 +278,7 @@ class Walk:
         if inner[0] == "k" and (inner[1] == _REDUCTIONS[name]
                                 or name == "reduce_sum" and inner[1] == MEAN):
             return inner
-        return self.fail(f"a {name} of a {inner[0] == 'k' and inner[1] or 'count'}")
+        return self.fail(f"{_a(name)} {name} of a {inner[0] == 'k' and inner[1] or 'count'}")
 
     def _op(self, name, eqn, args):
         if name in _SAME:
@@ -318,7 +323,7 @@ class Walk:
                 return ("k", want)
             if name == "max" and sorted(r[0] for r in args) == ["c", "k"] and ("k", SUM) in args:
                 return self.fail(_GUARDED.format(how="kept from zero (jnp.maximum(mask.sum(), 1))"))
-        return self.fail(f"a {name}" if name not in ("max", "min") else
+        return self.fail(f"{_a(name)} {name}" if name not in ("max", "min") else
                           f"an elementwise {name}")
 
     def _scaled(self, name, x, y):
@@ -329,7 +334,7 @@ class Walk:
             x, y = y, x
         if x[0] != "k" or y[0] == "k":
             return self.fail(_RATIO if name == "div" and x == y == ("k", SUM) else
-                              f"a {name} of two values from the batch" if y[0] == "k"
+                              f"{_a(name)} {name} of two values from the batch" if y[0] == "k"
                               else "a division by a value from the batch")
         grows = ("up",) if name == "div" else ("down",)
         if y == grows:  # divided by the rows' count: a sum becomes a mean
