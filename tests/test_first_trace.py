@@ -162,6 +162,46 @@ def test_a_first_call_compiles_its_program_once(make_world):
     assert models.max_diff(models.flat_params(model), ref_params) < TOL
 
 
+def test_a_step_that_updates_metrics_traces_twice_and_compiles_once(make_world):
+    # Flax's MNIST tutorial: metrics.update(loss=loss, logits=logits, labels=y). The
+    # probe combines the loss it gives the metric as it guesses (a float scalar: its
+    # mean over the replicas); the checks decide a mean, so the program XLA compiled
+    # meanwhile is the real one. The metrics' state, made on one device, is placed on
+    # the mesh before the first call, as the next calls pass it: they find its program
+    # in jit's cache. nnx.jit compiles once too.
+    make_world(4)
+    data = models.batches("cnn", 3, 8)
+
+    def train(model, optimizer, metrics, x, y):
+        def loss_fn(m):
+            logits = m(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        metrics.update(loss=loss, logits=logits, labels=y)
+        optimizer.update(model, grads)
+
+    def run(step, wrap):
+        model = models.CNN(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        if wrap:
+            model = fleet.distributed_model(model)
+            optimizer = fleet.distributed_optimizer(optimizer)
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                                  loss=nnx.metrics.Average("loss"))
+        counts = [compiles_during(step, model, optimizer, metrics, x, y)[1] for x, y in data]
+        return counts, metrics.compute(), models.flat_params(model)
+
+    ref_counts, ref_metrics, ref_params = run(nnx.jit(train), wrap=False)
+    fn = counted(train)
+    step = fleet.distributed_step(fn)
+    counts, got, params = run(step, wrap=True)
+    assert (counts, fn.calls, step.trace_count) == ([1, 0, 0], 2, 1) == (ref_counts, 2, 1)
+    np.testing.assert_allclose(float(got["loss"]), float(ref_metrics["loss"]), rtol=1e-6)
+    assert float(got["accuracy"]) == float(ref_metrics["accuracy"])
+    assert models.max_diff(params, ref_params) < TOL
+
+
 def compile_threads():
     return [t for t in threading.enumerate() if t.name == "fleet-compile"]
 

@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from fleet import _compat
@@ -71,6 +72,8 @@ class Updates:
     rows: frozenset
     kinds: list | None
     labels: list = dataclasses.field(default_factory=list)
+    #: how the probe combined each (its guess: a float's mean, else a sum)
+    assumed: list = dataclasses.field(default_factory=list)
     done: int = 0  # the scalars combined so far (the real trace)
 
 
@@ -113,7 +116,9 @@ def _scalar(x: jax.Array, updates: Updates, label: str) -> jax.Array:
     """A varying scalar: marked (a probe) or combined by its recorded kind."""
     if updates.kinds is None:
         updates.labels.append(label)
-        return _marker(len(updates.labels) - 1)(x)
+        updates.assumed.append("mean" if jnp.issubdtype(x.dtype, jnp.inexact)
+                               else "sum")
+        return _marker(len(updates.labels) - 1, updates.assumed[-1])(x)
     if updates.done >= len(updates.kinds):
         raise FleetError(
             f"the step updated metric {label} with one more scalar than when fleet probed it "
@@ -133,9 +138,9 @@ def mark_name(k: int) -> str:
 
 
 @functools.cache
-def _marker(k: int) -> Any:
-    def marked(x: jax.Array) -> jax.Array:  # (typed invariant; a probe's value is not used)
-        return jax.lax.all_gather(x, DATA_AXIS, to="invarying").max(0)
+def _marker(k: int, kind: str) -> Any:
+    def marked(x: jax.Array) -> jax.Array:  # (the probe's program is the real one if so decided)
+        return COMBINE[kind](x)
 
     marked.__name__ = marked.__qualname__ = mark_name(k)
     return jax.jit(marked)
@@ -181,7 +186,7 @@ def global_updates(trace: _sync.SyncTrace, objs: Any, rows: frozenset, record: A
         _compat.set_class(m, _global_class(type(m)))
     updates = Updates(rows, None if probe else record.metric_scalars)
     if probe:
-        record.metric_labels = updates.labels
+        record.metric_labels, record.metric_assumed = updates.labels, updates.assumed
     outer, trace.metrics = trace.metrics, updates  # (the trace's: fleet.comm._trace)
     try:
         yield

@@ -85,8 +85,10 @@ def forms(reduces: list, summed: list, combined: Any) -> list[str]:
 def reusable(record: PlanRecord, assumed: list[str], decided: list[str]) -> bool:
     """Whether the probe's tail is the real program's: the outputs leave the body
     as the tail assumed, the optimizer need not divide gradients JAX summed
-    (``auto_sum``), and no metric got a varying scalar (the probe marks them)."""
-    return assumed == decided and not record.auto_sum and not record.metric_labels
+    (``auto_sum``), and each varying scalar a metric got combines as the probe
+    assumed (fleet.semantics._metrics)."""
+    return (assumed == decided and not record.auto_sum
+            and record.metric_scalars == record.metric_assumed)
 
 
 def probe_view(closed: ClosedJaxpr, outputs: int) -> ClosedJaxpr:

@@ -49,3 +49,6 @@ class PlanRecord:
     metric_labels: list = dataclasses.field(default_factory=list)
     #: how the k-th varying scalar a metric got combines (the real trace)
     metric_scalars: list = dataclasses.field(default_factory=list)
+    #: how the probe combined each (fleet.semantics._metrics: its program is the real
+    #: one where that is what the checks decide)
+    metric_assumed: list = dataclasses.field(default_factory=list)
