@@ -103,7 +103,7 @@ def split_failure(error: Exception, split: list[tuple[str, list[tuple]]], replic
     listing = "; ".join(
         f"{name} {', '.join(map(share, shapes[:3]))}{', ...' if len(shapes) > 3 else ''}"
         for name, shapes in split)
-    rows = split[0][1][0][0]
+    rows = next((s[0] for _, shapes in split for s in shapes if s), "n")
     users = user_frames(error.__traceback__)
     where = f" ({_where(*users[-1])})" if users else ""
     return FleetError(
