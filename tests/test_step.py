@@ -344,3 +344,64 @@ def test_a_step_that_binds_its_model_inside_is_refused_naming_the_objects(setup,
                        + named + r" from outside its arguments.*step\(model, optimizer, x, y\).*"
                        r"nnx.cached_partial\(fleet.distributed_step\(train_step\), model, "):
         fleet.distributed_step(fn)(x, y)
+
+
+def _flagged_step(model, optimizer, x, y, train):
+    """A train / eval step switched by a Python flag, as under jax.jit(static_argnames)."""
+    if train:
+        return models.nnx_train_step(model, optimizer, x, y)
+    return models.loss_of(model(x), y)
+
+
+def test_static_argnames_keeps_a_flag_static_as_jax_jit_does(make_world):
+    """A Python flag the step branches on (if train:) is traced unless declared static,
+    as under jax.jit: undeclared, the refusal names it and static_argnames; declared
+    by name or position, the step trains and evaluates as nnx.jit(static_argnames=
+    'train'), called with the flag positionally and by keyword, one program per value."""
+    data = models.batches("linear", 4, 8)
+    flags = [True, False, True, False]
+
+    def run(step, wrap):
+        model = models.LinearNet(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        if wrap:
+            model = fleet.distributed_model(model)
+            optimizer = fleet.distributed_optimizer(optimizer)
+        losses = [float(step(model, optimizer, x, y, train=train) if k % 2 else
+                        step(model, optimizer, x, y, train))
+                  for k, ((x, y), train) in enumerate(zip(data, flags))]
+        return losses, models.flat_params(model)
+
+    ref_losses, ref_params = run(nnx.jit(_flagged_step, static_argnames="train"), wrap=False)
+    make_world(4)
+    with pytest.raises(fleet.FleetError, match=r"(?s)TracerBoolConversionError.*The step's Python "
+                       r"scalar arguments are traced, as under jax.jit: train \(the 5th "
+                       r"argument\)\. .*static_argnames="):
+        run(fleet.distributed_step(_flagged_step), wrap=True)
+    for declared in ({"static_argnames": "train"}, {"static_argnums": 4}):
+        step = fleet.distributed_step(_flagged_step, **declared)
+        losses, params = run(step, wrap=True)
+        print(declared, "losses", max(abs(a - b) for a, b in zip(losses, ref_losses)),
+              "params", models.max_diff(params, ref_params))
+        assert np.allclose(losses, ref_losses, rtol=1e-6)
+        assert models.max_diff(params, ref_params) < 1e-6
+        assert step.trace_count == 2  # (train=True and train=False)
+
+
+@pytest.mark.parametrize("options, args, error, message", [
+    ({"static_argnums": (2,), "batch_argnums": (2, 3)}, None, fleet.FleetConfigError,
+     r"position\(s\) \[2\] are in both batch_argnums and static_argnums"),
+    ({"static_argnums": ("x",)}, None, fleet.FleetConfigError,
+     r"static_argnums=\('x',\) must be non-negative ints"),
+    ({"static_argnames": (4,)}, None, fleet.FleetConfigError,
+     r"static_argnames=\(4,\) must be strings"),
+    ({"static_argnums": 4}, [True], fleet.FleetTypeError,
+     r"the 5th argument is declared static .*but a list is not hashable"),
+    ({"static_argnames": "train"}, np.ones(2, np.float32), fleet.FleetTypeError,
+     r"the 5th argument is declared static .*but it is an array"),
+])
+def test_static_arguments_that_cannot_be_static_are_refused(setup, options, args, error, message):
+    model, optimizer = setup
+    x, y = models.batches("linear", 1, 8)[0]
+    with pytest.raises(error, match=message):
+        fleet.distributed_step(_flagged_step, **options)(model, optimizer, x, y, args)

@@ -23,7 +23,7 @@ from fleet._errors import FleetConfigError, FleetTypeError
 from fleet.comm import _sync
 from fleet.runtime._world import World, world
 from fleet.sections import _sharding, _stage3
-from fleet.step import _roles
+from fleet.step import _hints, _roles
 from fleet.step._graph import GraphCache, Plan
 from fleet.step._program import Program
 from fleet.step._recall import Decision, decision
@@ -32,18 +32,24 @@ from fleet.wrappers._gradient_merge import MergePosition, prepare_accumulators
 
 
 def decide(program: Program, merge: MergePosition, batch_argnums: tuple | None,
-           last_plan: Plan | None, args: tuple, kwargs: dict) -> Decision:
+           last_plan: Plan | None, args: tuple, kwargs: dict,
+           statics: Statics | None = None) -> Decision:
     """What a call is, and what that depended on. ``program.graph`` is made
     again when the NNX objects changed (or their accumulators or shards were
-    just made); ``last_plan`` is reused when nothing static changed."""
+    just made); ``last_plan`` is reused when nothing static changed. ``statics``:
+    the arguments declared static (``static_argnums`` / ``static_argnames``)."""
     w = world()
     names = tuple(sorted(kwargs))
     values = list(args) + [kwargs[k] for k in names]
     check_argnums(batch_argnums, len(args))
+    declared = () if statics is None else statics.at(len(args), names)
     kinds = tuple(
+        _roles.STATIC if i in declared else
         _roles.kind(v, None if batch_argnums is None else i in batch_argnums, w.num_replicas)
         for i, v in enumerate(values)
     )
+    for i in declared:
+        _roles.check_declared_static(values, i, names)
     _roles.check_static_objects(values, kinds, names)
     positions = [i for i, k in enumerate(kinds) if k == _roles.NNX]
     objs = tuple(values[i] for i in positions)
@@ -134,3 +140,37 @@ def check_argnums(batch_argnums: Sequence[int] | None, n_positional: int) -> Non
                 f"step was called with {n_positional} positional arguments (0.."
                 f"{n_positional - 1}); give the positions of the batch arguments"
             )
+
+
+class Statics:
+    """``distributed_step``'s ``static_argnums`` and ``static_argnames``, each
+    completed from the other by the step function's signature, as ``jax.jit``
+    does; checked when the step is made."""
+
+    def __init__(self, fn: Any, argnums: Any, argnames: Any) -> None:
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
+        names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+            raise FleetConfigError(
+                f"static_argnums={argnums!r} must be non-negative ints (positions of the "
+                "arguments the step takes as static values), e.g. static_argnums=(4,)")
+        if not all(isinstance(n, str) for n in names):
+            raise FleetConfigError(
+                f"static_argnames={argnames!r} must be strings (names of the arguments "
+                "the step takes as static values), e.g. static_argnames=('train',)")
+        positional = _hints.parameter_names(fn)  # (none: the names and positions as given)
+        self.nums = frozenset(nums) | {positional.index(n) for n in names if n in positional}
+        self.names = frozenset(names) | {positional[i] for i in nums if i < len(positional)}
+
+    def at(self, n_positional: int, kw_names: Sequence[str]) -> frozenset:
+        """The indices of a call's values (positional, then keywords by name) declared static."""
+        return frozenset(i for i in self.nums if i < n_positional) | {
+            n_positional + j for j, name in enumerate(kw_names) if name in self.names}
+
+    def overlap(self, batch_argnums: tuple | None) -> None:
+        """A position cannot be both batch and static."""
+        both = sorted(self.nums.intersection(batch_argnums or ()))
+        if both:
+            raise FleetConfigError(
+                f"position(s) {both} are in both batch_argnums and static_argnums; an "
+                "argument is either batch data (split over the replicas) or a static value")

@@ -25,7 +25,8 @@ Arguments (``batch_argnums=None``):
   Arrays already replicated over the mesh (what a step returned: parameters,
   averaged gradients) are state, not batch;
 * **replicated values**: Python and numpy scalars (traced: no recompiles);
-* **static**: anything else hashable (strings, ``None``, functions).
+* **static**: anything else hashable (strings, ``None``, functions), and the
+  arguments ``static_argnums`` / ``static_argnames`` name (a ``train`` flag).
 
 ``batch_argnums=(2, 3)`` says which positional arguments are the batch; every
 other array argument is then replicated state (raw parameter pytrees).
@@ -93,7 +94,7 @@ from fleet.runtime import _heartbeat
 from fleet.runtime._world import world
 from fleet.sections._finite import FiniteFlags
 from fleet.step import _donate, _guards, _verify
-from fleet.step._decide import batch_positions, decide
+from fleet.step._decide import Statics, batch_positions, decide
 from fleet.step._global_arrays import global_batch
 from fleet.step._graph import Plan
 from fleet.step._jitted import jitted, runner
@@ -107,9 +108,10 @@ class DistributedStep:
     """A step function run data-parallel; see :func:`distributed_step`."""
 
     def __init__(self, fn: Callable, batch_argnums: Sequence[int] | None, out_reduce: Any,
-                 donate: bool = True):
+                 donate: bool = True, statics: Statics | None = None):
         functools.update_wrapper(self, fn)
         self._fn = fn
+        self._statics = statics
         self._donate = bool(donate)
         self._finite = FiniteFlags()
         self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
@@ -234,7 +236,7 @@ class DistributedStep:
         (fleet.step._decide; a repeated call reuses its result: fleet.step._recall)."""
         self._decisions += 1
         decided = decide(self._program, self._merge, self._batch_argnums, self._last_plan,
-                         args, kwargs)
+                         args, kwargs, self._statics)
         self._last_plan = decided.plan
         return decided
 
@@ -274,6 +276,8 @@ def distributed_step(
     fn: Callable | None = None,
     *,
     batch_argnums: Sequence[int] | None = None,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
     out_reduce: Any = None,
     donate: bool = True,
 ) -> Any:
@@ -285,6 +289,11 @@ def distributed_step(
     Args:
         fn: the step, written as for one device.
         batch_argnums: positions of the batch arguments (default: inferred).
+        static_argnums, static_argnames: arguments taken as static values, as
+            ``jax.jit``'s: keys of the compiled program (one program per value),
+            which the step may branch on in Python (``if train:``). A Python
+            scalar argument not declared static is traced (no recompiles). Each
+            completes the other from ``fn``'s signature.
         out_reduce: how to combine outputs that differ across replicas: ``"mean"``,
             ``"sum"``, ``"max"``, ``"min"``, ``"gather"`` or ``None`` (the default rule), as one string
             or a pytree prefix of the output.
@@ -307,8 +316,14 @@ def distributed_step(
         ...     return loss
     """
     batch_argnums = batch_positions(batch_argnums)
-    if fn is None:
-        return lambda f: DistributedStep(f, batch_argnums, out_reduce, donate)
-    if not callable(fn):
-        raise FleetTypeError(f"distributed_step decorates a function, got {type(fn).__name__}")
-    return DistributedStep(fn, batch_argnums, out_reduce, donate)
+
+    def make(f: Callable) -> DistributedStep:
+        if not callable(f):
+            raise FleetTypeError(f"distributed_step decorates a function, got {type(f).__name__}")
+        statics = None
+        if static_argnums is not None or static_argnames is not None:
+            statics = Statics(f, static_argnums, static_argnames)
+            statics.overlap(batch_argnums)
+        return DistributedStep(f, batch_argnums, out_reduce, donate, statics)
+
+    return make if fn is None else make(fn)

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.extend.core import Literal, jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
@@ -36,7 +35,7 @@ from fleet.runtime._world import DATA_AXIS
 from fleet.semantics import _trace_errors
 from fleet.semantics._gathered import PSUMS, gathered_cotangent
 from fleet.semantics._jaxpr_scope import Scope, uses_all_reduce
-from fleet.step import _rows
+from fleet.step import _hints, _rows
 from fleet.step._roles import REPL, TREE
 
 
@@ -150,52 +149,8 @@ def check_closures(fn: Any) -> None:
                 "split with the batch; shapes inside the step are the replica's)")
 
 
-def bound_objects(fn: Any) -> list[str]:
-    """The NNX objects a step reads from outside its arguments: bound by
-    ``functools.partial`` (or ``nnx.cached_partial`` inside the step), or closed
-    over; each named with its class."""
-    found, seen = [], set()
-
-    def add(name: str, value: Any) -> None:
-        if isinstance(value, (nnx.Module, nnx.Optimizer)) and id(value) not in seen:
-            seen.add(id(value))
-            found.append(f"{name} ({type(value).__name__})")
-
-    while True:
-        for i, value in enumerate(getattr(fn, "args", ())):  # functools.partial
-            add(f"functools.partial's argument {i + 1}", value)
-        for name, value in (getattr(fn, "keywords", None) or {}).items():
-            add(f"functools.partial's {name}=", value)
-        try:
-            closure = inspect.getclosurevars(fn)
-        except TypeError:  # (a callable object, a builtin)
-            closure = None
-        for name, value in ({} if closure is None else
-                            {**closure.globals, **closure.nonlocals}).items():
-            add(repr(name), value)
-            for j, leaf in enumerate(value if isinstance(value, tuple) else ()):
-                add(f"{name!r}[{j}]", leaf)  # (the objects nnx.cached_partial binds)
-        inner = getattr(fn, "func", getattr(fn, "__wrapped__", None))
-        if inner is None:
-            return found
-        fn = inner
-
-
-def with_bound_hint(error: FleetError, fn: Any) -> FleetError:
-    """``error`` (the single-device step's), with a hint when the step reads NNX
-    objects from outside its arguments (:func:`bound_objects`), which a traced
-    step cannot update, under nnx.jit as here."""
-    bound = bound_objects(fn)
-    if not bound:
-        return error
-    hint = (f". The step reads {', '.join(bound)} from outside its arguments: a traced step "
-            "updates only the NNX objects it is given, under nnx.jit as here. Pass them: "
-            "step(model, optimizer, x, y); to bind them once, bind the fleet step: "
-            "nnx.cached_partial(fleet.distributed_step(train_step), model, optimizer)")
-    return type(error)(str(error) + hint).with_traceback(error.__traceback__)
-
-
-def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: int = 1) -> Any:
+def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: int = 1,
+                        scalars: Sequence[str] = ()) -> Any:
     """Traces the step once as the single-device step would run it (the global
     shapes, one device), so every shape error it would raise is raised here,
     with single-device shapes, rather than slipping through per-replica shapes.
@@ -207,7 +162,9 @@ def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: i
     is the same on every replica: the replay then returns ``None``, and the
     per-replica trace explains it (:func:`fleet.semantics._trace_errors.typing_failure`). A
     collective over an axis other than ``data`` is refused naming the axis and
-    the user's line (:func:`fleet.semantics._trace_errors.unbound_collective`)."""
+    the user's line (:func:`fleet.semantics._trace_errors.unbound_collective`).
+    ``scalars``: the step's Python scalar arguments, traced, named for a step
+    that uses one in Python control flow."""
     one = jax.sharding.Mesh(np.array(list(mesh.devices.flat)[:1]), (DATA_AXIS,))
 
     def struct(x: Any, scale: int = 1) -> Any:
@@ -242,7 +199,9 @@ def check_on_one_device(body: Any, mesh: Any, args: tuple, specs: tuple, rows: i
         raise FleetError(
             f"the step fails as a single-device step on the global batch (batch shapes "
             f"{shapes}), so it is refused here too: {type(e).__name__}: {e}"
+            + _hints.traced_scalars(e, scalars)
         ).with_traceback(_trace_errors.user_traceback(e.__traceback__)) from None
+
 
 
 def summed_state(jaxpr: Any, kinds: tuple, state_names: list[str], trees: list) -> list[str]:

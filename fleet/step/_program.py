@@ -38,7 +38,7 @@ from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
-from fleet.step import _first_trace, _guards, _roles
+from fleet.step import _first_trace, _guards, _hints, _roles
 from fleet.step._graph import GraphCache, Plan, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
     batch_arguments,
@@ -319,10 +319,12 @@ class Program:
         _guards.check_closures(self.fn)
         probe_body = functools.partial(self.body, plan, record=PlanRecord(), probe=True)
         try:
-            return probe_body, _guards.check_on_one_device(probe_body, plan.mesh, args, specs)
+            return probe_body, _guards.check_on_one_device(
+                probe_body, plan.mesh, args, specs,
+                scalars=_hints.scalar_names(self.fn, plan.kinds, plan.kw_names, _roles.REPL))
         except FleetError as e:
             e = _first_trace.with_copies_hint(e, self.graph.objs)
-            raise _guards.with_bound_hint(e, self.fn) from e.__cause__
+            raise _hints.with_bound_hint(e, self.fn) from e.__cause__
 
 
 def _split_failure(error: Exception, plan: Plan, batch: list) -> FleetError:

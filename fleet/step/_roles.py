@@ -135,6 +135,27 @@ def check_static_objects(values: Sequence, kinds: Sequence, kw_names: Sequence) 
                 f"lost. {_OBJECTS_FIX}")
 
 
+def check_declared_static(values: Sequence, i: int, kw_names: Sequence) -> None:
+    """An argument declared static (``static_argnums`` / ``static_argnames``) is a
+    key of the compiled program, as under ``jax.jit``: hashable, and no array or
+    NNX object, whose values would be constants of the program."""
+    value, where = values[i], _argument(i, values, kw_names)
+    if is_array(value) or isinstance(value, (nnx.Pytree, nnx.Variable)):
+        what = "an array" if is_array(value) else f"an NNX object ({type(value).__name__})"
+        raise FleetTypeError(
+            f"{where} is declared static (static_argnums / static_argnames), but it is {what}: "
+            "a static value is a key of the compiled program, and its arrays would be "
+            "constants of it. Declare static only Python values the step branches on "
+            "(a flag, a mode string), and pass arrays and NNX objects as they are")
+    try:
+        hash(value)
+    except TypeError:
+        raise FleetTypeError(
+            f"{where} is declared static (static_argnums / static_argnames), but a "
+            f"{type(value).__name__} is not hashable: a static value is a key of the "
+            "compiled program. Pass a hashable value (a tuple instead of a list)") from None
+
+
 _OBJECTS_FIX = (
     "Pass each object as its own argument (step(model, actor_optimizer, critic_optimizer, "
     "batch)), and hold variables and groups of objects in an nnx.Module (an attribute of "
