@@ -374,7 +374,7 @@ def test_static_argnames_keeps_a_flag_static_as_jax_jit_does(make_world):
 
     ref_losses, ref_params = run(nnx.jit(_flagged_step, static_argnames="train"), wrap=False)
     make_world(4)
-    with pytest.raises(fleet.FleetError, match=r"(?s)TracerBoolConversionError.*The step's Python "
+    with pytest.raises(fleet.FleetError, match=r"(?s)TracerBoolConversionError.*The step's "
                        r"scalar arguments are traced, as under jax.jit: train \(the 5th "
                        r"argument\)\. .*static_argnames="):
         run(fleet.distributed_step(_flagged_step), wrap=True)

@@ -48,12 +48,12 @@ def scalar_names(fn: Callable, kinds: Sequence[str], kw_names: Sequence[str],
 
 def traced_scalars(error: Exception, scalars: Sequence[str]) -> str:
     """For ``error``, a traced value where Python needs a concrete one (``if``,
-    ``int()``), in a step with Python scalar arguments: that they are traced, and
+    ``int()``), in a step with scalar arguments: that they are traced, and
     how to make one static. Empty otherwise."""
     concrete = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
     if not scalars or not isinstance(error, concrete):
         return ""
-    return (f". The step's Python scalar arguments are traced, as under jax.jit: "
+    return (f". The step's scalar arguments are traced, as under jax.jit: "
             f"{', '.join(scalars)}. To branch on one in Python (if train:), declare it "
             "static, as jax.jit's static_argnames: fleet.distributed_step(fn, "
             "static_argnames=(...)) or static_argnums=(...); each value then gets a "
