@@ -148,6 +148,16 @@ def one_device_and_fleet(make_model, step, data, make_world, n: int = 4):
     return want, run(fleet.distributed_model(make_model()), fleet.distributed_step, True)
 
 
+def model_and_optimizer(model, tx, wrap: bool) -> tuple:
+    """``model`` and an ``nnx.Optimizer`` of ``tx`` over its parameters, both wrapped
+    by fleet (``fleet.distributed_model`` / ``fleet.distributed_optimizer``) if ``wrap``."""
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if not wrap:
+        return model, optimizer
+    model = fleet.distributed_model(model)
+    return model, fleet.distributed_optimizer(optimizer)
+
+
 def linen_init(kind: str, data):
     return LINEN_MODELS[kind]().init(jax.random.key(0), data[0][0][:1])
 

@@ -182,11 +182,8 @@ def test_a_step_that_updates_metrics_traces_twice_and_compiles_once(make_world):
         optimizer.update(model, grads)
 
     def run(step, wrap):
-        model = models.CNN(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        if wrap:
-            model = fleet.distributed_model(model)
-            optimizer = fleet.distributed_optimizer(optimizer)
+        model, optimizer = models.model_and_optimizer(models.CNN(nnx.Rngs(0)),
+                                                      optax.sgd(0.1), wrap)
         metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
                                   loss=nnx.metrics.Average("loss"))
         counts = [compiles_during(step, model, optimizer, metrics, x, y)[1] for x, y in data]

@@ -268,11 +268,8 @@ def test_a_table_passed_as_an_argument_is_named_and_batch_argnums_keeps_it_whole
     step = _weighted_step(lookup)
 
     def run(call):
-        model = nnx.Linear(6, _CLASSES, rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        if call is not None:
-            model = fleet.distributed_model(model)
-            optimizer = fleet.distributed_optimizer(optimizer)
+        model, optimizer = models.model_and_optimizer(
+            nnx.Linear(6, _CLASSES, rngs=nnx.Rngs(0)), optax.sgd(0.1), call is not None)
         call = call or nnx.jit(step)
         losses = [float(call(model, optimizer, x, y, cw)) for x, y in data]
         return losses, models.flat_params(model)
@@ -299,13 +296,9 @@ def test_nnx_cached_partial_of_a_step_trains_as_on_one_device(make_world):
     data = models.batches("linear", 3, 8)
 
     def run(wrap):
-        model = models.LinearNet(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(models.LR), wrt=nnx.Param)
-        step = nnx.jit(models.nnx_train_step)
-        if wrap:
-            model = fleet.distributed_model(model)
-            optimizer = fleet.distributed_optimizer(optimizer)
-            step = fleet.distributed_step(models.nnx_train_step)
+        model, optimizer = models.model_and_optimizer(
+            models.LinearNet(nnx.Rngs(0)), optax.adam(models.LR), wrap)
+        step = (fleet.distributed_step if wrap else nnx.jit)(models.nnx_train_step)
         cached = nnx.cached_partial(step, model, optimizer)
         losses = [float(cached(x, y)) for x, y in data]
         return losses, models.flat_params(model), step
@@ -362,11 +355,8 @@ def test_static_argnames_keeps_a_flag_static_as_jax_jit_does(make_world):
     flags = [True, False, True, False]
 
     def run(step, wrap):
-        model = models.LinearNet(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        if wrap:
-            model = fleet.distributed_model(model)
-            optimizer = fleet.distributed_optimizer(optimizer)
+        model, optimizer = models.model_and_optimizer(
+            models.LinearNet(nnx.Rngs(0)), optax.sgd(0.1), wrap)
         losses = [float(step(model, optimizer, x, y, train=train) if k % 2 else
                         step(model, optimizer, x, y, train))
                   for k, ((x, y), train) in enumerate(zip(data, flags))]
