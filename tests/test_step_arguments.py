@@ -27,11 +27,11 @@ _CLASSES = 16  # (a multiple of the 4 replicas: the table splits as a batch woul
 def _weighted_step(lookup: str):
     """A classifier whose loss weighs each row by its class, from a table of class
     weights passed as an argument: read by index (``cw[y]``) or by a one-hot product,
-    or the loss scaled by the table's mean."""
+    or the loss scaled by the table's mean (its output declared a mean, or not)."""
     def step(model, optimizer, x, y, cw):
         def loss_fn(m):
             ce = optax.softmax_cross_entropy_with_integer_labels(m(x), y)
-            if lookup == "mean":  # (its mean, a constant scale of the loss)
+            if lookup.startswith("mean"):  # (its mean, a constant scale of the loss)
                 return ce.mean() * cw.mean()
             w = cw[y] if lookup == "index" else (jax.nn.one_hot(y, _CLASSES) * cw).sum(-1)
             return (ce * w).mean()
@@ -49,6 +49,8 @@ def _weighted_step(lookup: str):
               r"5th argument's, split over the replicas as batch data.*batch_argnums="),
     ("mean", r"a value reduced over the replica's rows .* The batch arguments split into 4 or 8 "
              r"rows each: if one is not batch data .*batch_argnums="),
+    ("mean, undeclared", r"the output .* is not a mean, a sum, .* The batch arguments split into "
+                         r"4 or 8 rows each: if one is not batch data .*batch_argnums="),
 ])
 def test_a_table_passed_as_an_argument_is_named_and_batch_argnums_keeps_it_whole(
         make_world, lookup, says):
@@ -71,7 +73,7 @@ def test_a_table_passed_as_an_argument_is_named_and_batch_argnums_keeps_it_whole
 
     ref_losses, ref_params = run(None)
     make_world(4)
-    declared = {"out_reduce": "mean"} if lookup == "mean" else {}  # (past the output's rule)
+    declared = {"out_reduce": "mean"} if lookup == "mean" else {}  # (past the outputs' rule)
     with pytest.raises(fleet.FleetError, match=says) as refused:
         run(fleet.distributed_step(step, **declared))
     if lookup == "one-hot":  # (the user's line that failed, not JAX's)

@@ -88,6 +88,17 @@ _MIXED = (
     "d).T, the positives offset by jax.lax.axis_index(fleet.DATA_AXIS) * rows")
 
 
+def tables_hint(rows: frozenset) -> str:
+    """For a refusal of a step whose batch arguments split into different row
+    counts: that one may be a table, not batch data (empty for one row count)."""
+    if len(rows) < 2:
+        return ""
+    return (f". The batch arguments split into {' or '.join(map(str, sorted(rows)))} rows "
+            "each: if one is not batch data (a table of class weights, a prior), pass "
+            "distributed_step(fn, batch_argnums=...) naming only the batch's positions, and "
+            "it reaches every replica whole")
+
+
 class _Rows(ControlFlow):
     """The walk: each variable's tag (``fleet.semantics._row_rules``)."""
 
@@ -118,12 +129,8 @@ class _Rows(ControlFlow):
         calls = self.calls if calls is None else calls
         where = next(filter(None, map(_compat.user_line, [eqn, *reversed(calls)])),
                      f"a {eqn.primitive.name} in the step")
-        rows = " or ".join(map(str, sorted(self.rows)))
-        raise FleetError(_MIXED.format(what=what, where=where, rows=rows) + (
-            "" if len(self.rows) == 1 else
-            f". The batch arguments split into {rows} rows each: if one is not batch data "
-            "(a table of class weights, a prior), pass distributed_step(fn, batch_argnums=...) "
-            "naming only the batch's positions, and it reaches every replica whole"))
+        raise FleetError(_MIXED.format(what=what, where=where, rows=" or ".join(
+            map(str, sorted(self.rows)))) + tables_hint(self.rows))
 
     def reorder(self, eqn: Any, row: Row, what: str) -> Row:
         """``row``, a new order of the rows that ``eqn`` made (``what``, for the error

@@ -38,6 +38,7 @@ from fleet.runtime._leaves import dotted
 from fleet.runtime._world import DATA_AXIS
 from fleet.sections import _finite_replay
 from fleet.semantics import _metrics, _random, _trace_errors
+from fleet.semantics._row_mixing import tables_hint
 from fleet.step import _first_trace, _guards, _hints, _roles
 from fleet.step._graph import GraphCache, Plan, restructured, tree_layout, tree_rows
 from fleet.step._probe_checks import (
@@ -49,6 +50,7 @@ from fleet.step._probe_checks import (
     check_row_count,
     check_row_mixing,
     check_written,
+    replica_rows,
     resolve_metrics,
     resolve_scalars,
 )
@@ -156,6 +158,11 @@ class Program:
         except SummedLossError:  # rows mixed too (a softmax over the batch): no reduction mends that
             check_row_mixing(plan, self.graph, jaxpr, args, reference)
             raise
+        except FleetError as e:  # (an output no combination gives: its rows from a table?)
+            hint = tables_hint(replica_rows(plan, batch))
+            if not hint:
+                raise
+            raise type(e)(str(e) + hint).with_traceback(e.__traceback__) from e.__cause__
         check_row_mixing(plan, self.graph, jaxpr, args, reference)  # (after the outputs' own refusals)
         check_gradients(plan, record, self.graph, jaxpr, trees)
         check_row_count(plan, jaxpr, reference, undeclared)  # (after the others' refusals)
