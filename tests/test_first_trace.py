@@ -187,6 +187,8 @@ def test_a_step_that_updates_metrics_traces_twice_and_compiles_once(make_world):
         metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
                                   loss=nnx.metrics.Average("loss"))
         counts = [compiles_during(step, model, optimizer, metrics, x, y)[1] for x, y in data]
+        if wrap:  # (the metrics' state too: the same on every device)
+            assert fleet.check_replicas((model, optimizer, metrics)) == []
         return counts, metrics.compute(), models.flat_params(model)
 
     ref_counts, ref_metrics, ref_params = run(nnx.jit(train), wrap=False)

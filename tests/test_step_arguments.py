@@ -69,6 +69,7 @@ def test_a_table_passed_as_an_argument_is_named_and_batch_argnums_keeps_it_whole
             nnx.Linear(6, _CLASSES, rngs=nnx.Rngs(0)), optax.sgd(0.1), call is not None)
         call = call or nnx.jit(step)
         losses = [float(call(model, optimizer, x, y, cw)) for x, y in data]
+        assert fleet.check_replicas((model, optimizer)) == []
         return losses, models.flat_params(model)
 
     ref_losses, ref_params = run(None)
@@ -98,6 +99,8 @@ def test_nnx_cached_partial_of_a_step_trains_as_on_one_device(make_world):
         step = (fleet.distributed_step if wrap else nnx.jit)(models.nnx_train_step)
         cached = nnx.cached_partial(step, model, optimizer)
         losses = [float(cached(x, y)) for x, y in data]
+        assert fleet.check_replicas((model, optimizer)) == []
+        assert fleet.check_replicas((model, optimizer)) == []
         return losses, models.flat_params(model), step
 
     ref_losses, ref_params, _ = run(False)
@@ -156,6 +159,7 @@ def test_static_argnames_keeps_a_flag_static_as_jax_jit_does(make_world):
         losses = [float(step(model, optimizer, x, y, train=train) if k % 2 else
                         step(model, optimizer, x, y, train))
                   for k, ((x, y), train) in enumerate(zip(data, flags))]
+        assert fleet.check_replicas((model, optimizer)) == []
         return losses, models.flat_params(model)
 
     ref_losses, ref_params = run(nnx.jit(_flagged_step, static_argnames="train"), wrap=False)
