@@ -65,8 +65,9 @@ def _copy(x: jax.Array) -> jax.Array:
     """A copy of ``x`` in new buffers, with its sharding. In a multi-process job
     each process copies its own shards (a held leaf is held on one process only:
     nothing here may wait for the others)."""
-    if x.is_fully_addressable:
-        return jax.device_put(x, may_alias=False)
+    if x.is_fully_addressable:  # (the sharding named: without it, a PRNG key's copy
+        # lands on one device, uncommitted, and the next call compiles again)
+        return jax.device_put(x, x.sharding, may_alias=False)
     shards = [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
 

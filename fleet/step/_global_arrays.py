@@ -82,25 +82,50 @@ def global_batch(position: int, value: Any, w: World) -> Any:
     return jax.tree.map(check, value)
 
 
-def placed(state: list, per_replica: Sequence[bool], trees: Any, repl: Any) -> tuple | None:
+def placed(state: list, per_replica: Sequence[bool], trees: Any, repl: Any,
+           first: bool = False) -> tuple | None:
     """The state, tree and replicated arguments placed on the mesh, or ``None``
-    when every array is already where the step expects it."""
+    when every array is already where the step expects it.
+
+    An array committed elsewhere (one device, another mesh) is placed: ``jit``
+    refuses it, and places anything else itself. A plan's ``first`` call also
+    places what the next calls will pass placed, so that they find its program in
+    ``jit``'s cache (whose key holds each argument's mesh) rather than compile a
+    second one: the state, which the step writes back as arrays on the mesh (a
+    host value too, and one device's array where the mesh has one device); a
+    tree's Python scalars (a new ``TrainState``'s ``step=0``) and arrays, which
+    come back so when the step returns the tree (a numpy array is left as it is:
+    more often a table that each call passes again). The replicated arguments are
+    given anew each call: only what ``jit`` refuses is placed, and a first call's
+    leaf of a tree or of the state (``step(state, batch, state.key)``) as that leaf."""
     w = world()
     data = NamedSharding(w.mesh, P(DATA_AXIS))
-    misplaced = []
+    misplaced, moved = [], {}
 
-    def place(x: Any, where: NamedSharding) -> Any:
-        # Only a committed jax.Array can be refused: jit places anything else itself.
-        if not isinstance(x, jax.Array) or x.sharding.is_equivalent_to(where, x.ndim):
+    def place(x: Any, where: NamedSharding, returned: tuple[type, ...] = ()) -> Any:
+        if isinstance(x, jax.Array):
+            if x.sharding.is_equivalent_to(where, x.ndim) and (
+                    not returned or getattr(x.sharding, "mesh", None) == where.mesh):
+                return x
+            if not (x.committed or returned):
+                return x
+        elif not isinstance(x, returned):
             return x
         misplaced.append(x)
-        return jax.device_put(x, where)
+        put = jax.device_put(x, where)
+        if isinstance(x, jax.Array):  # (not a scalar: CPython shares small ints)
+            moved[id(x)] = put
+        return put
 
-    repl = jax.tree.map(lambda x: place(x, w.replicated), repl)
+    scalars = (bool, int, float, complex)
+    in_tree = scalars if first else ()
+    in_state = (np.ndarray, np.generic, *scalars) if first else ()
     trees = jax.tree.map(
-        lambda x: _sharding.Shard(place(x.value, data), x.layout)
-        if _sharding.is_shard(x) else place(x, w.replicated),
+        lambda x: _sharding.Shard(place(x.value, data, in_tree), x.layout)
+        if _sharding.is_shard(x) else place(x, w.replicated, in_tree),
         trees, is_leaf=_sharding.is_shard)
-    state = [x if pr else place(x, w.replicated)
+    state = [x if pr else place(x, w.replicated, in_state)
              for x, pr in zip(state, per_replica)]
+    repl = jax.tree.map(lambda x: moved[id(x)] if id(x) in moved else place(x, w.replicated),
+                        repl)
     return (state, trees, repl) if misplaced else None

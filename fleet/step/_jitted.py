@@ -59,10 +59,11 @@ def runner(jits: dict, plan: Plan, program: Program, donate: bool) -> Callable:
 
     def run(state, trees, batch, repl, chain, flat=False):
         nonlocal jitted, first
-        if first:  # (state made on one device, an unwrapped metric's: on the mesh, as the
-            # next calls pass it, so that they find the first call's program in jit's cache)
+        if first:  # (state made on one device or on the host, an unwrapped metric's, a
+            # TrainState's step=0: on the mesh, as the next calls pass it, so that they
+            # find the first call's program in jit's cache)
             state, trees, repl = place_on_mesh(state, program.graph.per_replica, trees,
-                                               repl) or (state, trees, repl)
+                                               repl, first=True) or (state, trees, repl)
         # (flat: a recalled call, whose batch and replicated values are arrays
         # and scalars, and which has no trees: fleet.step._recall)
         layout, donated, kept = (_donate.split_flat(state, batch + repl, donate) if flat
