@@ -201,6 +201,81 @@ def test_a_step_that_updates_metrics_traces_twice_and_compiles_once(make_world):
     assert models.max_diff(params, ref_params) < TOL
 
 
+def linen_script(case):
+    """Flax's guides on one device or with fleet: ``run(wrap)`` gives each call's
+    loss and compilations, and the final state. A new ``TrainState`` holds
+    ``step=0``, a Python int, on the host; the dropout guide passes
+    ``state.key``, a leaf of the state, as an argument."""
+    from flax.training.train_state import TrainState
+
+    from tests.test_random import LinenDrop, data, linen_state, linen_step
+
+    if case == "dropout guide":
+        batches = [({"image": x, "label": y},) for x, y in data(3)]
+
+        def start(wrap):
+            module = fleet.distributed_model(LinenDrop()) if wrap else LinenDrop()
+            return linen_state(module), linen_step
+
+        def call(step, state, batch):
+            return compiles_during(step, state, batch, state.key)
+    else:
+        batches = models.batches("linear", 3, 8)
+
+        def start(wrap):
+            module = models.LinenLinearNet()
+            params = module.init(jax.random.key(0), batches[0][0][:1])["params"]
+            tx = fleet.distributed_optimizer(optax.adam(0.01)) if wrap else optax.adam(0.01)
+            return TrainState.create(apply_fn=module.apply, params=params, tx=tx), \
+                models.linen_train_step
+
+        def call(step, state, x, y):
+            return compiles_during(step, state, x, y)
+
+    def run(wrap):
+        state, fn = start(wrap)
+        step = fleet.distributed_step(fn) if wrap else jax.jit(fn)
+        got = []
+        for batch in batches:
+            (state, loss), compiled = call(step, state, *batch)
+            got.append((float(loss), compiled))
+        return got, state
+
+    return run
+
+
+@pytest.mark.parametrize("case, n", [("TrainState", 4), ("TrainState", 1),
+                                     ("dropout guide", 4), ("nnx", 1)])
+def test_the_calls_after_the_first_compile_nothing(make_world, case, n):
+    # Each argument's mesh is part of jit's cache key: a call that passes what the
+    # last one returned (arrays on the mesh) must find the first call's program.
+    # The first call places what would otherwise differ (fleet.step._global_arrays.
+    # placed): a TrainState's step=0 on the host, a mesh of one device, the state's
+    # key passed as an argument too, a donated key's copy (fleet.step._donate).
+    if case == "nnx":
+        data = models.batches("linear", 3, 8)
+        ref_losses, ref_params = models.nnx_reference("linear", data, optax.sgd(0.1))
+        make_world(n)
+        model, optimizer = models.model_and_optimizer(models.LinearNet(nnx.Rngs(0)),
+                                                      optax.sgd(0.1), True)
+        step = fleet.distributed_step(models.nnx_train_step)
+        got = [compiles_during(step, model, optimizer, x, y) for x, y in data]
+        got, params = [(float(loss), c) for loss, c in got], models.flat_params(model)
+        assert fleet.check_replicas((model, optimizer)) == []
+    else:
+        run = linen_script(case)
+        ref, ref_state = run(wrap=False)
+        ref_losses, ref_params = [loss for loss, _ in ref], models.flat_params(ref_state.params)
+        make_world(n)
+        got, state = run(wrap=True)
+        params = models.flat_params(state.params)
+        assert fleet.check_replicas(state) == []
+        assert [c for _, c in ref] == [1, 0, 0]
+    assert [c for _, c in got] == [1, 0, 0], got
+    np.testing.assert_allclose([loss for loss, _ in got], ref_losses, rtol=1e-5, atol=TOL)
+    assert models.max_diff(params, ref_params) < TOL
+
+
 def compile_threads():
     return [t for t in threading.enumerate() if t.name == "fleet-compile"]
 

@@ -75,6 +75,11 @@ class OptimizerCalls:
     calls: int = 0  # distributed optimizer updates in this trace
     grads: set = dataclasses.field(default_factory=set)  # ids of the gradients they got
     auto_sum: bool = False  # gradients were summed by JAX: the optimizer divides by N
+    #: the probe: the optimizer divides as if JAX summed the gradients typed the same
+    #: on every replica (so its program is the real one if the checks find JAX did),
+    #: and ``summed`` says whether it got any such gradient
+    assume_sum: bool = False
+    summed: bool = False
     divisor: Any = None  # synced gradients are divided by it (loss scale, merge avg)
     loss_scale: Any = None  # float16 amp: the distributed optimizer's scale, this step
 

@@ -84,10 +84,11 @@ def forms(reduces: list, summed: list, combined: Any) -> list[str]:
 
 def reusable(record: PlanRecord, assumed: list[str], decided: list[str]) -> bool:
     """Whether the probe's tail is the real program's: the outputs leave the body
-    as the tail assumed, the optimizer need not divide gradients JAX summed
-    (``auto_sum``), and each varying scalar a metric got combines as the probe
-    assumed (fleet.semantics._metrics)."""
-    return (assumed == decided and not record.auto_sum
+    as the tail assumed, the optimizer divided the gradients JAX summed
+    (``auto_sum``: a Linen ``TrainState``, raw parameters) as the probe assumed
+    it must, and each varying scalar a metric got combines as the probe assumed
+    (fleet.semantics._metrics)."""
+    return (assumed == decided and record.auto_sum == record.sum_assumed
             and record.metric_scalars == record.metric_assumed)
 
 

@@ -203,7 +203,7 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
         if used:
             raise FleetError(_summed_grads.SUMMED_USED.format(n=plan.mesh.devices.size,
                                                               where=", ".join(used)))
-        if returned:
+        if returned or record.returns_grads:
             raise FleetError(_summed_grads.RETURNED.format(n=plan.mesh.devices.size))
         record.auto_sum = True
         if strategy.amp:
@@ -227,10 +227,16 @@ def check_gradients(plan: Plan, record: PlanRecord, graph: GraphCache, jaxpr: An
             "wrt=nnx.Param)) to the step and update with it")
 
 
-def check_returned(trace: Any, out: Any) -> None:
+def check_returned(trace: Any, out: Any, record: PlanRecord) -> None:
     """The step's outputs hold no gradient the body cannot return as on one
-    device: a sharded model's (placeholders) or raw parameters' (summed by JAX)."""
+    device: a sharded model's (placeholders) or raw parameters' (summed by JAX).
+    The probe, which cannot know yet whether JAX summed them, records whether it
+    returns raw parameters' gradients (:func:`check_gradients` refuses them once it
+    finds JAX did)."""
     if trace.shard.grads and any(id(x) in trace.shard.grads for x in jax.tree.leaves(out)):
         raise FleetError(SHARD_GRADS_READ.format(what="the step returns them"))
-    if trace.tx.auto_sum and any(id(x) in trace.tx.grads for x in jax.tree.leaves(out)):
+    returned = any(id(x) in trace.tx.grads for x in jax.tree.leaves(out))
+    if trace.tx.auto_sum and returned:
         raise FleetError(_summed_grads.RETURNED.format(n=trace.num_replicas))
+    if trace.tx.assume_sum:
+        record.returns_grads = returned

@@ -285,7 +285,7 @@ class Program:
                 raise FleetError(restructured(objs))
             new_state = replicated_state(self.graph, new, plan, entered, original, trace)
             leaves, reduces, treedef = _roles.combine_outputs(out, batch, self.out_reduce)
-        check_returned(trace, out)
+        check_returned(trace, out, record)
         names = [(f"output {dotted(p)}" if dotted(p) else "the output") for p in
                  [q for q, _ in jax.tree_util.tree_flatten_with_path(out)[0]]]
         tail = functools.partial(leave, plan, per_replica, trace, recorder, keys, names,
@@ -309,6 +309,7 @@ class Program:
         trace = _trace.SyncTrace(num_replicas=plan.mesh.devices.size)
         trace.shard.refusals = [] if probe else None
         trace.accum.no_sync, trace.tx.auto_sum = plan.no_sync, record.auto_sum
+        trace.tx.assume_sum = probe
         trace.finite.check = plan.check_nan_inf
         check_one_sum_each(self.graph.accum_keys, objs)
         trace.accum.given = {k: x for k, x in zip(self.graph.accum_keys, state) if k is not None}

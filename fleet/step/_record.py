@@ -45,6 +45,12 @@ class PlanRecord:
     shard_refusals: list = dataclasses.field(default_factory=list)
     #: gradients of raw parameters were summed by JAX: the distributed optimizer divides
     auto_sum: bool = False
+    #: the probe's optimizer divided gradients as if JAX had summed them (its program
+    #: is the real one where the checks find that JAX did: fleet.step._first_trace)
+    sum_assumed: bool = False
+    #: the probe's outputs hold gradients the distributed optimizer got (refused
+    #: where JAX summed them: fleet.step._probe_checks.check_returned)
+    returns_grads: bool = False
     #: which metric got each varying scalar (the probe; fleet.semantics._metrics)
     metric_labels: list = dataclasses.field(default_factory=list)
     #: how the k-th varying scalar a metric got combines (the real trace)

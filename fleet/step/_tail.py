@@ -100,6 +100,7 @@ def probe_record(record: PlanRecord, graph: GraphCache, trace: Any, new_state: l
     record.dtypes = [jnp.result_type(x) for x in leaves]
     record.out, record.treedef = reduces, treedef
     record.wrapped_syncs, record.tx_calls = trace.wrapped_syncs, trace.tx.calls
+    record.sum_assumed = trace.tx.summed
     record.merge_updates, record.shard_grads = trace.accum.merge_updates, len(trace.shard.grads)
     record.shard_refusals = list(trace.shard.refusals or ())
     record.written = list(trace.written)

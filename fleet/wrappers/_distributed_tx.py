@@ -55,20 +55,28 @@ def _prepare(grads):
             flat = jax.tree_util.tree_flatten_with_path(grads)[0]
             trace.finite.record([f"gradient {dotted(p)!r}" for p, _ in flat],
                                 [g for _, g in flat])
-            # (raw parameters: JAX may have summed their gradients over the replicas)
-            grads = fleet_tx_grads(grads, trace.num_replicas if trace.tx.auto_sum else 1)
+            # (raw parameters: JAX may have summed their gradients over the replicas;
+            # the probe assumes it did, and its checks find out: fleet.step._first_trace)
+            if trace.tx.assume_sum:
+                trace.tx.summed |= any(map(_summed_by_jax, jax.tree.leaves(grads)))
+            summed = trace.tx.auto_sum or trace.tx.assume_sum
+            grads = fleet_tx_grads(grads, trace.num_replicas if summed else 1)
     return grads
+
+
+def _summed_by_jax(g) -> bool:
+    """Whether a raw parameter's gradient is one JAX may have summed over the
+    replicas: a float typed the same on every replica."""
+    return jnp.issubdtype(g.dtype, jnp.inexact) and not _sync.is_varying(g)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def fleet_tx_grads(grads, n: int):
     """Raw parameters' gradients handed to a distributed optimizer: divided by
-    ``n``, the replicas JAX summed them over (1 in the probe, which finds out), as
-    one call the probe recognises: every other use of such a sum in the step is
-    refused (fleet.step._guards.summed_uses)."""
-    return jax.tree.map(
-        lambda g: g if _sync.is_varying(g) or not jnp.issubdtype(g.dtype, jnp.inexact)
-        else g / n, grads)
+    ``n``, the replicas JAX summed them over, as one call the probe recognises:
+    every other use of such a sum in the step is refused
+    (fleet.step._guards.summed_uses)."""
+    return jax.tree.map(lambda g: g / n if _summed_by_jax(g) else g, grads)
 
 
 def _refuse_per_replica_extra(extra: dict, params) -> None:
