@@ -22,13 +22,26 @@ width 32, 4 heads, 8 tokens), Adam, a global batch of 16 sequences. Variants:
   split and merged by hand, gradients divided by N. Against (a) fleet also pays
   for NNX's optimizer and graph, which the user's script chose; against (c)
   only for fleet;
-* fleet: ``fleet.distributed_step`` with its defaults.
+* fleet: ``fleet.distributed_step`` with its defaults;
+* (d) the same model in Linen with Flax's ``TrainState`` (``TrainState.create``,
+  ``jax.value_and_grad``, ``state.apply_gradients``) in a hand-written
+  ``jax.jit(jax.shard_map(...))``, the state placed on the mesh first, gradients
+  divided by N;
+* fleet, Linen: that Linen step as Flax's guides write it, with
+  ``fleet.distributed_step`` and the module wrapped (``fleet.distributed_model``):
+  a new ``TrainState``'s ``step=0`` is a Python int;
+* fleet, Linen, raw parameters: the same without ``fleet.distributed_model``:
+  JAX sums the raw parameters' gradients, and fleet's optax optimizer divides them.
+
+The second call is timed too (from its call to its outputs): it must find the
+first call's program, not compile another.
 
 Rounds are interleaved (each round starts every variant once, back to back);
 the table shows the median seconds and the median of the per-round ratios.
 
     .venv/bin/python benchmarks/first_step.py [--rounds 5] [--layers 16,48]
         [--compare-with ../fleet-base]   # fleet from another checkout, same rounds
+        # (its variants from this file: copy it there if that checkout's is older)
 """
 
 from __future__ import annotations
@@ -51,7 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fleet  # noqa: E402
 
 VARIANTS = ("(a) jit+shard_map, by hand", "(b) nnx.jit, sharded batch",
-            "(c) same NNX step, by hand", "fleet")
+            "(c) same NNX step, by hand", "fleet", "(d) Linen TrainState, by hand",
+            "fleet, Linen", "fleet, Linen, raw parameters")
 WIDTH, HEADS, TOKENS, BATCH = 32, 4, 8, 16
 
 
@@ -142,6 +156,8 @@ def child(variant: str, layers: int) -> dict:
             donate_argnums=0, in_shardings=(replicated, rows, rows))
         args = (jax.device_put(state, replicated), jax.device_put(x, rows),
                 jax.device_put(y, rows))
+    elif variant in VARIANTS[4:]:
+        step, args = linen_step(variant, layers, x, y, traces)
     else:
         fleet.init(is_collective=True)
         model = fleet.distributed_model(Transformer(nnx.Rngs(0)))
@@ -156,11 +172,76 @@ def child(variant: str, layers: int) -> dict:
         step = fleet.distributed_step(train)
         w = fleet.world()
         args = (model, optimizer, jax.device_put(x, w.batch), jax.device_put(y, w.batch))
-    jax.block_until_ready([a for a in args if isinstance(a, jax.Array)])
+    jax.block_until_ready([a for a in jax.tree.leaves(args) if isinstance(a, jax.Array)])
     t0 = time.perf_counter()
-    out = step(*args)
-    jax.block_until_ready(out)
-    return {"seconds": time.perf_counter() - t0, "traces": traces[0]}
+    out = jax.block_until_ready(step(*args))
+    first, traced = time.perf_counter() - t0, traces[0]
+    if variant == VARIANTS[0]:  # (the donated state: the next call takes what came back)
+        args = (*out[:2], *args[2:])
+    elif variant in (VARIANTS[2], *VARIANTS[4:]):
+        args = (out[0], *args[1:])
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    return {"seconds": first, "second": time.perf_counter() - t0, "traces": traced}
+
+
+def linen_step(variant: str, layers: int, x: np.ndarray, y: np.ndarray, traces: list):
+    """The Linen variants' step and first arguments: the same Transformer in Linen,
+    a ``TrainState`` as Flax's guides make it."""
+    from flax import linen
+    from flax.training.train_state import TrainState
+
+    class Block(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            x = x + linen.MultiHeadDotProductAttention(HEADS)(linen.LayerNorm()(x))
+            h = linen.gelu(linen.Dense(4 * WIDTH)(linen.LayerNorm()(x)))
+            return x + linen.Dense(WIDTH)(h)
+
+    class Transformer(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            x = linen.Dense(WIDTH)(x)
+            for _ in range(layers):
+                x = Block()(x)
+            return linen.Dense(10)(x.mean(1))
+
+    def train(state, x, y, n=1):
+        traces[0] += 1
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        if n > 1:  # (by hand: the transpose summed them)
+            grads = jax.tree.map(lambda g: g / n, grads)
+        return state.apply_gradients(grads=grads), loss
+
+    module = Transformer()
+    if variant != VARIANTS[4]:
+        fleet.init(is_collective=True)
+        if variant == VARIANTS[5]:
+            module = fleet.distributed_model(module)
+    params = module.init(jax.random.key(0), x[:1])["params"]
+    if variant != VARIANTS[4]:
+        state = TrainState.create(apply_fn=module.apply, params=params,
+                                  tx=fleet.distributed_optimizer(optax.adam(1e-3)))
+        return fleet.distributed_step(train), (state, x, y)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    n = mesh.devices.size
+    state = jax.device_put(TrainState.create(apply_fn=module.apply, params=params,
+                                             tx=optax.adam(1e-3)), replicated)
+
+    def per_device(state, x, y):
+        state, loss = train(state, x, y, n)
+        return state, jax.lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                 out_specs=(P(), P())),
+                   donate_argnums=0, in_shardings=(replicated, rows, rows))
+    return step, (state, jax.device_put(x, rows), jax.device_put(y, rows))
 
 
 def run_child(variant: str, layers: int, devices: int, script: str = __file__) -> dict:
@@ -180,32 +261,39 @@ def run_child(variant: str, layers: int, devices: int, script: str = __file__) -
 def measure(layers: int, rounds: int, devices: int, other: str | None) -> None:
     runs = {v: (v, __file__) for v in VARIANTS}
     if other:  # fleet from another checkout, in the same rounds
-        runs[f"fleet at {os.path.basename(os.path.abspath(other))}"] = (
-            "fleet", os.path.join(other, "benchmarks", "first_step.py"))
+        for v in ("fleet", *VARIANTS[5:]):
+            runs[f"{v} at {os.path.basename(os.path.abspath(other))}"] = (
+                v, os.path.join(other, "benchmarks", "first_step.py"))
     got = {v: [] for v in runs}
+    second = {v: [] for v in runs}
     traces = {}
     for _ in range(rounds):
         for v, (variant, script) in runs.items():
             r = run_child(variant, layers, devices, script)
             got[v].append(r["seconds"])
+            second[v].append(r.get("second", float("nan")))
             traces[v] = r["traces"]
     a, c = np.array(got[VARIANTS[0]]), np.array(got[VARIANTS[2]])
     print(f"\n{layers}-layer Transformer (width {WIDTH}, {HEADS} heads, {TOKENS} tokens), Adam, "
           f"global batch {BATCH}, {devices} CPU devices, {rounds} rounds, a fresh process each")
-    print(f"{'variant':30s} {'first step s':>12s} {'min s':>6s} {'vs (a)':>7s} {'vs (c)':>7s} "
-          f"{'min vs (a)':>10s} {'min vs (c)':>10s} {'traces':>6s}")
+    d = np.array(got[VARIANTS[4]])
+    print(f"{'variant':34s} {'first step s':>12s} {'min s':>6s} {'vs (a)':>7s} {'vs (c)':>7s} "
+          f"{'vs (d)':>7s} {'min vs (a)':>10s} {'min vs (c)':>10s} {'traces':>6s} "
+          f"{'second s':>8s}")
     for v in runs:
         t = np.array(got[v])
-        print(f"{v:30s} {np.median(t):12.2f} {t.min():6.2f} {np.median(t / a):7.3f} "
-              f"{np.median(t / c):7.3f} {t.min() / a.min():10.3f} {t.min() / c.min():10.3f} "
-              f"{traces[v]:6d}")
+        print(f"{v:34s} {np.median(t):12.2f} {t.min():6.2f} {np.median(t / a):7.3f} "
+              f"{np.median(t / c):7.3f} {np.median(t / d):7.3f} {t.min() / a.min():10.3f} "
+              f"{t.min() / c.min():10.3f} {traces[v]:6d} {np.median(second[v]):8.3f}")
     for v in runs:
         print(f"  {v}: " + " ".join(f"{x:.2f}" for x in got[v]))
     print("  (first step s: the median over rounds of the wall time from the first call to "
           "its outputs being ready; min s: the fastest round's; vs (a), vs (c): the median "
           "over rounds of the per-round ratios; min vs: the ratio of the fastest rounds, the "
           "least disturbed by other load; traces: how often the step function was called "
-          "while the first call traced it; then each round's seconds)")
+          "while the first call traced it; second s: the median time of the second call, "
+          "which compiles nothing when it finds the first call's program; then each "
+          "round's seconds)")
 
 
 def main() -> None:

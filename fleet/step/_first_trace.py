@@ -25,7 +25,9 @@ program's trace as it is (``fleet._compat.inline_jaxpr``), not bound again.
 The program compiles while the step is checked
 (``fleet.step._jitted.first_program``): the probe is traced first
 (``Program.speculate``), its program lowered on the decisions the tail assumed
-(outside the body: an integer scalar summed, any other a mean), and XLA
+(outside the body: an integer scalar summed, any other a mean; a distributed
+optax optimizer's raw-parameter gradients typed the same on every replica
+divided by N, as sums JAX made: a Linen ``TrainState``'s), and XLA
 compiles it in a thread (the compilation releases the GIL) while the calling
 thread traces the one-device reference and runs the guards
 (``Program.settle``). Nothing runs before they passed (the state is donated);
