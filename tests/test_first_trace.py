@@ -245,7 +245,8 @@ def linen_script(case):
 
 
 @pytest.mark.parametrize("case, n", [("TrainState", 4), ("TrainState", 1),
-                                     ("dropout guide", 4), ("nnx, a plain optimizer", 1)])
+                                     ("dropout guide", 4), ("NNX, a plain optimizer", 1),
+                                     ("NNX, dropout", 4)])
 def test_the_calls_after_the_first_compile_nothing(make_world, case, n):
     # Each argument's mesh is part of jit's cache key: a call that passes what the
     # last one returned (arrays on the mesh) must find the first call's program.
@@ -254,17 +255,28 @@ def test_the_calls_after_the_first_compile_nothing(make_world, case, n):
     # key passed as an argument too, a donated key's copy (fleet.step._donate). A Linen
     # TrainState on raw parameters also compiled twice on its first call (its probe's
     # optimizer did not divide what JAX summed: fleet.step._first_trace.reusable).
-    if case == "nnx, a plain optimizer":
-        data = models.batches("linear", 3, 8)
-        ref_losses, ref_params = models.nnx_reference("linear", data, optax.sgd(0.1))
-        make_world(n)  # (Paddle's low-level path: a wrapped model, a plain optimizer,
-        # whose state is made on one device)
-        model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        step = fleet.distributed_step(models.nnx_train_step)
-        got = [compiles_during(step, model, optimizer, x, y) for x, y in data]
-        got, params = [(float(loss), c) for loss, c in got], models.flat_params(model)
-        assert fleet.check_replicas((model, optimizer)) == []
+    if case.startswith("NNX"):
+        from tests.test_random import DropNet, data, nnx_step
+
+        if case == "NNX, a plain optimizer":  # (Paddle's low-level path: its state is
+            batches, make, fn = models.batches("linear", 3, 8), models.LinearNet, \
+                models.nnx_train_step  # made on one device)
+        else:  # (nnx.Dropout's key: held twice, so a copy of it is donated)
+            batches, make, fn = data(3), DropNet, nnx_step
+
+        def run(wrap):
+            model = fleet.distributed_model(make(nnx.Rngs(0))) if wrap else make(nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+            step = fleet.distributed_step(fn) if wrap else nnx.jit(fn)
+            got = [compiles_during(step, model, optimizer, x, y) for x, y in batches]
+            if wrap:
+                assert fleet.check_replicas((model, optimizer)) == []
+            return [(float(loss), c) for loss, c in got], models.flat_params(model)
+
+        ref, ref_params = run(wrap=False)
+        ref_losses = [loss for loss, _ in ref]
+        make_world(n)
+        got, params = run(wrap=True)
     else:
         run = linen_script(case)
         ref, ref_state = run(wrap=False)
