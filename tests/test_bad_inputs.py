@@ -2,6 +2,7 @@
 (issue 10). One table, read as a list: (case, call, error type, message)."""
 
 import math
+import re
 import warnings
 
 import jax
@@ -176,6 +177,21 @@ def test_a_scalar_argument_that_differs_by_process(tmp_path):
     assert ("the step's 3rd argument is 1.0 on process 1 but 100.0 on process 0" in log
             or "the step's 3rd argument is 100.0 on process 0 but 1.0 on process 1" in log), log[-3000:]
     print(f"per-process scalar: job ended in {seconds:.1f} s")
+
+
+@slow
+def test_state_that_differs_by_process_is_named(tmp_path):
+    """A TrainState each process initialised from its own seed: the first call, which
+    places it on the mesh, says so (it raised JAX's AssertionError from a check per
+    leaf: fleet.step._global_arrays checks them all at once)."""
+    job = jobs.two_processes(tmp_path, WORKER, "-", "seed", timeout=120, ok=False)
+    code, log, seconds = job.returncode, job.text(), job.seconds
+    assert code != 0, log[-3000:]
+    assert "the step ran" not in log and "AssertionError" not in log, log[-3000:]
+    assert re.search(r"FleetError: the processes passed different values to the step's first "
+                     r"call: array \d+ of the \d+ it places from each process's host "
+                     r"\(float32\[[\d, ]+\]\) differs between them.*same seed", log), log[-3000:]
+    print(f"per-process TrainState: job ended in {seconds:.1f} s")
 
 
 @slow

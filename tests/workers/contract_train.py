@@ -104,6 +104,18 @@ def scalar_fault():
     print("the step ran", flush=True)
 
 
+def seed_fault():
+    """Each process initialises a Linen TrainState from its own seed (raw parameters)."""
+    fleet.init(is_collective=True)
+    module = models.LinenLinearNet()
+    x, y = models.batches("linear", 1, 16)[0]
+    params = module.init(jax.random.key(fleet.worker_index()), x[:1])["params"]
+    state = TrainState.create(apply_fn=module.apply, params=params,
+                              tx=fleet.distributed_optimizer(optax.sgd(0.1)))
+    fleet.distributed_step(models.linen_train_step)(state, my_rows(x), my_rows(y))
+    print("the step ran", flush=True)
+
+
 def wrap_on_rank_0_only():
     """`if fleet.is_first_worker(): model = fleet.distributed_model(model)`."""
     fleet.init(is_collective=True)
@@ -119,6 +131,8 @@ def main(out_path, what):
         return fault(what)
     if what == "scalar":
         return scalar_fault()
+    if what == "seed":
+        return seed_fault()
     fleet.init(is_collective=True)
     results = {}
     results.update(shape_a(models.batches("linear", STEPS, BATCH)))
