@@ -25,6 +25,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import tiers  # noqa: E402
 from tests.jobs import jobs  # noqa: E402,F401 (a fixture: starts fleetrun jobs)
 
 # pytest imports fleet, and with it jax, before this file (to resolve the
@@ -50,6 +51,15 @@ def pytest_xdist_auto_num_workers(config):
     cores = os.cpu_count() or 1
     slow_tier = "slow" in (config.getoption("markexpr", "") or "").replace("not slow", "")
     return max(1, min(cores if slow_tier or cores == 1 else cores + 1, 4))
+
+
+@pytest.hookimpl(tryfirst=True)  # (before -m deselects by the marks)
+def pytest_collection_modifyitems(config, items):
+    tiers.mark_costly(items, config.args)
+
+
+def pytest_runtest_setup(item):
+    tiers.check_costly(item)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from tests import models, tiers
 from tests.jaxpr_utils import count_primitives
 
 STEPS, BATCH, TOL = 8, 16, 1e-5
-DEVICES = tiers.devices(1, 2, 4, 8, one=True)  # fleet's single-device path, in the default tier
+DEVICES = tiers.devices(1, 2, 4, 8, one=True, core=True)  # fleet's single-device path, in the default tier
 
 
 def split_mean_grad(grad_fn, x, y, n):

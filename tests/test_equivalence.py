@@ -16,7 +16,7 @@ import fleet
 from tests import models, tiers
 
 STEPS, BATCH, TOL = 30, 16, 1e-5
-DEVICES = tiers.devices(1, 2, 4, 8)
+DEVICES = tiers.devices(1, 2, 4, 8, core=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_linen_matches_single_card(make_world, references, kind, n):
     assert models.max_diff(params, ref_params) < TOL
 
 
-@pytest.mark.parametrize("n", tiers.devices(1, 4))
+@pytest.mark.parametrize("n", tiers.devices(1, 4, core=True))
 def test_optimizer_built_on_wrapped_model(make_world, references, n):
     data, ref_losses, ref_params = references("nnx", "linear")
     make_world(n)

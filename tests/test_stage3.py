@@ -81,7 +81,7 @@ def _world(make_world):
 
 # -- acceptance 1 and 2: the step equals the unsharded step --------------------------------------
 
-@pytest.mark.parametrize("devices", tiers.devices(2, 4, 8))
+@pytest.mark.parametrize("devices", tiers.devices(2, 4, 8, core=True))
 @pytest.mark.parametrize("opt_name", ["adam", "lamb", pytest.param("clip+adam", marks=tiers.slow),
                                       pytest.param("sgd", marks=tiers.slow),
                                       pytest.param("momentum", marks=tiers.slow)])
