@@ -30,7 +30,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from tests import models
+from tests import models, tiers
 
 EXPERTS = 4
 
@@ -69,7 +69,7 @@ ALL_REDUCED = step_of(lambda probs: fleet.all_reduce(probs.mean(0), "avg"))
 OWN_SHARE = step_of(lambda probs: probs.mean(0))
 
 
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_an_all_reduced_mean_differentiated_in_the_loss_is_refused_naming_the_fix(make_world, n):
     """On one replica too, as fleet's other sums over the replicas: the script fails
     where it is written, not first on a cluster."""
@@ -89,7 +89,7 @@ def test_an_all_reduced_mean_differentiated_in_the_loss_is_refused_naming_the_fi
     assert models.max_diff(models.flat_params(model), before) == 0  # (nothing ran)
 
 
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_the_replicas_own_share_trains_as_on_one_device(make_world, n):
     data = models.batches("linear", 3, 16)
     want, want_losses = models.train(MoE(nnx.Rngs(0)), data, wrap=False, step=OWN_SHARE)
@@ -152,7 +152,7 @@ def test_rows_normalised_by_all_reduced_statistics_are_refused_naming_batch_norm
     assert "sums over the 4 replicas itself" not in message  # (the reason it gave before)
 
 
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 def test_barlow_twins_with_a_synced_batch_norm_trains_as_on_one_device(make_world, n):
     data = models.batches("linear", 3, 16)
     step = barlow_twins(lambda z: z)

@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from tests import models
+from tests import models, tiers
 
 
 class Encoder(nnx.Module):
@@ -296,6 +296,7 @@ def test_a_step_that_mixes_rows_is_refused_naming_the_line(make_world, name):
     assert models.max_diff(models.flat_params(model), before) == 0  # (nothing ran before)
 
 
+@tiers.extended  # (one replica: tests/tiers.py, replicas())
 @pytest.mark.parametrize("name", MIXING)
 def test_on_one_replica_a_step_that_mixes_rows_equals_one_device(make_world, name):
     loss_fn, _ = MIXING[name]

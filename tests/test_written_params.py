@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import fleet
-from tests import models
+from tests import models, tiers
 from tests.tiers import slow
 
 
@@ -115,7 +115,7 @@ LAYERS = {"spectral norm": Spectral, "weight norm": lambda rngs: Weighted(rngs),
           "state set from its parameters": WeightTracker}
 
 
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("n", tiers.replicas(1, 4))
 @pytest.mark.parametrize("name", LAYERS)
 def test_layers_that_write_their_parameters_train_as_on_one_device(make_world, n, name):
     batches = data()
@@ -274,6 +274,7 @@ def test_a_parameter_written_from_the_batch_is_refused_naming_it(make_world):
         run(lambda: BatchWritten(nnx.Rngs(0)), data(1), wrap=True)
 
 
+@tiers.extended  # (one replica: tests/tiers.py, replicas())
 def test_on_one_replica_a_parameter_written_from_the_batch_equals_one_device(make_world):
     want, _ = run(lambda: BatchWritten(nnx.Rngs(0)), data(2), wrap=False)
     make_world(1)
