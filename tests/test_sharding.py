@@ -97,10 +97,13 @@ def test_stages_equal_the_unsharded_run_nnx_and_linen(make_world, devices, opt_n
         assert d_nnx < 1e-6 and d_state < 1e-6 and d_linen < 1e-6
 
 
-# Slow: the default tier trains the CNN sharded against the unsharded run in
-# test_fleet_model_with_sharding_... and test_with_gradient_merge_... (degree 4) and
-# test_hybrid_degree_... (degree 2, whose state rows are split in pairs); the state's
-# bytes per device at degree 4 in test_optimizer_state_is_one_nth_...
+# Slow, with the state's bytes per device at degree 4 (test_optimizer_state_is_one_nth_...,
+# slow by tests/costly_tests.txt): the CNN sharded against the unsharded run, at degree
+# 4 and 2 (whose state rows are split in pairs). The default tier trains ZeRO against
+# the unsharded run in test_stages_...[momentum-4]; the extended tier the CNN again
+# through fleet.Model, with float16 amp and with the hybrid groups' equality
+# (test_fleet_model_with_sharding_..., test_with_gradient_merge_...[2],
+# test_hybrid_degree_...).
 @tiers.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_cnn_and_hybrid_degree_equal_the_unsharded_run(make_world, stage):
@@ -145,7 +148,7 @@ def test_hybrid_degree_takes_norms_once_per_group_and_keeps_groups_equal(make_wo
             assert np.array_equal(rows[:2], rows[2:])
 
 
-@tiers.slow  # (the default tier: a binding clip in test_hybrid_degree_..., LAMB's norms in test_stages_...)
+@tiers.slow  # (a binding clip in test_hybrid_degree_... too, LAMB's norms in test_stages_...[lamb-*])
 def test_clip_by_global_norm_is_taken_over_whole_tensors(make_world):
     """The global norm comes from a psum of the slices' squared norms: a clip
     that binds on every step gives the unsharded run's parameters."""
@@ -408,8 +411,8 @@ def test_an_nnx_optimizer_on_a_sharded_transformation_says_what_to_write(make_wo
         fleet.distributed_step(models.nnx_train_step)(model, opt, x, y)
 
 
-@tiers.slow  # (the default tier: test_with_gradient_merge_and_float16_amp, and the composed
-# strategy without sharding in tests/test_two_processes.py)
+@tiers.slow  # (gradient merge and float16 amp: test_with_gradient_merge_and_float16_amp; the
+# default tier: the composed strategy without sharding in tests/test_two_processes.py)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_the_composed_strategy_with_sharding_equals_it_without(make_world, stage):
     """Issue 12's composed strategy (bf16 amp, recompute, gradient_merge k=2, LAMB
@@ -475,7 +478,7 @@ def test_check_nan_inf_names_the_gradient_under_sharding(make_world, stage):
     assert models.max_diff(logical_opt_state(opt), state) == 0
 
 
-@tiers.slow  # (whole-tensor norms in the default tier: test_stages_...[lamb], test_hybrid_...)
+@tiers.slow  # (whole-tensor norms, also slow: test_stages_...[lamb-2], [lamb-8])
 def test_per_slice_norms_would_be_caught_and_would_change_lamb(make_world, monkeypatch):
     """DeepSpeed#490 replayed: with LAMB's norms taken per slice (the psum of
     squared norms switched off) the probe refuses the optimizer; with the probe

@@ -1,13 +1,15 @@
 """sharding_configs.stage = 3 (issue 37): the parameters split too, against the unsharded run.
 
-The default tier runs each mechanism once on 4 devices (Adam, LAMB's
-whole-tensor norms, Linen, bfloat16 amp, recompute, check_nan_inf, BatchNorm,
-a checkpoint saved at stage 3); the slow tier the other device counts and
+The default tier runs stage 3 once on 4 devices against the unsharded run
+(Adam, Linen), the parameters read outside ``__call__`` and its refusals; the
+slow tier the other device counts (LAMB's whole-tensor norms among them) and
 optimizers (clip_by_global_norm; plain SGD, no state shaped like the
-parameters, also in the default tier's BatchNorm run), the other Linen runs,
-float16 amp, fp16_allreduce, verify_steps, optax.MultiSteps, per-replica
-BatchNorm, stage 2's weight-decay row, the Linen checkpoint and the
-checkpoints saved elsewhere.
+parameters), the comparison with one device, the other Linen runs, float16 amp,
+fp16_allreduce, verify_steps, optax.MultiSteps, per-replica BatchNorm, stage 2's
+weight-decay row, the Linen checkpoint and the checkpoints saved elsewhere; the
+extended tier (tests/costly_tests.txt) LAMB on 4 devices, bfloat16 amp,
+recompute, check_nan_inf and BatchNorm with stage 3, fleet.Model and the
+checkpoint saved at stage 3.
 
 The reference is the same fleet run with ``strategy.sharding`` off (itself
 tested against the single-device step elsewhere, and here once against

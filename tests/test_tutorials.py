@@ -53,9 +53,9 @@ import fleet
 from tests import tiers
 
 # 4 devices in the default tier (about 30 s on 2 cores, mostly compiling two programs
-# per script); 1, 2 and 8 in the slow tier
-DEVICES = [pytest.param(1, marks=tiers.slow), *tiers.devices(2, 4, 8)]
-ONE_AND_FOUR = [pytest.param(1, marks=tiers.slow), 4]
+# per script); 1, 2 and 8 in the extended one (tests/tiers.py: fleet's single-device
+# path is tests/test_contract.py's)
+DEVICES = tiers.replicas(1, 2, 4, 8)
 FOUR_SLOW = [pytest.param(4, marks=tiers.slow)]  # (what the scripts found, still refused)
 TOL = 1e-5
 
@@ -633,8 +633,9 @@ def compare(make_world, n, name, script, sync_bn=None, lr_steps=None, follows=()
 
 
 #: The scripts whose 4-device run is in the slow tier too, so that the default tier
-#: keeps its time (README, "Tests"): it runs the MNIST tutorial (metrics, dropout,
-#: BatchNorm), the EMA and the gradient accumulation (optax.MultiSteps).
+#: keeps its time (README, "Tests"): it runs the gradient accumulation
+#: (optax.MultiSteps); tests/costly_tests.txt makes the MNIST tutorial's run (metrics,
+#: dropout, BatchNorm) slow and the EMA's extended.
 SLOW_SCRIPTS = ("minigpt", "cookbook lora", "cookbook per-parameter rates",
                 "randomness recurrent dropout, carry per replica", "optax reduce_on_plateau")
 
