@@ -296,8 +296,8 @@ def test_a_step_that_mixes_rows_is_refused_naming_the_line(make_world, name):
     assert models.max_diff(models.flat_params(model), before) == 0  # (nothing ran before)
 
 
-@tiers.extended  # (one replica: tests/tiers.py, replicas())
-@pytest.mark.parametrize("name", MIXING)
+@pytest.mark.parametrize("name", [  # (one replica: the first row; the others extended, as replicas())
+    name if i == 0 else pytest.param(name, marks=tiers.extended) for i, name in enumerate(MIXING)])
 def test_on_one_replica_a_step_that_mixes_rows_equals_one_device(make_world, name):
     loss_fn, _ = MIXING[name]
     data = models.batches("linear", 2, 16)

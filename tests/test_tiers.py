@@ -1,10 +1,15 @@
 """tests/tiers.py: each test gets one tier, and the costly list cannot go stale."""
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from tests import tiers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -23,7 +28,7 @@ class Item:  # what tiers.mark_costly reads of a pytest item
 def costly_file(tmp_path, monkeypatch):
     path = tmp_path / "costly_tests.txt"
     path.write_text("# a comment\n[slow]\ntests/test_a.py::test_x[4]\n\n"
-                    "[extended]\ntests/test_a.py::test_y\n")
+                    "[extended]\ntests/test_a.py::test_y  # covered by tests/test_b.py::test_z\n")
     monkeypatch.setattr(tiers, "COSTLY", path)
     return path
 
@@ -33,6 +38,7 @@ def test_the_listed_tests_get_their_tier_and_an_extended_row_is_not_slow(costly_
              Item("tests/test_a.py::test_y", [tiers.slow.mark]), Item("tests/test_b.py::test_z")]
     tiers.mark_costly(items, ["tests"])
     assert [[m.name for m in item.own_markers] for item in items] == [["slow"], [], ["extended"], []]
+    assert tiers.covers() == {"tests/test_a.py::test_y": "tests/test_b.py::test_z"}
 
 
 @pytest.mark.parametrize(("collected", "args"), [
@@ -65,3 +71,21 @@ def test_the_costly_list_is_well_formed():
     marks = tiers.costly()
     assert marks and all(mark in (tiers.slow, tiers.extended) for mark in marks.values())
     assert all(nodeid.startswith("tests/test_") and "::test_" in nodeid for nodeid in marks)
+
+
+@tiers.slow  # (two collections of the whole suite)
+def test_every_test_function_keeps_a_row_outside_the_extended_tier():
+    """`.ci/run` runs the default and the slow tier: a function whose every row is
+    extended runs there only through the test its costly_tests.txt entry names
+    (``# covered by``), which must run there."""
+    def functions(markexpr):
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
+                              "-p", "no:cacheprovider", "-m", markexpr],
+                             cwd=ROOT, capture_output=True, text=True, timeout=200)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return {line.split("[")[0] for line in run.stdout.splitlines() if "::" in line}
+    extended, in_ci = functions("extended"), functions("not extended")
+    assert extended and in_ci
+    covers = tiers.covers()
+    assert extended - in_ci == covers.keys()
+    assert set(covers.values()) <= in_ci

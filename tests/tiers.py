@@ -71,14 +71,25 @@ COSTLY = Path(__file__).with_name("costly_tests.txt")
 
 def costly() -> dict[str, pytest.MarkDecorator]:
     """tests/costly_tests.txt: each listed test's tier mark, by node id."""
-    marks, tier = {}, None
+    return {nodeid: mark for nodeid, (mark, _) in _costly_lines().items()}
+
+
+def covers() -> dict[str, str]:
+    """The extended functions of tests/costly_tests.txt that keep no row in
+    ``.ci/run``, each with the test of the same property that runs there
+    (``# covered by NODE``)."""
+    return {nodeid.split("[")[0]: cover for nodeid, (_, cover) in _costly_lines().items() if cover}
+
+
+def _costly_lines() -> dict[str, tuple[pytest.MarkDecorator, str | None]]:
+    entries, tier = {}, None
     for line in COSTLY.read_text().splitlines():
-        line = line.strip()
+        line, _, comment = line.strip().partition("  # ")
         if header := re.fullmatch(r"\[(slow|extended)\]", line):
             tier = {"slow": slow, "extended": extended}[header.group(1)]
         elif line and not line.startswith("#"):
-            marks[line] = tier
-    return marks
+            entries[line] = (tier, comment.removeprefix("covered by ") or None)
+    return entries
 
 
 def mark_costly(items: list, args: list[str]) -> None:
