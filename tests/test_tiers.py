@@ -86,6 +86,7 @@ def test_every_test_function_keeps_a_row_outside_the_extended_tier():
         return {line.split("[")[0] for line in run.stdout.splitlines() if "::" in line}
     extended, in_ci = functions("extended"), functions("not extended")
     assert extended and in_ci
+    assert functions("slow and extended") == set()  # (one tier each: a file's pytestmark stays)
     covers = tiers.covers()
     assert extended - in_ci == covers.keys()
     assert set(covers.values()) <= in_ci
