@@ -82,7 +82,7 @@ def test_every_test_function_keeps_a_row_outside_the_extended_tier():
         run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
                               "-p", "no:cacheprovider", "-m", markexpr],
                              cwd=ROOT, capture_output=True, text=True, timeout=200)
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        assert run.returncode in (0, 5), run.stdout[-2000:] + run.stderr[-2000:]  # (5: none)
         return {line.split("[")[0] for line in run.stdout.splitlines() if "::" in line}
     extended, in_ci = functions("extended"), functions("not extended")
     assert extended and in_ci
