@@ -16,7 +16,7 @@ from flax import nnx
 
 import fleet
 from fleet.step import _jitted
-from tests import jobs, models, tiers
+from tests import jobs, models, test_random, tiers
 
 TOL = 1e-5
 
@@ -256,13 +256,11 @@ def test_the_calls_after_the_first_compile_nothing(make_world, case, n):
     # TrainState on raw parameters also compiled twice on its first call (its probe's
     # optimizer did not divide what JAX summed: fleet.step._first_trace.reusable).
     if case.startswith("NNX"):
-        from tests.test_random import DropNet, data, nnx_step
-
         if case == "NNX, a plain optimizer":  # (Paddle's low-level path: its state is
             batches, make, fn = models.batches("linear", 3, 8), models.LinearNet, \
                 models.nnx_train_step  # made on one device)
         else:  # (nnx.Dropout's key: held twice, so a copy of it is donated)
-            batches, make, fn = data(3), DropNet, nnx_step
+            batches, make, fn = test_random.data(3), test_random.DropNet, test_random.nnx_step
 
         def run(wrap):
             model = fleet.distributed_model(make(nnx.Rngs(0))) if wrap else make(nnx.Rngs(0))

@@ -274,7 +274,7 @@ def test_a_parameter_written_from_the_batch_is_refused_naming_it(make_world):
         run(lambda: BatchWritten(nnx.Rngs(0)), data(1), wrap=True)
 
 
-@tiers.slow  # (one replica: tests/tiers.py, replicas())
+@slow  # (one replica: tests/tiers.py, replicas())
 def test_on_one_replica_a_parameter_written_from_the_batch_equals_one_device(make_world):
     want, _ = run(lambda: BatchWritten(nnx.Rngs(0)), data(2), wrap=False)
     make_world(1)
