@@ -7,7 +7,8 @@
   root holds only the errors, ``_compat`` and the public modules;
 * configuration (``DistributedStrategy``) imports nothing of fleet but its errors;
 * ``io`` takes no underscore-prefixed name from the core's modules;
-* no file over 450 lines, no function over 80.
+* no file over 350 lines but one that says why in its docstring (none over 450),
+  no function over 60.
 """
 
 from __future__ import annotations
@@ -186,15 +187,20 @@ def test_io_takes_no_private_name_of_the_core():
     assert found == []
 
 
-def test_no_file_over_450_lines_and_no_function_over_80():
-    """One idea per file: no file of fleet/ over 450 lines, no function over 80."""
-    long_files = {name: n for name, path in MODULES.items()
-                  if (n := len(path.read_text().splitlines())) > 450}
+def test_no_file_over_350_lines_unless_it_says_why_and_no_function_over_60():
+    """One idea per file (issue 36, item 6): no file of fleet/ over 350 lines but
+    one whose docstring says why ("Over 350 lines on purpose: ..."), none over
+    450, and no function over 60 lines."""
+    long_files = {}
     long_functions = []
     for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        text = path.read_text()
+        n = len(text.splitlines())
+        why = "Over 350 lines on purpose" in (ast.get_docstring(ast.parse(text)) or "")
+        if n > 450 or (n > 350 and not why):
+            long_files[name] = n
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > 80:
+                if (n := node.end_lineno - node.lineno + 1) > 60:
                     long_functions.append(f"{name}.{node.name}: {n} lines")
     assert long_files == {} and long_functions == []

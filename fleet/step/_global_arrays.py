@@ -133,17 +133,9 @@ def placed(state: list, per_replica: Sequence[bool], trees: Any, repl: Any,
              for x, pr in zip(state, per_replica)]
     repl = jax.tree.map(lambda x: slots[id(x)] if id(x) in slots else place(x, w.replicated),
                         repl)
-    # In a multi-process job, values from each process's host are placed from its
-    # own copy, checked equal once (jax.device_put checks each with a collective)
-    multi = jax.process_count() > 1
-    hosts = {i: _host_copy(x) for i, (x, _) in enumerate(todo) if multi and _host_local(x)}
-    if first and multi:
-        _check_same(list(hosts.values()))
-    if not todo:
+    put = _put(todo, first)
+    if put is None:
         return None
-    put = [like(x, jax.make_array_from_callback(hosts[i].shape, where,
-                                                lambda idx, h=hosts[i]: h[idx]))
-           if i in hosts else jax.device_put(x, where) for i, (x, where) in enumerate(todo)]
 
     def fill(x: Any) -> Any:
         if _sharding.is_shard(x):
@@ -152,6 +144,22 @@ def placed(state: list, per_replica: Sequence[bool], trees: Any, repl: Any,
 
     return ([fill(x) for x in state], jax.tree.map(fill, trees, is_leaf=_sharding.is_shard),
             jax.tree.map(fill, repl))
+
+
+def _put(todo: list[tuple[Any, NamedSharding]], first: bool) -> list | None:
+    """The values of :func:`placed`'s ``todo`` on their shardings, together, or
+    ``None`` when there are none. In a multi-process job, values from each
+    process's host are placed from its own copy, checked equal on a plan's
+    ``first`` call (``jax.device_put`` would check each with a collective)."""
+    multi = jax.process_count() > 1
+    hosts = {i: _host_copy(x) for i, (x, _) in enumerate(todo) if multi and _host_local(x)}
+    if first and multi:
+        _check_same(list(hosts.values()))
+    if not todo:
+        return None
+    return [like(x, jax.make_array_from_callback(hosts[i].shape, where,
+                                                 lambda idx, h=hosts[i]: h[idx]))
+            if i in hosts else jax.device_put(x, where) for i, (x, where) in enumerate(todo)]
 
 
 class _Slot:
