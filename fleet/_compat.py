@@ -56,6 +56,9 @@ need                               private symbol
                                    ``jax._src.flattree.FlatTree``, ``unpack()``)
 :func:`to_opt_state`               ``flax.nnx.training.optimizer.to_opt_state``: an optax state as
                                    ``nnx.Optimizer`` holds it (LARS / LAMB swap the inner optimizer)
+:func:`handed_graph_cache`         ``flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache``: the graph cache
+                                   ``nnx.cached_partial`` hands to the transform it calls (a step enters
+                                   NNX's update context to take it, only then: the context costs each call)
 :func:`fast_variables`,            ``nnx.Variable``'s ``_raw_value`` and ``_var_metadata``: the step reads
 :func:`read_raw`,                  and writes a plain array variable's value without
 :func:`write_raw`                  ``Variable.__setattr__``'s trace checks
@@ -92,6 +95,10 @@ try:
     from flax.nnx.training.optimizer import to_opt_state as _to_opt_state
 except ImportError:  # (check() names it)
     _to_opt_state = None
+try:
+    from flax.nnx.graphlib import GRAPH_CONTEXT as _GRAPH_CONTEXT
+except ImportError:  # (check() names it)
+    _GRAPH_CONTEXT = None
 
 from fleet._errors import FleetUnsupportedError
 
@@ -286,6 +293,12 @@ def write_raw(variables: Sequence[nnx.Variable], values: Sequence) -> None:
         object.__setattr__(v, "_raw_value", x)
 
 
+def handed_graph_cache() -> bool:
+    """Whether ``nnx.cached_partial`` is handing its graph cache to the transform it
+    calls (which takes it by entering ``nnx.update_context``)."""
+    return _GRAPH_CONTEXT.tmp_static_cache is not None
+
+
 def share_fields(view: Any, original: Any) -> None:
     """Makes ``view`` (a new object of a subclass of ``original``'s class) share
     every field of ``original``: its attributes and variables, and Flax's record
@@ -392,6 +405,8 @@ def check() -> None:
         missing.append("flax.nnx.Variable._raw_value / _var_metadata")
     if not callable(_to_opt_state):
         missing.append("flax.nnx.training.optimizer.to_opt_state")
+    if "tmp_static_cache" not in getattr(type(_GRAPH_CONTEXT), "__dataclass_fields__", ()):
+        missing.append("flax.nnx.graphlib.GRAPH_CONTEXT.tmp_static_cache")
     fields = vars(nnx.Module())
     if "_pytree__state" not in fields or "_pytree__nodes" not in fields:
         missing.append("flax.nnx.Module's _pytree__state / _pytree__nodes")

@@ -3,6 +3,7 @@
 other file of the package reaches a private symbol or patches another library."""
 
 import ast
+import dataclasses
 import re
 import subprocess
 import sys
@@ -49,6 +50,16 @@ def test_a_changed_flax_variable_fails_loudly(monkeypatch):
 
     monkeypatch.setattr(nnx, "Param", Param)
     with pytest.raises(FleetUnsupportedError, match=r"flax\.nnx\.Variable\._raw_value"):
+        _compat.check()
+
+
+def test_a_changed_flax_graph_context_fails_loudly(monkeypatch):
+    @dataclasses.dataclass
+    class GraphContext:  # a Flax whose cached_partial hands its cache otherwise
+        caching: bool = False
+
+    monkeypatch.setattr(_compat, "_GRAPH_CONTEXT", GraphContext())
+    with pytest.raises(FleetUnsupportedError, match=r"GRAPH_CONTEXT\.tmp_static_cache"):
         _compat.check()
 
 
@@ -118,6 +129,21 @@ def test_each_entry_does_what_it_says():
 
     state = _compat.to_opt_state({"mu": jnp.ones(2), "count": jnp.zeros((), jnp.int32)})
     assert isinstance(state["mu"], nnx.OptState) and isinstance(state["count"], nnx.OptState)
+
+    # handed_graph_cache: inside nnx.cached_partial's call, before a transform took the cache
+    handed = []
+
+    @nnx.update_context("test")
+    def takes(m):
+        return m
+
+    def transform(m):
+        handed.append(_compat.handed_graph_cache())
+        return takes(m)
+
+    assert not _compat.handed_graph_cache()
+    nnx.cached_partial(transform, nnx.Linear(2, 2, rngs=nnx.Rngs(0)))()
+    assert handed == [True] and not _compat.handed_graph_cache()
 
 
 def test_register_before_exit_runs_before_atexit_hooks():

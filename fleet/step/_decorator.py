@@ -88,6 +88,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fleet import _compat
 from fleet._errors import FleetError, FleetTypeError
 from fleet.comm._replicas import check_replicas
 from fleet.runtime import _heartbeat
@@ -133,9 +134,12 @@ class DistributedStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nnx.cached_partial(step, model, optimizer) hands its graph cache to the NNX
         # transform it calls, through NNX's update context: the step is that
-        # transform, and takes the cache (its own recall serves the same purpose)
-        with nnx.update_context(self):
-            return self._call(*args, **kwargs)
+        # transform, and takes the cache (its own recall serves the same purpose).
+        # Only then: the context costs every call.
+        if _compat.handed_graph_cache():
+            with nnx.update_context(self):
+                return self._call(*args, **kwargs)
+        return self._call(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         _heartbeat.step_begin()
