@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -133,19 +132,13 @@ def check_closures(fn: Any) -> None:
     """Refuses a step that closes over a ``jax.Array`` split over devices (a batch
     placed by fleet.io, say): inside the step every replica would see the whole
     array, not its own rows. Names the variable and says to pass it in."""
-    while hasattr(fn, "func"):  # functools.partial
-        fn = fn.func
-    try:
-        seen = inspect.getclosurevars(fn)
-    except TypeError:  # not a Python function (a callable object, a builtin)
-        return
-    for name, value in {**seen.globals, **seen.nonlocals}.items():
-        if isinstance(value, jax.Array) and not value.sharding.is_fully_replicated:
+    for name, value, closed in _hints.outside_values(fn):
+        if closed and isinstance(value, jax.Array) and not value.sharding.is_fully_replicated:
             raise FleetError(
-                f"the step reads {name!r}, a jax.Array of shape {value.shape} split over "
+                f"the step reads {name}, a jax.Array of shape {value.shape} split over "
                 f"devices ({value.sharding}), from outside its arguments: inside the step "
                 "each replica runs on its own rows, and a closed-over array is not split "
-                f"with them. Pass {name!r} to the step as an argument (a batch argument is "
+                f"with them. Pass {name} to the step as an argument (a batch argument is "
                 "split with the batch; shapes inside the step are the replica's)")
 
 

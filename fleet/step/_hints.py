@@ -12,12 +12,16 @@ come from how the step was given its arguments, and their errors do not say so:
 * a Python scalar argument used in Python control flow (``if train:``): it is
   traced, as under ``jax.jit``, and JAX raises ``TracerBoolConversionError``
   (:func:`traced_scalars`); ``static_argnames`` makes it static.
+
+:func:`outside_values` is the one walk of what a step reads from outside its
+arguments: the NNX objects here, the split arrays ``fleet.step._guards.check_closures``
+refuses.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -60,35 +64,42 @@ def traced_scalars(error: Exception, scalars: Sequence[str]) -> str:
             "program of its own")
 
 
-def bound_objects(fn: Any) -> list[str]:
-    """The NNX objects a step reads from outside its arguments: bound by
-    ``functools.partial`` (or ``nnx.cached_partial`` inside the step), or closed
-    over; each named with its class."""
-    found, seen = [], set()
-
-    def add(name: str, value: Any) -> None:
-        if isinstance(value, (nnx.Module, nnx.Optimizer)) and id(value) not in seen:
-            seen.add(id(value))
-            found.append(f"{name} ({type(value).__name__})")
-
+def outside_values(fn: Any) -> Iterator[tuple[str, Any, bool]]:
+    """What a step reads from outside its arguments, as ``(name, value, closed)``:
+    the values ``functools.partial`` binds (``closed`` false), then the globals and
+    nonlocals its function closes over (``closed`` true), through every wrapper
+    (``.func``, ``__wrapped__``)."""
     while True:
         for i, value in enumerate(getattr(fn, "args", ())):  # functools.partial
-            add(f"functools.partial's argument {i + 1}", value)
+            yield f"functools.partial's argument {i + 1}", value, False
         for name, value in (getattr(fn, "keywords", None) or {}).items():
-            add(f"functools.partial's {name}=", value)
+            yield f"functools.partial's {name}=", value, False
         try:
             closure = inspect.getclosurevars(fn)
         except TypeError:  # (a callable object, a builtin)
             closure = None
         for name, value in ({} if closure is None else
                             {**closure.globals, **closure.nonlocals}).items():
-            add(repr(name), value)
-            for j, leaf in enumerate(value if isinstance(value, tuple) else ()):
-                add(f"{name!r}[{j}]", leaf)  # (the objects nnx.cached_partial binds)
-        inner = getattr(fn, "func", getattr(fn, "__wrapped__", None))
-        if inner is None:
-            return found
-        fn = inner
+            yield repr(name), value, True
+        fn = getattr(fn, "func", getattr(fn, "__wrapped__", None))
+        if fn is None:
+            return
+
+
+def bound_objects(fn: Any) -> list[str]:
+    """The NNX objects a step reads from outside its arguments
+    (:func:`outside_values`: bound by ``functools.partial``, or ``nnx.cached_partial``
+    inside the step, or closed over); each named with its class."""
+    found, seen = [], set()
+    for name, value, closed in outside_values(fn):
+        items = [(name, value)] + [  # (a tuple: the objects nnx.cached_partial binds)
+            (f"{name}[{j}]", leaf) for j, leaf in enumerate(
+                value if closed and isinstance(value, tuple) else ())]
+        for where, x in items:
+            if isinstance(x, (nnx.Module, nnx.Optimizer)) and id(x) not in seen:
+                seen.add(id(x))
+                found.append(f"{where} ({type(x).__name__})")
+    return found
 
 
 def with_bound_hint(error: FleetError, fn: Any) -> FleetError:
