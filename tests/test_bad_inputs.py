@@ -1,6 +1,7 @@
 """Bad input to the core gets a FleetError that says what was given and what to do
 (issue 10). One table, read as a list: (case, call, error type, message)."""
 
+import functools
 import math
 import re
 import warnings
@@ -38,6 +39,23 @@ def _closed_over_batch():
     """A step that slices a global batch it closes over by its argument's rows."""
     targets = jax.device_put(Y8, fleet.world().batch)  # as fleet.io places a batch
 
+    def step(model, x):
+        return ((model(x) - targets[: x.shape[0]]) ** 2).mean()
+
+    return fleet.distributed_step(step)(_model(), X8)
+
+
+def _closed_over_batch_behind_a_decorator():
+    """The same step under a decorator of the user's (functools.wraps)."""
+    targets = jax.device_put(np.arange(8, dtype=np.float32)[:, None], fleet.world().batch)
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return fn(*args)
+        return wrapper
+
+    @logged
     def step(model, x):
         return ((model(x) - targets[: x.shape[0]]) ** 2).mean()
 
@@ -83,6 +101,10 @@ CASES = [
      fleet.FleetTypeError, r"the 3rd argument is a numpy array of dtype object"),
     ("a closed-over batch split over the devices (issue 21)",
      lambda: _closed_over_batch(),
+     fleet.FleetError, r"the step reads 'targets', a jax\.Array of shape \(8, 1\) split over "
+                       r"devices .*Pass 'targets' to the step as an argument"),
+    ("a closed-over batch behind the user's decorator",
+     lambda: _closed_over_batch_behind_a_decorator(),
      fleet.FleetError, r"the step reads 'targets', a jax\.Array of shape \(8, 1\) split over "
                        r"devices .*Pass 'targets' to the step as an argument"),
     ("out_reduce of the wrong structure",
