@@ -115,6 +115,12 @@ def flat_params(tree) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
 
 
+def split_mean_grad(grad_fn, x, y, n):
+    """The split-sum gradient: the average of the gradients of the n sub-batches."""
+    parts = [grad_fn(xs, ys) for xs, ys in zip(np.split(x, n), np.split(y, n))]
+    return jax.tree.map(lambda *g: sum(g) / n, *parts)
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)

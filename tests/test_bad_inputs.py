@@ -61,6 +61,7 @@ def _closed_over_batch_behind_a_decorator():
 
     return fleet.distributed_step(step)(_model(), X8)
 
+
 CASES = [
     ("is_collective not a bool",
      lambda: fleet.init(is_collective="no"),

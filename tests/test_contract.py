@@ -29,12 +29,6 @@ STEPS, BATCH, TOL = 8, 16, 1e-5
 DEVICES = tiers.devices(1, 2, 4, 8, one=True, core=True)  # fleet's single-device path, in the default tier
 
 
-def split_mean_grad(grad_fn, x, y, n):
-    """The split-sum gradient: the average of the gradients of the n sub-batches."""
-    parts = [grad_fn(xs, ys) for xs, ys in zip(np.split(x, n), np.split(y, n))]
-    return jax.tree.map(lambda *g: sum(g) / n, *parts)
-
-
 def nnx_single(data, tx, n_split=None):
     """The single-device NNX script; with ``n_split`` its gradient is the split-sum one."""
     model = models.LinearNet(nnx.Rngs(0))
@@ -47,7 +41,7 @@ def nnx_single(data, tx, n_split=None):
 
     @nnx.jit
     def split_step(model, optimizer, x, y):
-        grads = split_mean_grad(
+        grads = models.split_mean_grad(
             lambda a, b: nnx.grad(lambda m: models.loss_of(m(a), b))(model), x, y, n_split)
         optimizer.update(model, grads)
 
@@ -138,7 +132,7 @@ def linen_single(data, tx, n_split=None):
         def grad(a, b):
             return jax.grad(lambda p: models.loss_of(state.apply_fn({"params": p}, a), b))(
                 state.params)
-        grads = split_mean_grad(grad, x, y, n_split) if n_split else grad(x, y)
+        grads = models.split_mean_grad(grad, x, y, n_split) if n_split else grad(x, y)
         return state.apply_gradients(grads=grads)
 
     for x, y in data:

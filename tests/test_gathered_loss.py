@@ -30,7 +30,6 @@ from flax import nnx
 
 import fleet
 from tests import models, tiers
-from tests.test_contract import split_mean_grad
 
 
 class Encoder(nnx.Module):
@@ -242,7 +241,7 @@ def residual_step(m, optimizer, x, y, n_split=None):
     split-sum one, and the keys are computed sub-batch by sub-batch, as each
     replica computes its rows'."""
     if n_split:
-        grads = split_mean_grad(lambda a, b: nnx.grad(residual_loss)(m, a, b), x, y, n_split)
+        grads = models.split_mean_grad(lambda a, b: nnx.grad(residual_loss)(m, a, b), x, y, n_split)
         loss = residual_loss(m, x, y)
     else:
         loss, grads = nnx.value_and_grad(residual_loss)(m, x, y)

@@ -35,12 +35,6 @@ def recompute_strategy(on: bool, checkpoints: list[str]) -> fleet.DistributedStr
         else strategy()
 
 
-def split_grad(grad_fn, x, y, n):
-    """The split-sum gradient: the mean of the gradients of the n sub-batches."""
-    parts = [grad_fn(a, b) for a, b in zip(np.split(x, n), np.split(y, n))]
-    return jax.tree.map(lambda *g: sum(g) / n, *parts)
-
-
 def report(name, got, plain, split):
     d_plain, d_split = models.max_diff(got, plain), models.max_diff(got, split)
     floor = models.max_diff(split, plain)
@@ -70,7 +64,7 @@ def single_device(model, tx, data, n_split=None):
     @nnx.jit
     def step(model, optimizer, x, y):
         if n_split:
-            grads = split_grad(
+            grads = models.split_mean_grad(
                 lambda a, b: nnx.grad(lambda m: models.loss_of(m(a), b))(model), x, y, n_split)
         else:
             grads = nnx.grad(lambda m: models.loss_of(m(x), y))(model)
@@ -250,7 +244,7 @@ def fp16_reference(data, k, n_split=None, scale=1024.0, magnitudes=None):
     def grad(x, y):
         def one(a, b):
             return nnx.grad(lambda m: models.loss_of(m(a), b) * scale)(model)
-        return split_grad(one, x, y, n_split) if n_split else one(x, y)
+        return models.split_mean_grad(one, x, y, n_split) if n_split else one(x, y)
 
     for i in range(0, len(data), k):
         grads = [grad(x, y) for x, y in data[i:i + k]]
@@ -514,7 +508,7 @@ def merge_reference(data, tx, k, avg, n_split=None):
 
     def grad(x, y):
         if n_split:
-            return split_grad(
+            return models.split_mean_grad(
                 lambda a, b: nnx.grad(lambda m: models.loss_of(m(a), b))(model), x, y, n_split)
         return nnx.grad(lambda m: models.loss_of(m(x), y))(model)
 

@@ -26,7 +26,6 @@ import fleet
 from fleet.semantics import _metrics, _outputs, _random
 from fleet.step import _graph, _program, _verify, _verify_sections
 from tests import models, test_batch_norm_linen, tiers
-from tests.test_contract import split_mean_grad
 
 CALLS, BATCH = 3, 16
 FP16 = {"dtype": "float16", "init_loss_scaling": 1024.0}
@@ -525,7 +524,7 @@ def test_perturbation_floor_covers_the_split_sum_floor(tx_name):
         @nnx.jit
         def step(model, opt, x, y):
             grad = lambda a, b: nnx.grad(lambda m: models.loss_of(m(a), b))(model)  # noqa: E731
-            opt.update(model, split_mean_grad(grad, x, y, 4) if split else grad(x, y))
+            opt.update(model, models.split_mean_grad(grad, x, y, 4) if split else grad(x, y))
 
         step(model, opt, x * scale, y * scale)
         return models.flat_params(model)
