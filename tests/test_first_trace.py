@@ -130,7 +130,10 @@ def test_a_float_sum_decided_after_the_probe_traces_the_step_twice(make_world):
 
 
 def compiles_during(call, *args):
-    """``call(*args)``'s result and how many programs XLA compiled meanwhile."""
+    """``call(*args)``'s result and how many programs XLA compiled meanwhile. The
+    listener hears every thread: a refused step's compilation that an earlier test
+    left running in the background (``_jitted.abandon``) is waited for first."""
+    _jitted._join_abandoned()
     seen = []
 
     def listener(event, _secs, **_):
