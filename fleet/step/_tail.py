@@ -92,8 +92,8 @@ def probe_record(record: PlanRecord, graph: GraphCache, trace: Any, new_state: l
     marked = [(n, x) for n, x in marked if not _sync.is_varying(x)]
     _outputs.fleet_declared(*[x for x, r in zip(leaves, reduces)
                               if r not in (_roles.SCALAR, "replicated")])
-    for _, x in marked:
-        _random_guards.fleet_mark(x)
+    if marked:
+        _random_guards.fleet_mark(*[x for _, x in marked])
     record.marked = [n for n, _ in marked]
     trace.finite.record(names, leaves)
     record.finite, record.names = [n for n, _ in trace.finite.flags], names
