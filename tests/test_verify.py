@@ -436,8 +436,8 @@ def test_detects_metric_counts_with_the_metrics_fix_off(make_world, monkeypatch)
     averaged), verify names the metric's count."""
     monkeypatch.setattr(_metrics, "global_updates", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(_outputs, "check_counted", lambda *args: None)
-    monkeypatch.setattr(_graph, "running_statistics", lambda objs: {
-        id(v) for _, v in nnx.iter_graph(objs) if isinstance(v, nnx.Variable)
+    monkeypatch.setattr(_graph, "running_statistics", lambda nodes: {
+        id(v) for v in nodes if isinstance(v, nnx.Variable)
         and jnp.issubdtype(jnp.result_type(v.get_raw_value()), jnp.inexact)})
 
     def step(model, opt, accuracy, x, y):

@@ -108,7 +108,11 @@ class GraphCache:
         self.per_replica = tuple(isinstance(v, _sync.PerReplica) for v in self.variables)
         # An optimizer's state: its keys draw the single-device bits (fleet.semantics._random)
         self.optimizer_held = tuple(isinstance(v, nnx.OptState) for v in self.variables)
-        running = running_statistics(objs)
+        nodes = [node for _, node in nnx.iter_graph(objs)]
+        running = running_statistics(nodes)
+        # Whether a trace looks for metrics among its merged objects
+        # (fleet.semantics._metrics.global_updates, a walk of the graph).
+        self.metrics = any(isinstance(node, nnx.metrics.Metric) for node in nodes)
         self.running_stats = tuple(id(v) in running for v in self.variables)
         self.accum_keys = [p[-1].key.replace(":", ".")
                            if isinstance(v, _sync.GradAccumulator) else None
@@ -239,14 +243,15 @@ def _ids(values: Any) -> tuple:
     return tuple(map(id, values))
 
 
-def running_statistics(objs: tuple) -> set[int]:
+def running_statistics(nodes: list) -> set[int]:
     """The ids of the running statistics (``mean``, ``var``) of each ``nnx.BatchNorm``
-    among ``objs``: under ``sync_batch_norm=False`` each replica updates them from
-    its own rows, and the step averages them over the replicas, the one state
-    fleet averages (the documented reference: ``fleet.sections._batch_norm``). Any
-    other variable set from per-replica values (a count, a maximum, a sum, kept
-    in an ``nnx.BatchStat`` or not) the step refuses (``fleet.step._tail``)."""
-    return {id(getattr(node, name)) for _, node in nnx.iter_graph(objs)
+    among ``nodes`` (a graph's, ``nnx.iter_graph``): under ``sync_batch_norm=False``
+    each replica updates them from its own rows, and the step averages them over
+    the replicas, the one state fleet averages (the documented reference:
+    ``fleet.sections._batch_norm``). Any other variable set from per-replica values
+    (a count, a maximum, a sum, kept in an ``nnx.BatchStat`` or not) the step
+    refuses (``fleet.step._tail``)."""
+    return {id(getattr(node, name)) for node in nodes
             if isinstance(node, nnx.BatchNorm) for name in ("mean", "var")
             if isinstance(getattr(node, name, None), nnx.Variable)}
 

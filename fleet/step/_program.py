@@ -110,7 +110,7 @@ class Program:
             new_state, out_leaves, checked = first
         else:
             new_state, out_leaves, *checked = jax.shard_map(
-                functools.partial(self.body, plan, record=record, probe=False),
+                self.bound_body(plan, record=record, probe=False),
                 mesh=plan.mesh, in_specs=specs, out_specs=self.out_specs(plan, record, state_specs),
                 check_vma=True,
             )(*args)
@@ -234,7 +234,7 @@ class Program:
                 out_specs = (out_specs, state_specs, P(), P(DATA_AXIS),
                              *([P()] if plan.check_nan_inf else []))
             return jax.make_jaxpr(jax.shard_map(
-                functools.partial(self.body, plan, record=into, probe=True, both=real),
+                self.bound_body(plan, record=into, probe=True, both=real),
                 mesh=plan.mesh, in_specs=specs, out_specs=out_specs,
                 check_vma=check_vma), return_shape=True)(*args)
 
@@ -247,6 +247,16 @@ class Program:
             if typing is None:
                 raise
             raise typing from None
+
+    def bound_body(self, plan: Plan, **kwargs: Any) -> Callable:
+        """:meth:`body` for ``plan``, as the function JAX traces: a function, not a
+        ``functools.partial``, which JAX (0.10) would print, plan and graph and all,
+        to name the trace (30 ms on the 16-layer Transformer of
+        ``benchmarks/first_step.py``)."""
+        def fleet_step_body(*args: Any) -> Any:
+            return self.body(plan, *args, **kwargs)
+
+        return fleet_step_body
 
     def body(self, plan: Plan, state, trees, batch, repl, chain=None, *, record, probe,
              both=None):
@@ -276,7 +286,8 @@ class Program:
         trace, recorder = self.new_trace(plan, record, state, objs, probe)
         tree_variables = _roles.tree_variables(values, plan.kinds)
         with _sync.tracing(trace):
-            with _metrics.global_updates(trace, objs, rows, record, probe):  # global batch
+            with _metrics.global_updates(trace, objs if self.graph.metrics else (), rows, record,
+                                         probe):  # global batch
                 out = keys.leave(self.fn(*values[:n_pos],
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             _roles.check_tree_writes(tree_variables, values, plan.kw_names)
@@ -325,7 +336,7 @@ class Program:
         holds a copy of the model made before the wrapping. Returns the probe's body
         it ran and the reference."""
         _guards.check_closures(self.fn)
-        probe_body = functools.partial(self.body, plan, record=PlanRecord(), probe=True)
+        probe_body = self.bound_body(plan, record=PlanRecord(), probe=True)
         try:
             return probe_body, _guards.check_on_one_device(
                 probe_body, plan.mesh, args, specs,
