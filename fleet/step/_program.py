@@ -14,11 +14,9 @@ runs; the probe's body holds the real program's tail, so the probe's program is,
 most often, the real one (``fleet.step._first_trace``: a first call traces the
 step twice, the one-device reference and the probe).
 
-This module holds the program's trace: :class:`Program`'s global program, its
-first trace and the per-replica body up to the step's outputs. The body's end
-and the outputs' combination are in ``fleet.step._tail``; the checks and
-decisions made from the probe's jaxpr in ``fleet.step._probe_checks``; the state the
-body leaves in ``fleet.step._tail.replicated_state``.
+This module holds the global program, its first trace and the per-replica body up
+to the step's outputs; the body's end, its state and the outputs' combination are
+in ``fleet.step._tail``, the checks made from the probe in ``fleet.step._probe_checks``.
 """
 
 from __future__ import annotations
@@ -249,10 +247,7 @@ class Program:
             raise typing from None
 
     def bound_body(self, plan: Plan, **kwargs: Any) -> Callable:
-        """:meth:`body` for ``plan``, as the function JAX traces: a function, not a
-        ``functools.partial``, which JAX (0.10) would print, plan and graph and all,
-        to name the trace (30 ms on the 16-layer Transformer of
-        ``benchmarks/first_step.py``)."""
+        """:meth:`body` for ``plan`` as JAX traces it (jax 0.10 prints a partial to name a trace)."""
         def fleet_step_body(*args: Any) -> Any:
             return self.body(plan, *args, **kwargs)
 
@@ -286,8 +281,7 @@ class Program:
         trace, recorder = self.new_trace(plan, record, state, objs, probe)
         tree_variables = _roles.tree_variables(values, plan.kinds)
         with _sync.tracing(trace):
-            with _metrics.global_updates(trace, objs if self.graph.metrics else (), rows, record,
-                                         probe):  # global batch
+            with _metrics.global_updates(trace, objs if self.graph.metrics else (), rows, record, probe):
                 out = keys.leave(self.fn(*values[:n_pos],
                                          **dict(zip(plan.kw_names, values[n_pos:]))))
             _roles.check_tree_writes(tree_variables, values, plan.kw_names)
