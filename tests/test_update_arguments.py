@@ -138,3 +138,36 @@ def test_a_per_replica_value_fn_is_refused_naming_it(make_world):
     with pytest.raises(fleet.FleetError, match=r"given value_fn= a function whose value "
                        r"differs across replicas.*value_fn=lambda p: fleet\.all_reduce"):
         fleet.distributed_step(step)(model, optimizer, x, y)
+
+
+@pytest.mark.parametrize("global_obj_fn", [False, True])
+def test_sophias_obj_fn_is_refused_naming_it(make_world, global_obj_fn):
+    """optax.contrib.sophia's Hessian estimate differentiates its ``obj_fn=`` forward-mode
+    (``jax.jvp`` of its gradient), which fleet's gradient syncs and ``fleet.all_reduce``
+    (custom_vjp functions) do not allow: refused naming it, where JAX's raw TypeError
+    came out before, and where an obj_fn on raw parameters would have estimated each
+    replica's Hessian. The same step runs on one device."""
+    def step(model, optimizer, x, y):
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+        def obj_fn(params):
+            loss = mse(nnx.merge(graphdef, params, rest), x, y)
+            return fleet.all_reduce(loss, "avg") if global_obj_fn else loss
+
+        loss, grads = nnx.value_and_grad(mse)(model, x, y)
+        optimizer.update(model, grads, obj_fn=obj_fn)
+        return loss
+
+    x, y = models.batches("linear", 1, 16)[0]
+    model = models.LinearNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.contrib.sophia(1e-2), wrt=nnx.Param)
+    assert jnp.isfinite(nnx.jit(step)(model, optimizer, x, y))  # one device: runs
+    make_world(4)
+    model = fleet.distributed_model(models.LinearNet(nnx.Rngs(0)))
+    optimizer = fleet.distributed_optimizer(nnx.Optimizer(model, optax.contrib.sophia(1e-2),
+                                                          wrt=nnx.Param))
+    before = models.flat_params(model)
+    with pytest.raises(fleet.FleetError, match=r"given obj_fn=.*differentiates forward-mode"
+                       r".*optax\.contrib\.sophia.*use an optimizer that needs the gradients"):
+        fleet.distributed_step(step)(model, optimizer, x, y)
+    assert models.max_diff(models.flat_params(model), before) == 0.0  # nothing stepped

@@ -82,7 +82,16 @@ def fleet_tx_grads(grads, n: int):
 def _refuse_per_replica_extra(extra: dict, params) -> None:
     """An extra argument of the update (optax's ``value=``, ``value_fn=``, ...) that
     differs across replicas would step each replica's optimizer differently, where
-    one device steps once on the global batch's value: refused, naming it."""
+    one device steps once on the global batch's value: refused, naming it. So is
+    ``obj_fn=``, which fleet cannot differentiate as it is asked to."""
+    if callable(extra.get("obj_fn")):
+        raise FleetUnsupportedError(
+            "the optimizer's update was given obj_fn=, a function of the parameters that it "
+            "differentiates forward-mode (optax.contrib.sophia's Hessian estimate: jax.jvp of "
+            "its gradient). Inside a fleet step a wrapped model's gradient sync and "
+            "fleet.all_reduce are custom_vjp functions, which JAX differentiates backward "
+            "only, so fleet cannot run that estimate: use an optimizer that needs the "
+            "gradients alone (optax.adamw, optax.contrib.adopt), or this one on one device")
     for name, value in extra.items():
         function = name == "value_fn" and callable(value) and params is not None
         if function:
