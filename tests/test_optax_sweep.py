@@ -3,9 +3,10 @@
 A script fleet has not seen brings its own optimizer. Each optax optimizer here
 trains a small MLP (a hidden layer, so ``muon`` finds a matrix) for five steps
 of a new batch each, with ``nnx.Optimizer`` and ``nnx.value_and_grad``: on one
-device (``nnx.jit``), then with fleet on 4 devices. The parameters, the
-optimizer's state and the losses must equal one device's (their float
-reordering aside: the largest distance measured was 2.7e-7, ``muon``).
+device (``nnx.jit``), then with fleet on 4 devices (six rows in the slow tier, the
+others extended). The parameters, the optimizer's state and the losses must equal
+one device's (their float reordering aside: the largest distance measured was
+2.7e-7, ``muon``).
 Optimizers whose update takes a value get the global one
 (``value=fleet.all_reduce(loss, 'avg')``, tests/test_update_arguments.py).
 Not here: ``optax.sm3`` (refused: its state holds lists, tests/test_masked_state.py),
@@ -24,8 +25,6 @@ from flax import nnx
 
 import fleet
 from tests import models, tiers
-
-pytestmark = tiers.extended
 
 
 class MLP(nnx.Module):
@@ -82,6 +81,9 @@ OPTIMIZERS = {
     "contrib.adopt": lambda: optax.contrib.adopt(1e-2),
 }
 TAKES_VALUE = ("polyak_sgd", "contrib.momo")
+#: The rows in the slow tier (``.ci/run``); the others are extended (20 s together).
+SLOW_ROWS = ("MultiSteps(adam)", "polyak_sgd", "contrib.schedule_free_adamw", "contrib.prodigy",
+             "contrib.muon", "contrib.sam")
 
 
 def flat(tree) -> dict:
@@ -117,7 +119,8 @@ def run(name: str, data, distributed: bool):
             flat(nnx.state(optimizer, nnx.OptState)))
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", [
+    pytest.param(k, marks=tiers.slow if k in SLOW_ROWS else tiers.extended) for k in OPTIMIZERS])
 def test_the_optimizer_equals_one_device(make_world, name):
     rng = np.random.RandomState(0)
     data = [(rng.randn(16, 8).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32))
