@@ -95,8 +95,8 @@ def flat(tree) -> dict:
 
 
 def run(name: str, data, distributed: bool):
-    model = MLP(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, OPTIMIZERS[name](), wrt=nnx.Param)
+    model, optimizer = models.model_and_optimizer(MLP(nnx.Rngs(0)), OPTIMIZERS[name](),
+                                                  wrap=distributed)
 
     def step(model, optimizer, x, y):
         loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
@@ -106,12 +106,7 @@ def run(name: str, data, distributed: bool):
             optimizer.update(model, grads)
         return loss
 
-    if distributed:
-        model = fleet.distributed_model(model)
-        optimizer = fleet.distributed_optimizer(optimizer)
-        fn = fleet.distributed_step(step)
-    else:
-        fn = nnx.jit(step)
+    fn = fleet.distributed_step(step) if distributed else nnx.jit(step)
     losses = [float(fn(model, optimizer, x, y)) for x, y in data]
     if distributed:
         assert fleet.check_replicas((model, optimizer)) == []
