@@ -20,6 +20,7 @@ import fleet
 from fleet.checkpoint import CheckpointManager, FleetCheckpointError, load, save
 from tests import models
 from tests.test_checkpoint_file import rewrite
+from tests.test_first_trace import compiles_during
 from tests.workers import ckpt_common
 
 OLD_SAVE = Path(__file__).parent / "data/checkpoint/fleet_save_directory_format.pdparams"
@@ -227,6 +228,31 @@ def test_linen_train_state_rng_epoch_and_metadata(make_world, tmp_path):
         np.testing.assert_array_equal(jax.random.key_data(restored.rng[name]),
                                       jax.random.key_data(keys[name]))
     assert restored.state.params["Dense_0"]["kernel"].sharding == fleet.world().replicated
+
+
+def test_a_state_restored_in_the_process_compiles_nothing_new(make_world, tmp_path):
+    """A ``TrainState`` restored into the live one (a rollback, an evaluation of a
+    saved step) comes back as the step left it: its ``step`` weakly typed, as the
+    compiled program returns it, so the next call finds that program. Orbax reads
+    a plain ``int32``, and the call compiled the program again (1 compilation
+    before, 0 now)."""
+    make_world(2)
+    data = models.batches("linear", 2, 8)
+    module = fleet.distributed_model(models.LinenLinearNet())
+    state = TrainState.create(apply_fn=module.apply,
+                              params=module.init(jax.random.key(0), data[0][0][:1])["params"],
+                              tx=fleet.distributed_optimizer(optax.adam(models.LR)))
+    step = fleet.distributed_step(models.linen_train_step)
+    for x, y in data:
+        state, _ = step(state, x, y)
+    assert jax.typeof(state.step).weak_type  # (what the program returns)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state=state)
+        restored = manager.restore_latest(state=state).state
+    assert jax.typeof(restored.step).weak_type and int(restored.step) == 2
+    assert restored.step.sharding == state.step.sharding
+    (state, _), compiled = compiles_during(step, restored, *data[0])
+    assert compiled == 0 and int(state.step) == 3
 
 
 def test_metadata_must_be_json(job, tmp_path):

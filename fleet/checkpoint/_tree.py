@@ -154,12 +154,18 @@ def restored(value: Any, like: Any) -> Any:
 
     PRNG keys are wrapped in ``like``'s implementation; a host-local array goes
     back to its device, a numpy leaf stays numpy, a Python number a Python number.
+    A weakly typed scalar (a ``TrainState``'s ``step``, made from the Python ``0``)
+    comes back weakly typed, as orbax does not: a step whose argument changed its
+    type would compile its program again at the next call.
     """
     if isinstance(like, jax.Array):
         if not is_global(like):
             value = jax.device_put(np.asarray(value), like.sharding)
         if is_key(like):
             return jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+        if like.ndim == 0 and jax.typeof(like).weak_type and not jax.typeof(value).weak_type:
+            weak = jax.jit(lambda x: x, out_shardings=like.sharding)(first_replica(value).item())
+            return weak if weak.dtype == like.dtype else value
         return value
     host = first_replica(value)
     if type(like) in _PY_KINDS:
