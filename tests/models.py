@@ -164,6 +164,25 @@ def model_and_optimizer(model, tx, wrap: bool) -> tuple:
     return model, fleet.distributed_optimizer(optimizer)
 
 
+def run_steps(step, model, optimizer, data, distributed: bool) -> list[float]:
+    """``step(model, optimizer, x, y)`` over ``data``: the losses, with fleet
+    (``fleet.distributed_step``, the replicas then asserted the same) or ``nnx.jit``."""
+    fn = fleet.distributed_step(step) if distributed else nnx.jit(step)
+    losses = [float(fn(model, optimizer, x, y)) for x, y in data]
+    if distributed:
+        assert fleet.check_replicas((model, optimizer)) == []
+    return losses
+
+
+def flat_state(tree) -> dict:
+    """``{path: numpy array}`` of every leaf of ``tree`` (an NNX state), PRNG keys
+    as their key data and booleans as integers (so that two compare by difference)."""
+    return {jax.tree_util.keystr(p): np.asarray(
+        jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v,
+        dtype=np.int32 if jnp.result_type(v) == jnp.bool_ else None)
+        for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0]}
+
+
 def linen_init(kind: str, data):
     return LINEN_MODELS[kind]().init(jax.random.key(0), data[0][0][:1])
 

@@ -19,7 +19,6 @@ needs the ``initial_carry`` the refusal names), ``nnx.scan`` over layers
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -93,13 +92,6 @@ LAYERS = {
 SLOW_ROWS = ("GroupNorm", "ConvTranspose", "LoRALinear", "MultiHeadAttention, dropout")
 
 
-def flat(module) -> dict:
-    """Every variable of ``module``, PRNG keys as their key data."""
-    return {jax.tree_util.keystr(p): np.asarray(
-        jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
-        for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(module)))[0]}
-
-
 def run(name: str, data, distributed: bool):
     model, optimizer = models.model_and_optimizer(LAYERS[name](nnx.Rngs(0)), optax.sgd(0.1),
                                                   wrap=distributed)
@@ -112,11 +104,8 @@ def run(name: str, data, distributed: bool):
         optimizer.update(model, grads)
         return loss
 
-    fn = fleet.distributed_step(step) if distributed else nnx.jit(step)
-    losses = [float(fn(model, optimizer, x, y)) for x, y in data]
-    if distributed:
-        assert fleet.check_replicas((model, optimizer)) == []
-    return losses, flat(model)
+    losses = models.run_steps(step, model, optimizer, data, distributed)
+    return losses, models.flat_state(nnx.state(model))
 
 
 @pytest.mark.parametrize("name", [
@@ -131,7 +120,7 @@ def test_the_layer_equals_one_device(make_world, name):
     make_world(4, strategy)
     got = run(name, data, distributed=True)
     d_state = models.max_diff(ref[1], got[1])
-    moved = models.max_diff(ref[1], flat(LAYERS[name](nnx.Rngs(0))))
+    moved = models.max_diff(ref[1], models.flat_state(nnx.state(LAYERS[name](nnx.Rngs(0)))))
     print(f"{name}: |dstate| {d_state:.1e}, moved {moved:.1e}, losses {ref[0]} vs {got[0]}")
     assert got[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
     assert moved > 1e-3 and d_state < 1e-5

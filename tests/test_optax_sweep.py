@@ -17,7 +17,6 @@ Not here: ``optax.sm3`` (refused: its state holds lists, tests/test_masked_state
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -86,14 +85,6 @@ SLOW_ROWS = ("MultiSteps(adam)", "polyak_sgd", "contrib.schedule_free_adamw", "c
              "contrib.muon", "contrib.sam")
 
 
-def flat(tree) -> dict:
-    """``{path: array}``, PRNG keys as their key data."""
-    return {jax.tree_util.keystr(p): np.asarray(
-        jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v,
-        dtype=np.int32 if jnp.result_type(v) == jnp.bool_ else None)
-        for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0]}
-
-
 def run(name: str, data, distributed: bool):
     model, optimizer = models.model_and_optimizer(MLP(nnx.Rngs(0)), OPTIMIZERS[name](),
                                                   wrap=distributed)
@@ -106,12 +97,9 @@ def run(name: str, data, distributed: bool):
             optimizer.update(model, grads)
         return loss
 
-    fn = fleet.distributed_step(step) if distributed else nnx.jit(step)
-    losses = [float(fn(model, optimizer, x, y)) for x, y in data]
-    if distributed:
-        assert fleet.check_replicas((model, optimizer)) == []
-    return (losses, flat(nnx.state(model, nnx.Param)),
-            flat(nnx.state(optimizer, nnx.OptState)))
+    losses = models.run_steps(step, model, optimizer, data, distributed)
+    return (losses, models.flat_state(nnx.state(model, nnx.Param)),
+            models.flat_state(nnx.state(optimizer, nnx.OptState)))
 
 
 @pytest.mark.parametrize("name", [
@@ -124,7 +112,7 @@ def test_the_optimizer_equals_one_device(make_world, name):
     make_world(4)
     got = run(name, data, distributed=True)
     d_params, d_state = models.max_diff(ref[1], got[1]), models.max_diff(ref[2], got[2])
-    moved = models.max_diff(ref[1], flat(nnx.state(MLP(nnx.Rngs(0)), nnx.Param)))
+    moved = models.max_diff(ref[1], models.flat_state(nnx.state(MLP(nnx.Rngs(0)), nnx.Param)))
     print(f"{name}: |dparams| {d_params:.1e}, |dstate| {d_state:.1e}, moved {moved:.1e}")
     assert got[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
     # (prodigy, D-Adaptation and mechanize start with tiny steps: 5e-6 in five)
