@@ -175,12 +175,15 @@ def run_steps(step, model, optimizer, data, distributed: bool) -> list[float]:
 
 
 def flat_state(tree) -> dict:
-    """``{path: numpy array}`` of every leaf of ``tree`` (an NNX state), PRNG keys
-    as their key data and booleans as integers (so that two compare by difference)."""
+    """``{path: numpy array}`` of every leaf of ``tree`` (an NNX state or a pytree),
+    PRNG keys as their key data and booleans as integers (so that two compare by
+    difference)."""
+    if isinstance(tree, nnx.State):
+        tree = nnx.to_pure_dict(tree)
     return {jax.tree_util.keystr(p): np.asarray(
         jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v,
         dtype=np.int32 if jnp.result_type(v) == jnp.bool_ else None)
-        for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0]}
+        for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def linen_init(kind: str, data):

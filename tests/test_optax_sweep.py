@@ -9,6 +9,13 @@ one device's (their float reordering aside: the largest distance measured was
 2.7e-7, ``muon``).
 Optimizers whose update takes a value get the global one
 (``value=fleet.all_reduce(loss, 'avg')``, tests/test_update_arguments.py).
+
+The same optimizers in a Linen ``TrainState`` (``jax.value_and_grad``,
+``state.apply_gradients``, ``fleet.distributed_optimizer`` of the transformation),
+the module wrapped or its raw parameters (which JAX sums and fleet's optimizer
+divides): ``fleet.distributed_optimizer(optax.MultiSteps(...))`` was refused as
+"not an optax.GradientTransformation" (``MultiSteps`` makes one), the very
+optimizer fleet's own gradient-merge refusal recommends for a ``TrainState``.
 Not here: ``optax.sm3`` (refused: its state holds lists, tests/test_masked_state.py),
 ``optax.contrib.sophia`` (refused: tests/test_update_arguments.py) and
 ``optax.lookahead`` (its parameters are a fast and slow pair, not a model's).
@@ -16,11 +23,13 @@ Not here: ``optax.sm3`` (refused: its state holds lists, tests/test_masked_state
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training.train_state import TrainState
 
 import fleet
 from tests import models, tiers
@@ -102,12 +111,19 @@ def run(name: str, data, distributed: bool):
             models.flat_state(nnx.state(optimizer, nnx.OptState)))
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(k, marks=tiers.slow if k in SLOW_ROWS else tiers.extended) for k in OPTIMIZERS])
-def test_the_optimizer_equals_one_device(make_world, name):
+def batches() -> list:
     rng = np.random.RandomState(0)
-    data = [(rng.randn(16, 8).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32))
+    return [(rng.randn(16, 8).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32))
             for _ in range(5)]
+
+
+ROWS = [pytest.param(k, marks=tiers.slow if k in SLOW_ROWS else tiers.extended)
+        for k in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_the_optimizer_equals_one_device(make_world, name):
+    data = batches()
     ref = run(name, data, distributed=False)
     make_world(4)
     got = run(name, data, distributed=True)
@@ -117,3 +133,77 @@ def test_the_optimizer_equals_one_device(make_world, name):
     assert got[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
     # (prodigy, D-Adaptation and mechanize start with tiny steps: 5e-6 in five)
     assert moved > 0 and d_params <= 1e-3 * moved and d_state < 1e-5
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+
+def run_linen(name: str, data, distributed: bool, wrapped: bool):
+    module, tx = LinenMLP(), OPTIMIZERS[name]()
+    if distributed:
+        module = fleet.distributed_model(module) if wrapped else module
+        tx = fleet.distributed_optimizer(tx)
+    state = TrainState.create(apply_fn=module.apply, tx=tx,
+                              params=module.init(jax.random.key(0), data[0][0][:1])["params"])
+
+    def train(state, x, y):
+        def loss_of(params):
+            logits = state.apply_fn({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        if name not in TAKES_VALUE:
+            return state.apply_gradients(grads=grads), loss
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params,
+                                             value=fleet.all_reduce(loss, "avg"))
+        return state.replace(step=state.step + 1, opt_state=opt_state,
+                             params=optax.apply_updates(state.params, updates)), loss
+
+    step = fleet.distributed_step(train) if distributed else jax.jit(train)
+    losses = []
+    for x, y in data:
+        state, loss = step(state, x, y)
+        losses.append(float(loss))
+    return losses, models.flat_state(state.params), models.flat_state(state.opt_state)
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "raw parameters"])
+@pytest.mark.parametrize("name", ROWS)
+def test_the_optimizer_in_a_linen_train_state_equals_one_device(make_world, name, wrapped):
+    data = batches()
+    ref = run_linen(name, data, distributed=False, wrapped=wrapped)
+    make_world(4)
+    got = run_linen(name, data, distributed=True, wrapped=wrapped)
+    assert ref[2].keys() == got[2].keys()  # (empty for fromage, sgd, polyak_sgd)
+    d_params = models.max_diff(ref[1], got[1])
+    d_state = models.max_diff(ref[2], got[2]) if ref[2] else 0.0
+    print(f"{name}, {'wrapped' if wrapped else 'raw'}: |dparams| {d_params:.1e}, "
+          f"|dstate| {d_state:.1e}")
+    assert got[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
+    assert d_params < 1e-5 and d_state < 1e-5
+
+
+def test_a_distributed_multisteps_keeps_has_updated(make_world):
+    """``fleet.distributed_optimizer(optax.MultiSteps(...))`` is a transformation, as
+    a ``TrainState`` takes it, with the ``has_updated`` a loop asks of it."""
+    make_world(2)
+    tx = fleet.distributed_optimizer(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    state = tx.init({"w": np.zeros(3, np.float32)})
+    assert isinstance(tx, optax.GradientTransformation) and not tx.has_updated(state)
+
+
+def test_fleet_model_prepares_a_multisteps(make_world):
+    """``fleet.Model.prepare(optimizer=optax.MultiSteps(...))`` (refused as not an optax
+    transformation before): the first batch accumulates, the second steps."""
+    make_world(2)
+    model = fleet.Model(MLP(nnx.Rngs(0)))
+    model.prepare(optimizer=optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2),
+                  loss=optax.softmax_cross_entropy_with_integer_labels)
+    (x, y), params = batches()[0], [models.flat_state(nnx.state(model.network, nnx.Param))]
+    for _ in range(2):
+        model.train_batch([x], [y])
+        params.append(models.flat_state(nnx.state(model.network, nnx.Param)))
+    assert models.max_diff(params[0], params[1]) == 0 < models.max_diff(params[1], params[2])

@@ -61,7 +61,7 @@ def check_prepare(network: Any, optimizer: Any, loss: Any, metrics: Any) -> tupl
     ``None``), the loss, and the metrics as a list."""
     if isinstance(optimizer, nnx.Optimizer):
         optimizer = distributed_optimizer(optimizer)
-    elif isinstance(optimizer, optax.GradientTransformation):
+    elif isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps)):
         optimizer = distributed_optimizer(nnx.Optimizer(network, optimizer, wrt=nnx.Param))
     elif optimizer is not None:
         raise FleetTypeError(

@@ -203,8 +203,9 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
     """Makes an optimizer average gradients over the data-parallel replicas.
 
     Args:
-        optimizer: an optax ``GradientTransformation`` or an ``nnx.Optimizer``
-            (built on the model before or after ``fleet.distributed_model``).
+        optimizer: an optax ``GradientTransformation`` (or ``optax.MultiSteps``)
+            or an ``nnx.Optimizer`` (built on the model before or after
+            ``fleet.distributed_model``).
         strategy: accepted for Paddle compatibility; the strategy given to
             ``fleet.init`` sets the buckets.
 
@@ -226,6 +227,10 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> Any:
         # strategy.lars / strategy.lamb: Paddle swaps Momentum for LARS, Adam for LAMB.
         _large_batch.swap_optimizer_state(optimizer, _large_batch.swap_tx(optimizer.tx, strategy))
         return DistributedOptimizer(optimizer)
+    if isinstance(optimizer, optax.MultiSteps):  # (not a GradientTransformation: it makes one)
+        tx = distributed_optimizer(optimizer.gradient_transformation())
+        tx.has_updated = optimizer.has_updated  # (what a loop asks of a MultiSteps)
+        return tx
     if isinstance(optimizer, optax.GradientTransformation):
         needs = [name for name, on in (
             (f"gradient_merge (k_steps={strategy.gradient_merge_configs.k_steps})",
